@@ -1,0 +1,83 @@
+"""Softmax self-attention with GQA (layout letters ``A`` and, with a sliding window, ``S``).
+
+Options: sigmoid output gate computed from the query projection (Qwen3-Next full attention),
+QK-norm (RMSNorm over head_dim), partial rotary, QKV bias.
+
+Fused QKV layout, one block per KV group g (so TP splits whole groups)::
+
+    [ q_{g,0} (gate_{g,0}) ... q_{g,n-1} (gate_{g,n-1}) | k_g | v_g ]
+
+Parameters per layer: hidden * (heads*(1+gate) + 2*kv_heads) * head_dim  (QKV)
+                      + heads * head_dim * hidden  (output) [+ 2*head_dim QK-norm].
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megamoe.cache import append_kv
+from megamoe.config import AttentionConfig
+from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
+from megamoe.layers.rotary import apply_rotary, cached_cos_sin
+
+
+class SelfAttention(nn.Module):
+    """x: [b, s, h] (``[b, s/tp, h]`` under SP) -> same shape. Inside: [b, s, heads, head_dim]."""
+
+    def __init__(self, cfg: AttentionConfig, ctx: BuildContext, layer_number: int = 0, *,
+                 sliding: bool = False):
+        super().__init__()
+        self.layer_number = layer_number
+        tp = ctx.groups.tp_size
+        self.head_dim = d = cfg.dim(ctx.hidden_size)
+        self.heads, self.kv_heads = cfg.num_heads // tp, cfg.kv_heads() // tp
+        self.n_rep = cfg.num_heads // cfg.kv_heads()
+        self.gate = cfg.output_gate
+        self.q_width = d * (2 if self.gate else 1)
+        self.group_width = self.n_rep * self.q_width + 2 * d
+        self.rot_dim, self.theta = cfg.rotary_dim(ctx.hidden_size), cfg.rope_theta
+        b = ctx.backend
+        self.linear_qkv = b.column_linear(ctx, ctx.hidden_size, cfg.kv_heads() * self.group_width,
+                                          bias=cfg.qkv_bias)
+        if cfg.qk_norm:
+            self.q_norm = b.norm(ctx, d, head_sharded=True)
+            self.k_norm = b.norm(ctx, d, head_sharded=True)
+        else:
+            self.q_norm = self.k_norm = None
+        window = cfg.sliding_window if sliding else 0
+        if sliding and window <= 0:
+            raise ValueError("model.attention.sliding_window must be > 0 for 'S' layers")
+        scale = cfg.softmax_scale or d ** -0.5
+        self.core = b.core_attention(ctx, softmax_scale=scale, window=window)
+        self.linear_proj = b.row_linear(ctx, cfg.num_heads * d, ctx.hidden_size)
+
+    def project(self, x: torch.Tensor, info: ForwardInfo):
+        """x [b, s, h] -> q [b, s, heads, d], k, v [b, s, kv_heads, d], gate [b, s, heads*d] | None."""
+        qkv = self.linear_qkv(x)
+        bsz, s = qkv.shape[:2]
+        d = self.head_dim
+        qkv = qkv.view(bsz, s, self.kv_heads, self.group_width)
+        q, k, v = qkv.split([self.n_rep * self.q_width, d, d], dim=-1)
+        q = q.reshape(bsz, s, self.heads, self.q_width)
+        gate = None
+        if self.gate:
+            q, gate = q.split([d, d], dim=-1)
+            gate = gate.reshape(bsz, s, self.heads * d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cached_cos_sin(info, self.rot_dim, self.theta)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
+
+    def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
+        q, k, v, gate = self.project(x, info)
+        if info.cache is not None:  # decoding: attend over everything cached so far
+            k, v = append_kv(info.cache.layer(self.layer_number), k, v)
+        out = self.core(q, k, v)  # [b, s, heads, d]
+        out = out.reshape(*out.shape[:2], -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.linear_proj(out)
+
+
+register_mixer("A", ModuleSpec(SelfAttention))
+register_mixer("S", ModuleSpec(SelfAttention, params={"sliding": True}))

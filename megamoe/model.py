@@ -1,0 +1,186 @@
+"""Model assembly: where the core (config, layout, specs, groups) meets megamoe.layers.
+
+``LanguageModel`` builds the stack a layout string describes. Under pipeline parallelism a
+stage builds only its layers (named by their global index, so checkpoints do not depend on
+the layout), the first stage the embedding, the last the final norm and output layer.
+
+Shapes: input_ids [b, s]; hidden states [b, s, h] (``[b, s/tp, h]`` under sequence
+parallelism); logits [b, s, V].
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+import megamoe.layers  # noqa: F401  (registers the layout letters)
+from megamoe.config import ModelConfig
+from megamoe.layers.backend import get_backend
+from megamoe.layout import MIXERS, MLPS, LayerKind
+from megamoe.parallel import comm
+from megamoe.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from megamoe.parallel.groups import ParallelGroups
+from megamoe.parallel.linear import VocabParallelEmbedding
+from megamoe.parallel.sharding import Shard, mark_init, normal_init, set_sharding
+from megamoe.spec import BuildContext, ForwardInfo, build_module, mixer_spec, mlp_spec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, kind: LayerKind, cfg: ModelConfig, ctx: BuildContext, layer_number: int):
+        super().__init__()
+        self.kind = kind
+        h, b = ctx.hidden_size, ctx.backend
+        self.input_norm = b.norm(ctx, h, sequence_parallel=True)
+        self.mixer = build_module(mixer_spec(kind.mixer), getattr(cfg, MIXERS[kind.mixer][1]), ctx,
+                                  layer_number)
+        section = MLPS[kind.mlp][1]
+        if section is None:
+            self.pre_mlp_norm = self.mlp = None
+        else:
+            self.pre_mlp_norm = b.norm(ctx, h, sequence_parallel=True)
+            self.mlp = build_module(mlp_spec(kind.mlp), getattr(cfg, section), ctx, layer_number)
+
+    def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
+        x = x + self.mixer(self.input_norm(x), info)
+        if self.mlp is not None:
+            x = x + self.mlp(self.pre_mlp_norm(x), info)
+        return x
+
+
+class OutputLayer(nn.Module):
+    """Vocab-parallel output projection: [b, s(/tp), h] -> [b, s, V_pad/tp] logits.
+
+    ``weight`` is None when tied to the embedding (passed to forward instead).
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: BuildContext, padded_vocab: int, tied: bool):
+        super().__init__()
+        self.group, self.sp = ctx.groups.tp, ctx.sp
+        if tied:
+            self.register_parameter("weight", None)
+        else:
+            w = torch.empty(padded_vocab // ctx.groups.tp_size, ctx.hidden_size, dtype=ctx.dtype,
+                            device=ctx.device)
+            self.weight = nn.Parameter(w)
+            set_sharding(self.weight, Shard(0, "tp", unpadded=cfg.vocab_size))
+            mark_init(self.weight, normal_init(ctx.init_std))
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        if self.sp:
+            x = comm.gather_reduce_scatter(x, 1, self.group)
+        else:
+            x = comm.copy_to(x, self.group)
+        return torch.nn.functional.linear(x, self.weight if weight is None else weight)
+
+
+def build_context(cfg: ModelConfig, groups: ParallelGroups | None = None, *,
+                  sequence_parallel: bool = False, device=None) -> BuildContext:
+    layout = cfg.validate()
+    return BuildContext(
+        hidden_size=cfg.hidden_size, groups=groups or ParallelGroups(), backend=get_backend(cfg.backend),
+        sequence_parallel=sequence_parallel, norm_eps=cfg.norm_eps, norm_zero_centered=cfg.norm_zero_centered,
+        init_std=cfg.init_std, num_layers=layout.num_layers, dtype=DTYPES[cfg.params_dtype], device=device)
+
+
+class LanguageModel(nn.Module):
+    """A decoder-only LM from a layout string.
+
+    ``layer_ids``: global layer indices this pipeline stage holds (default: all);
+    ``pre_process``/``post_process``: whether it holds the embedding / norm+output.
+    """
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups | None = None, *,
+                 sequence_parallel: bool = False, layer_ids: Sequence[int] | None = None,
+                 pre_process: bool = True, post_process: bool = True, device=None):
+        super().__init__()
+        self.config = cfg
+        self.layout = cfg.validate()
+        self.ctx = ctx = build_context(cfg, groups, sequence_parallel=sequence_parallel, device=device)
+        self.groups = ctx.groups
+        self.pre_process, self.post_process = pre_process, post_process
+        ids = range(self.layout.num_layers) if layer_ids is None else layer_ids
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(self.layout.layers[i], cfg, ctx, i) for i in ids})
+        self.embedding = None
+        if pre_process or (post_process and cfg.tie_embeddings):
+            self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.groups.tp,
+                                                    sequence_parallel=ctx.sp, init_std=cfg.init_std,
+                                                    dtype=ctx.dtype, device=device)
+        if post_process:
+            self.final_norm = ctx.backend.norm(ctx, cfg.hidden_size, sequence_parallel=True)
+            padded = self.embedding.padded_vocab if self.embedding is not None else \
+                -(-cfg.vocab_size // ctx.groups.tp_size) * ctx.groups.tp_size
+            self.output_layer = OutputLayer(cfg, ctx, padded, tied=cfg.tie_embeddings)
+
+    # ---- pieces -------------------------------------------------------------------------
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[b, s] -> [b, s, h] (``[b, s/tp, h]`` under SP)."""
+        return self.embedding(input_ids)
+
+    def run_layers(self, hidden: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
+        for layer in self.layers.values():
+            hidden = layer(hidden, info)
+        return hidden
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[b, s(/tp), h] -> vocab-parallel logits [b, s, V_pad/tp]."""
+        hidden = self.final_norm(hidden)
+        tied = self.embedding.weight if self.config.tie_embeddings else None
+        return self.output_layer(hidden, tied)
+
+    def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """[b, s, V_pad/tp] -> [b, s, V] on every TP rank."""
+        full = comm.gather_from(local_logits, -1, self.groups.tp)
+        return full[..., : self.config.vocab_size]
+
+    def loss(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean causal-LM loss over tokens whose label is not -100."""
+        per_token = vocab_parallel_cross_entropy(local_logits, labels, self.groups.tp, self.config.vocab_size)
+        count = (labels != IGNORE_INDEX).sum().clamp(min=1)
+        return per_token.sum() / count
+
+    def default_positions(self, input_ids: torch.Tensor | None, hidden: torch.Tensor | None,
+                          cache=None) -> torch.Tensor:
+        """0..s-1 for every sample, s being the full sequence (also on SP shards); after the
+        tokens a decode cache has already seen."""
+        if input_ids is not None:
+            b, s, device = input_ids.size(0), input_ids.size(1), input_ids.device
+        else:
+            b, s, device = hidden.size(0), hidden.size(1), hidden.device
+            s *= self.groups.tp_size if self.ctx.sp else 1
+        start = 0 if cache is None else cache.seen
+        return torch.arange(start, start + s, device=device).unsqueeze(0).expand(b, -1)
+
+    # ---- forward ------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor | None = None, *, labels: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+                cache=None) -> torch.Tensor:
+        """Logits [b, s, V] (labels None), the mean loss (labels given) or, on a stage without the
+        output layer, hidden states. ``labels[b, t]`` is the target of position t (already
+        shifted; see ``shift_labels``)."""
+        if positions is None:
+            positions = self.default_positions(input_ids, hidden, cache)
+        if self.pre_process:
+            hidden = self.embed(input_ids)
+        hidden = self.run_layers(hidden, ForwardInfo(positions=positions, cache=cache))
+        if cache is not None and self.post_process:
+            cache.advance(positions.size(-1))
+        if not self.post_process:
+            return hidden
+        local_logits = self.head(hidden)
+        if labels is None:
+            return self.gather_logits(local_logits)
+        return self.loss(local_logits, labels)
+
+
+def shift_labels(input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token targets: labels[:, t] = input_ids[:, t+1], the last position ignored."""
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    labels[:, :-1] = input_ids[:, 1:]
+    return labels

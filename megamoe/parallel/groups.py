@@ -1,0 +1,132 @@
+"""The process-group grid, built once by megatron-core and passed to modules explicitly.
+
+No module reads a global group: each receives a ``ParallelGroups`` and uses the field it
+needs. ``None`` stands for a group of one (no communication), so single-process code and
+meta-device builds need no ``torch.distributed`` at all.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, fields
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megamoe.config import ParallelConfig
+from megamoe.errors import ConfigError
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+@dataclass
+class ParallelGroups:
+    """Explicit groups of one rank's position in the grid (``None`` = size one).
+
+    tp: tensor parallel; pp: pipeline; dp: data parallel (without CP); cp: context parallel;
+    dp_cp: data x context (gradients of dense params are averaged over it);
+    ep: expert parallel; etp: expert tensor parallel; edp: expert data parallel
+    (gradients of expert params are averaged over it); tp_ep: tensor x expert (MoE
+    token exchange when TP and EP are combined).
+    """
+
+    tp: object = None
+    pp: object = None
+    dp: object = None
+    cp: object = None
+    dp_cp: object = None
+    ep: object = None
+    etp: object = None
+    edp: object = None
+    tp_ep: object = None
+
+    def size(self, name: str) -> int:
+        return group_size(getattr(self, name))
+
+    def rank(self, name: str) -> int:
+        return group_rank(getattr(self, name))
+
+    @property
+    def tp_size(self) -> int:
+        return self.size("tp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank("tp")
+
+    def describe(self) -> str:
+        return " ".join(f"{f.name}={self.rank(f.name)}/{self.size(f.name)}" for f in fields(self))
+
+
+def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's environment (gloo on CPU, NCCL on GPU).
+
+    Returns (rank, world_size). A single process without torchrun's variables gets a world
+    of one on a local port.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=timedelta(minutes=timeout_minutes))
+    return rank, world
+
+
+def _parallel_state():
+    # megatron-core warns at import that TE/apex are absent; megamoe does not use those parts.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core import parallel_state
+    return parallel_state
+
+
+def build_groups(parallel: ParallelConfig) -> ParallelGroups:
+    """Create the grid with megatron-core's ``initialize_model_parallel`` and collect its groups.
+
+    Requires torch.distributed to be initialised (see ``init_distributed``). Re-initialises
+    the grid if one exists, so tests can change layouts inside one process.
+    """
+    if not dist.is_initialized():
+        raise ConfigError("parallel: torch.distributed is not initialised (call init_distributed first)")
+    world = dist.get_world_size()
+    parallel.validate(world)
+    ps = _parallel_state()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
+        create_gloo_process_groups=False,
+    )
+
+    def one(group):
+        return None if group is None or dist.get_world_size(group) == 1 else group
+
+    return ParallelGroups(
+        tp=one(ps.get_tensor_model_parallel_group()),
+        pp=one(ps.get_pipeline_model_parallel_group()),
+        dp=one(ps.get_data_parallel_group()),
+        cp=one(ps.get_context_parallel_group()),
+        dp_cp=one(ps.get_data_parallel_group(with_context_parallel=True)),
+        ep=one(ps.get_expert_model_parallel_group()),
+        etp=one(ps.get_expert_tensor_parallel_group()),
+        edp=one(ps.get_expert_data_parallel_group()),
+        tp_ep=one(ps.get_expert_tensor_and_model_parallel_group()),
+    )
+

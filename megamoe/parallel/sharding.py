@@ -1,0 +1,142 @@
+"""How each parameter is split over the grid, declared on the parameter itself.
+
+A parameter carries an ordered list of ``Shard`` rules (e.g. stacked experts: first over
+``ep`` along dim 0, then over ``etp`` along dim 1). The same rules serve initialisation
+(generate the full tensor, keep the local piece, so every layout starts from the same
+weights), checkpoint resharding and HF conversion.
+
+Fused tensors (gate|up, q|k|v parts) are split part by part: ``parts`` gives the sizes of
+the parts along ``dim`` in the full tensor; each rank keeps its slice of every part.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from megamoe.parallel.groups import ParallelGroups
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+    group: str  # field name of ParallelGroups: tp, ep, etp, ...
+    parts: tuple[int, ...] | None = None  # full sizes of fused parts along dim
+    unpadded: int | None = None  # true full size when the dim is zero-padded to a multiple (vocab)
+
+
+def set_sharding(param: torch.Tensor, *rules: Shard) -> torch.Tensor:
+    param._megamoe_shard = tuple(rules)
+    return param
+
+
+def sharding(param: torch.Tensor) -> tuple[Shard, ...]:
+    return getattr(param, "_megamoe_shard", ())
+
+
+def mark_tp_partial_grad(param: torch.Tensor) -> torch.Tensor:
+    """Replicated over TP, but each rank's gradient is a partial sum (the rank saw only a
+    sequence shard under SP, or only its own heads): ``finalize_grads`` sums it over TP."""
+    param._megamoe_tp_partial_grad = True
+    return param
+
+
+def has_tp_partial_grad(param: torch.Tensor) -> bool:
+    return getattr(param, "_megamoe_tp_partial_grad", False)
+
+
+# ---- init rules --------------------------------------------------------------------------
+
+InitFn = Callable[[tuple, torch.Generator], torch.Tensor]
+
+
+def normal_init(std: float) -> InitFn:
+    return lambda shape, gen: torch.randn(shape, generator=gen) * std
+
+
+def const_init(value: float) -> InitFn:
+    return lambda shape, gen: torch.full(shape, float(value))
+
+
+def mark_init(param: torch.Tensor, fn: InitFn) -> torch.Tensor:
+    param._megamoe_init = fn
+    return param
+
+
+# ---- split / join ------------------------------------------------------------------------
+
+def _split_one(full: torch.Tensor, rule: Shard, rank: int, size: int) -> torch.Tensor:
+    if rule.unpadded is not None and full.size(rule.dim) % size:
+        pad = list(full.shape)
+        pad[rule.dim] = -full.size(rule.dim) % size
+        full = torch.cat([full, full.new_zeros(pad)], dim=rule.dim)
+    parts = rule.parts or (full.size(rule.dim),)
+    if sum(parts) != full.size(rule.dim):
+        raise ValueError(f"parts {parts} do not add up to dim {rule.dim} of size {full.size(rule.dim)}")
+    pieces = []
+    for chunk in full.split(list(parts), dim=rule.dim):
+        if chunk.size(rule.dim) % size:
+            raise ValueError(f"dim {rule.dim} part of size {chunk.size(rule.dim)} is not divisible "
+                             f"by {rule.group} size {size}")
+        pieces.append(chunk.chunk(size, dim=rule.dim)[rank])
+    return torch.cat(pieces, dim=rule.dim) if len(pieces) > 1 else pieces[0]
+
+
+def _join_one(locals_: Sequence[torch.Tensor], rule: Shard) -> torch.Tensor:
+    size = len(locals_)
+    parts = rule.parts or (locals_[0].size(rule.dim) * size,)
+    local_parts = [p // size for p in parts]
+    per_part = [list(t.split(local_parts, dim=rule.dim)) for t in locals_]
+    full = torch.cat([torch.cat([per_part[r][i] for r in range(size)], dim=rule.dim)
+                      for i in range(len(parts))], dim=rule.dim)
+    if rule.unpadded is not None:
+        full = full.narrow(rule.dim, 0, rule.unpadded)
+    return full
+
+
+def shard_full(full: torch.Tensor, param: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    """The local piece of ``full`` for ``param`` on this rank."""
+    out = full
+    for rule in sharding(param):
+        out = _split_one(out, rule, groups.rank(rule.group), groups.size(rule.group))
+    if tuple(out.shape) != tuple(param.shape):
+        raise ValueError(f"full shape {tuple(full.shape)} gives local {tuple(out.shape)}, "
+                         f"parameter holds {tuple(param.shape)}")
+    return out
+
+
+def gather_full(param: torch.Tensor, groups: ParallelGroups, tensor: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """The full tensor from every rank's piece of ``param`` (or of ``tensor`` sharded like it,
+    e.g. its gradient). A collective over the param's groups."""
+    from megamoe.parallel.comm import all_gather_tensor
+
+    out = (param if tensor is None else tensor).detach()
+    for rule in reversed(sharding(param)):
+        group = getattr(groups, rule.group)
+        size = groups.size(rule.group)
+        if size == 1 and rule.unpadded is None:
+            continue
+        gathered = all_gather_tensor(out, rule.dim, group)
+        out = _join_one(list(gathered.chunk(size, dim=rule.dim)), rule)
+    return out
+
+
+def full_shape(param: torch.Tensor, groups: ParallelGroups) -> list[int]:
+    """Shape of the unsharded, unpadded tensor."""
+    shape = list(param.shape)
+    for rule in sharding(param):
+        shape[rule.dim] *= groups.size(rule.group)
+        if rule.unpadded is not None:
+            shape[rule.dim] = rule.unpadded
+    return shape
+
+
+def seeded_generator(seed: int, name: str) -> torch.Generator:
+    """A generator that depends only on the seed and the parameter name (not on the layout)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    gen = torch.Generator()
+    gen.manual_seed(int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF)
+    return gen

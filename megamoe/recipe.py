@@ -1,0 +1,108 @@
+"""Recipes: YAML files loaded with OmegaConf into the typed configs, plus key=value overrides.
+
+A recipe is the record of a run. Each top-level section maps to one component's dataclass;
+the component receives only its own section.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megamoe.config import ModelConfig, ParallelConfig
+from megamoe.errors import ConfigError
+
+RECIPE_DIR = Path(__file__).parent / "recipes"
+
+
+@dataclass
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+def recipe_path(name_or_path: str | Path) -> Path:
+    """A path to a YAML file, or the name of a shipped recipe (``tiny_dense``)."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    shipped = RECIPE_DIR / f"{p.stem}.yaml"
+    if p.suffix in ("", ".yaml") and p.parent == Path(".") and shipped.is_file():
+        return shipped
+    names = ", ".join(sorted(x.stem for x in RECIPE_DIR.glob("*.yaml")))
+    raise ConfigError(f"recipe {str(name_or_path)!r} not found (a YAML path or one of: {names})")
+
+
+def shipped_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+
+
+def _one_line(err: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or ""
+    msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
+    where = f"{key}: " if key and key not in msg else ""
+    return ConfigError(f"{source}: {where}{msg}")
+
+
+def _parse_overrides(overrides: Sequence[str]):
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as e:
+        raise _one_line(e, "overrides") from None
+
+
+def load_config(schema: type, path: str | Path | None = None, overrides: Sequence[str] = (),
+                section: str | None = None) -> Any:
+    """Merge ``schema`` defaults <- YAML file (or one ``section`` of it) <- overrides.
+
+    Unknown keys and wrong types are one-line ``ConfigError``s naming the key.
+    """
+    base = OmegaConf.structured(schema)
+    layers = []
+    source = "defaults"
+    if path is not None:
+        file = recipe_path(path)
+        source = str(file)
+        try:
+            loaded = OmegaConf.load(file)
+        except Exception as e:  # yaml errors carry multi-line context
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"{file}: not a valid YAML recipe ({first})") from None
+        if section is not None:
+            loaded = loaded.get(section, OmegaConf.create({}))
+        layers.append((source, loaded))
+    if overrides:
+        layers.append(("overrides", _parse_overrides(overrides)))
+    merged = base
+    for src, layer in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as e:
+            raise _one_line(e, src) from None
+    try:
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise _one_line(e, source) from None
+
+
+def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = (),
+                schema: type = Recipe) -> Any:
+    """Load a recipe and validate each section on its own."""
+    recipe = load_config(schema, path, overrides)
+    recipe.model.validate()
+    recipe.parallel.validate()
+    return recipe
+
+
+def to_yaml(config: Any) -> str:
+    """The YAML record of a config (dataclass or OmegaConf)."""
+    if dataclasses.is_dataclass(config):
+        config = OmegaConf.structured(config)
+    return OmegaConf.to_yaml(config)

@@ -1,0 +1,69 @@
+"""Weights across layouts: layout-independent init, full <-> sharded state dicts, grad sync.
+
+All of it is driven by the ``Shard`` rules each parameter declares, so the same code
+serves every parallel layout, checkpoints and conversion.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megamoe.errors import CheckpointError
+from megamoe.parallel import comm
+from megamoe.parallel.groups import ParallelGroups
+from megamoe.parallel.sharding import (full_shape, gather_full, has_tp_partial_grad, seeded_generator,
+                                       shard_full)
+
+
+def unique_named_parameters(model: nn.Module):
+    """(name, param) once per tensor (tied weights appear under their first name)."""
+    return model.named_parameters(remove_duplicate=True)
+
+
+@torch.no_grad()
+def initialize(model: nn.Module, groups: ParallelGroups, seed: int = 0) -> None:
+    """Draw every parameter's full tensor from (seed, name) and keep the local piece, so every
+    parallel layout starts from the same weights. Parameters on the meta device are skipped."""
+    for name, p in unique_named_parameters(model):
+        if p.is_meta:
+            continue
+        fn = getattr(p, "_megamoe_init", None)
+        if fn is None:
+            raise RuntimeError(f"parameter {name} has no init rule (mark_init)")
+        full = fn(tuple(full_shape(p, groups)), seeded_generator(seed, name))
+        p.copy_(shard_full(full.to(p.dtype), p, groups))
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, groups: ParallelGroups) -> dict[str, torch.Tensor]:
+    """Unsharded copy of every parameter (a collective: call on all ranks)."""
+    return {name: gather_full(p, groups).clone() for name, p in unique_named_parameters(model)}
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], groups: ParallelGroups,
+                         strict: bool = True) -> None:
+    """Copy each rank's piece of full tensors into the model; names and shapes are checked."""
+    params = dict(unique_named_parameters(model))
+    if strict:
+        missing = sorted(set(params) - set(state))
+        if missing:
+            raise CheckpointError(f"state dict lacks tensor {missing[0]} (and {len(missing) - 1} more)")
+    for name, p in params.items():
+        if name not in state:
+            continue
+        full = state[name]
+        want = full_shape(p, groups)
+        if list(full.shape) != want:
+            raise CheckpointError(f"tensor {name} has shape {list(full.shape)}, model expects {want}")
+        p.copy_(shard_full(full.to(p.dtype), p, groups))
+
+
+def finalize_grads(model: nn.Module, groups: ParallelGroups) -> None:
+    """Sum over TP the gradients of replicated params that saw only part of the work
+    (a sequence shard under SP, or their rank's heads)."""
+    if groups.tp_size == 1:
+        return
+    for p in model.parameters():
+        if p.grad is not None and has_tp_partial_grad(p):
+            comm.all_reduce_tensor(p.grad, groups.tp)

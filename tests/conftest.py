@@ -1,0 +1,28 @@
+"""Shared fixtures: reusable gloo process pools and numeric helpers."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from tests.dist import DistPool
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+
+
+@pytest.fixture(scope="session")
+def pool():
+    """``pool(n)``: a DistPool of n gloo processes, started once per session."""
+    pools: dict[int, DistPool] = {}
+
+    def get(n: int) -> DistPool:
+        if n not in pools or pools[n].broken:
+            pools[n] = DistPool(n)
+        return pools[n]
+
+    yield get
+    for p in pools.values():
+        p.close()

@@ -1,0 +1,105 @@
+"""Run a test function in N gloo processes from pytest, reusing the processes across tests.
+
+``DistPool(n).run(fn, *args)`` sends ``fn`` (a module-level function, pickled by name) to
+every rank, returns the per-rank results in rank order, and raises with the failing rank's
+traceback. A rank that does not answer within the timeout kills the pool (a hung collective
+cannot be recovered) and the error names the ranks that were silent.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import sys
+import traceback
+
+import torch.multiprocessing as mp
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+    sys.path.insert(0, REPO)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        fn, args, kwargs = item
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001  (report everything, including assertion errors)
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistError(AssertionError):
+    pass
+
+
+class DistPool:
+    def __init__(self, world_size: int, timeout: float = 300.0):
+        self.world, self.timeout = world_size, timeout
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results),
+                                  daemon=True) for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+        self.broken = False
+
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        if self.broken:
+            raise DistError("the process pool was killed by an earlier failure")
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        got: dict[int, object] = {}
+        failure = None
+        while len(got) < self.world:
+            try:
+                # after one rank fails the others may be stuck in a collective: wait briefly
+                wait = 20.0 if failure else (timeout or self.timeout)
+                rank, ok, value = self.results.get(timeout=wait)
+            except queue.Empty:
+                self.kill()
+                silent = sorted(set(range(self.world)) - set(got))
+                if failure:
+                    raise DistError(failure) from None
+                raise DistError(f"{fn.__name__}: ranks {silent} did not answer within {wait:.0f}s") from None
+            got[rank] = value
+            if not ok and failure is None:
+                failure = f"{fn.__name__} failed on rank {rank} of {self.world}:\n{value}"
+        if failure:
+            raise DistError(failure)
+        return [got[r] for r in range(self.world)]
+
+    def kill(self) -> None:
+        self.broken = True
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+
+    def close(self) -> None:
+        if not self.broken:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        self.kill()

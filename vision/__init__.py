@@ -1,0 +1,1 @@
+"""megamoe.vision: timm vision encoders, projectors/mergers and image preprocessing."""
