@@ -32,8 +32,10 @@ class ParallelGroups:
     tp: tensor parallel; pp: pipeline; dp: data parallel (without CP); cp: context parallel;
     dp_cp: data x context (gradients of dense params are averaged over it);
     ep: expert parallel; etp: expert tensor parallel; edp: expert data parallel
-    (gradients of expert params are averaged over it); tp_ep: tensor x expert (MoE
-    token exchange when TP and EP are combined).
+    (gradients of expert params are averaged over it); tp_ep: expert-tensor x expert (MoE
+    token exchange when TP and EP are combined); mp: tensor x pipeline and emp: expert-tensor
+    x expert x pipeline (gradient norms sum over them); embd: first and last pipeline stage
+    (tied embedding gradients).
     """
 
     tp: object = None
@@ -45,6 +47,9 @@ class ParallelGroups:
     etp: object = None
     edp: object = None
     tp_ep: object = None
+    mp: object = None
+    emp: object = None
+    embd: object = None
 
     def size(self, name: str) -> int:
         return group_size(getattr(self, name))
@@ -128,5 +133,8 @@ def build_groups(parallel: ParallelConfig) -> ParallelGroups:
         etp=one(ps.get_expert_tensor_parallel_group()),
         edp=one(ps.get_expert_data_parallel_group()),
         tp_ep=one(ps.get_expert_tensor_and_model_parallel_group()),
+        mp=one(ps.get_model_parallel_group()),
+        emp=one(ps.get_expert_tensor_model_pipeline_parallel_group()),
+        embd=one(ps.get_embedding_group()) if ps.is_rank_in_embedding_group() else None,
     )
 
