@@ -13,9 +13,11 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import megamoe.layers  # noqa: F401  (registers the layout letters)
 from megamoe.config import ModelConfig
+from megamoe.errors import ConfigError
 from megamoe.layers.backend import get_backend
 from megamoe.layout import MIXERS, MLPS, LayerKind
 from megamoe.parallel import comm
@@ -28,12 +30,27 @@ from megamoe.spec import BuildContext, ForwardInfo, build_module, mixer_spec, ml
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+RECOMPUTE_CHOICES = ("layer", "mixer", "mlp")
+
+
+def _maybe_recompute(enabled: bool, fn, *args):
+    """Run fn, keeping only its inputs for backward and recomputing the rest when enabled."""
+    if enabled and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x)).
+
+    ``recompute`` (set by ``LanguageModel.set_recompute``): parts whose activations are
+    recomputed in backward instead of kept: "layer", "mixer" and/or "mlp".
+    """
 
     def __init__(self, kind: LayerKind, cfg: ModelConfig, ctx: BuildContext, layer_number: int):
         super().__init__()
         self.kind = kind
+        self.recompute: frozenset = frozenset()
         h, b = ctx.hidden_size, ctx.backend
         self.input_norm = b.norm(ctx, h, sequence_parallel=True)
         self.mixer = build_module(mixer_spec(kind.mixer), getattr(cfg, MIXERS[kind.mixer][1]), ctx,
@@ -46,10 +63,19 @@ class DecoderLayer(nn.Module):
             self.mlp = build_module(mlp_spec(kind.mlp), getattr(cfg, section), ctx, layer_number)
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
-        x = x + self.mixer(self.input_norm(x), info)
+        return _maybe_recompute("layer" in self.recompute, self._forward, x, info)
+
+    def _forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
+        x = x + _maybe_recompute("mixer" in self.recompute, self._mix, x, info)
         if self.mlp is not None:
-            x = x + self.mlp(self.pre_mlp_norm(x), info)
+            x = x + _maybe_recompute("mlp" in self.recompute, self._mlp, x, info)
         return x
+
+    def _mix(self, x, info):
+        return self.mixer(self.input_norm(x), info)
+
+    def _mlp(self, x, info):
+        return self.mlp(self.pre_mlp_norm(x), info)
 
 
 class OutputLayer(nn.Module):
@@ -116,6 +142,15 @@ class LanguageModel(nn.Module):
                 -(-cfg.vocab_size // ctx.groups.tp_size) * ctx.groups.tp_size
             self.output_layer = OutputLayer(cfg, ctx, padded, tied=cfg.tie_embeddings)
 
+    def set_recompute(self, parts) -> None:
+        """Selective activation recomputation for every layer: any of RECOMPUTE_CHOICES."""
+        parts = frozenset(parts)
+        unknown = parts - set(RECOMPUTE_CHOICES)
+        if unknown:
+            raise ConfigError(f"train.recompute={sorted(parts)} is invalid: allowed: {', '.join(RECOMPUTE_CHOICES)}")
+        for layer in self.layers.values():
+            layer.recompute = parts
+
     # ---- pieces -------------------------------------------------------------------------
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -164,19 +199,25 @@ class LanguageModel(nn.Module):
         """Logits [b, s, V] (labels None), the mean loss (labels given) or, on a stage without the
         output layer, hidden states. ``labels[b, t]`` is the target of position t (already
         shifted; see ``shift_labels``)."""
+        out = self.forward_stage(input_ids if self.pre_process else hidden, positions=positions, cache=cache)
+        if not self.post_process:
+            return out
+        if labels is None:
+            return self.gather_logits(out)
+        return self.loss(out, labels)
+
+    def forward_stage(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """One pipeline stage: token ids [b, s] (first stage) or hidden states in; hidden states
+        or, on the last stage, vocab-parallel logits [b, s, V_pad/tp] out."""
+        ids, hidden = (x, None) if self.pre_process else (None, x)
         if positions is None:
-            positions = self.default_positions(input_ids, hidden, cache)
+            positions = self.default_positions(ids, hidden, cache)
         if self.pre_process:
-            hidden = self.embed(input_ids)
+            hidden = self.embed(ids)
         hidden = self.run_layers(hidden, ForwardInfo(positions=positions, cache=cache))
         if cache is not None and self.post_process:
             cache.advance(positions.size(-1))
-        if not self.post_process:
-            return hidden
-        local_logits = self.head(hidden)
-        if labels is None:
-            return self.gather_logits(local_logits)
-        return self.loss(local_logits, labels)
+        return self.head(hidden) if self.post_process else hidden
 
 
 def shift_labels(input_ids: torch.Tensor) -> torch.Tensor:
