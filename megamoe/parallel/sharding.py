@@ -96,11 +96,17 @@ def _join_one(locals_: Sequence[torch.Tensor], rule: Shard) -> torch.Tensor:
     return full
 
 
+def split_full(full: torch.Tensor, rules: Sequence[Shard], groups: ParallelGroups) -> torch.Tensor:
+    """This rank's piece of ``full`` under ``rules``."""
+    out = full
+    for rule in rules:
+        out = _split_one(out, rule, groups.rank(rule.group), groups.size(rule.group))
+    return out
+
+
 def shard_full(full: torch.Tensor, param: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
     """The local piece of ``full`` for ``param`` on this rank."""
-    out = full
-    for rule in sharding(param):
-        out = _split_one(out, rule, groups.rank(rule.group), groups.size(rule.group))
+    out = split_full(full, sharding(param), groups)
     if tuple(out.shape) != tuple(param.shape):
         raise ValueError(f"full shape {tuple(full.shape)} gives local {tuple(out.shape)}, "
                          f"parameter holds {tuple(param.shape)}")
