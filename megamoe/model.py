@@ -49,7 +49,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, kind: LayerKind, cfg: ModelConfig, ctx: BuildContext, layer_number: int):
         super().__init__()
-        self.kind = kind
+        self.kind, self.layer_number = kind, layer_number
         self.recompute: frozenset = frozenset()
         h, b = ctx.hidden_size, ctx.backend
         self.input_norm = b.norm(ctx, h, sequence_parallel=True)
@@ -63,7 +63,8 @@ class DecoderLayer(nn.Module):
             self.mlp = build_module(mlp_spec(kind.mlp), getattr(cfg, section), ctx, layer_number)
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
-        return _maybe_recompute("layer" in self.recompute, self._forward, x, info)
+        with comm.tag_scope(f"layer{self.layer_number}"):  # labels this layer's collectives
+            return _maybe_recompute("layer" in self.recompute, self._forward, x, info)
 
     def _forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
         x = x + _maybe_recompute("mixer" in self.recompute, self._mix, x, info)

@@ -20,10 +20,70 @@ weight shard (sequence parallelism), whose gradients must be summed.
 """
 from __future__ import annotations
 
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 import torch.distributed as dist
 
 from megamoe.parallel.groups import group_rank, group_size
+
+# ---- latency recording (for the training monitor) ----------------------------------------
+
+_RECORDER: ContextVar = ContextVar("megamoe_comm_recorder", default=None)
+_TAG: ContextVar = ContextVar("megamoe_comm_tag", default="model")
+
+
+class LatencyRecorder:
+    """Collects wall-clock seconds of all-gather / all-to-all calls by ``kind/tag`` while active.
+
+    Tags come from ``tag_scope`` (the model sets one per layer); a collective issued in
+    backward carries the tag of its forward.
+    """
+
+    def __init__(self):
+        self.samples: dict[str, list[float]] = defaultdict(list)
+
+    @contextmanager
+    def active(self):
+        token = _RECORDER.set(self)
+        try:
+            yield self
+        finally:
+            _RECORDER.reset(token)
+
+    def drain(self) -> dict[str, list[float]]:
+        out, self.samples = dict(self.samples), defaultdict(list)
+        return out
+
+
+@contextmanager
+def tag_scope(tag: str):
+    token = _TAG.set(tag)
+    try:
+        yield
+    finally:
+        _TAG.reset(token)
+
+
+def current_tag() -> str:
+    return _TAG.get()
+
+
+def _timed(kind: str, tag: str | None, fn, *args):
+    rec = _RECORDER.get()
+    if rec is None:
+        return fn(*args)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn(*args)
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    rec.samples[f"{kind}/{tag or current_tag()}"].append(time.perf_counter() - start)
+    return out
 
 
 # ---- raw collectives (no autograd) -------------------------------------------------------
@@ -34,7 +94,11 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, group, tag: str | None = None) -> torch.Tensor:
+    return _timed("all_gather", tag, _all_gather_impl, x, dim, group)
+
+
+def _all_gather_impl(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     n = group_size(group)
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
     dist.all_gather(parts, x.contiguous(), group=group)
@@ -58,8 +122,13 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out
 
 
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+                tag: str | None = None) -> torch.Tensor:
     """x: [sum(in_splits), ...] -> [sum(out_splits), ...] along dim 0."""
+    return _timed("all_to_all", tag, _all_to_all_impl, x, out_splits, in_splits, group)
+
+
+def _all_to_all_impl(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits,
                            input_split_sizes=in_splits, group=group)
@@ -103,12 +172,12 @@ class _GatherFrom(torch.autograd.Function):
 class _ScatterTo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
+        ctx.dim, ctx.group, ctx.tag = dim, group, current_tag()
         return _split(x, dim, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, ctx.dim, ctx.group), None, None
+        return _all_gather(g, ctx.dim, ctx.group, ctx.tag), None, None
 
 
 class _GatherReduceScatter(torch.autograd.Function):
@@ -125,24 +194,24 @@ class _GatherReduceScatter(torch.autograd.Function):
 class _ReduceScatterTo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
+        ctx.dim, ctx.group, ctx.tag = dim, group, current_tag()
         return _reduce_scatter(x, dim, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, ctx.dim, ctx.group), None, None
+        return _all_gather(g, ctx.dim, ctx.group, ctx.tag), None, None
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
+        ctx.splits, ctx.group, ctx.tag = (out_splits, in_splits), group, current_tag()
         return _all_to_all(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, g):
         out_splits, in_splits = ctx.splits
-        return _all_to_all(g, in_splits, out_splits, ctx.group), None, None, None
+        return _all_to_all(g, in_splits, out_splits, ctx.group, ctx.tag), None, None, None
 
 
 # ---- public API: no-ops for a group of one -----------------------------------------------
