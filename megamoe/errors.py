@@ -11,3 +11,7 @@ class ConfigError(MegamoeError, ValueError):
 
 class CheckpointError(MegamoeError, ValueError):
     """A checkpoint or converted file is missing, truncated or does not match the model."""
+
+
+class DataError(MegamoeError, ValueError):
+    """A data file, record or tokenizer is malformed; the message starts with ``FILE:LINE:``."""

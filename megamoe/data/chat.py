@@ -1,0 +1,105 @@
+"""Chat templates and the split of a rendered conversation into prompt and trainable text.
+
+A template is a Jinja string rendered like transformers does (variables ``messages``,
+``add_generation_prompt``, ``bos_token``, ``eos_token``; ``raise_exception``). The tokenizer's own
+template is used when it has one; otherwise the built-in ChatML template::
+
+    <|im_start|>{role}\\n{content}<|im_end|>\\n      for every message
+    <|im_start|>assistant\\n                        generation prompt
+
+Trainable text: for assistant message i, the text that ``render(messages[:i+1])`` adds after
+``render(messages[:i], add_generation_prompt=True)``, i.e. the reply and the template's
+end-of-turn marker, not the ``<|im_start|>assistant\\n`` header. A template for which these
+renders are not prefixes of one another is reported, never guessed around.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+from megamoe.data.tokenizer import Tokenizer
+from megamoe.errors import DataError
+
+BUILTIN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class ChatTemplateError(DataError):
+    """Raised by ``raise_exception`` inside a template, or on a non-prefix-stable render."""
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ChatTemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+class ChatTemplate:
+    """A Jinja chat template plus the special-token strings it may refer to."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", name: str = "custom"):
+        self.source, self.bos_token, self.eos_token, self.name = source, bos_token, eos_token, name
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return _compile(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                bos_token=self.bos_token, eos_token=self.eos_token)
+        except TemplateError as e:  # syntax errors, undefined variables: one line naming the template
+            raise ChatTemplateError(f"chat template {self.name}: {type(e).__name__}: {e}") from None
+
+    def segments(self, messages: list[dict]) -> list[tuple[str, bool]]:
+        """The rendered conversation as consecutive (text, trainable) pieces; see module docstring."""
+        full = self.render(messages)
+        pieces: list[tuple[str, bool]] = []
+        done = 0  # characters of ``full`` already assigned to pieces
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self.render(messages[:i], add_generation_prompt=True)
+            turn = self.render(messages[: i + 1])
+            if not (turn.startswith(prompt) and full.startswith(turn) and len(prompt) >= done):
+                raise ChatTemplateError(f"chat template {self.name} is not prefix-stable at message {i} "
+                                    "(rendering a shorter conversation does not give a prefix of the longer one)")
+            pieces += [(prompt[done:], False), (turn[len(prompt):], True)]
+            done = len(turn)
+        pieces.append((full[done:], False))
+        return [(text, trainable) for text, trainable in pieces if text]
+
+
+def resolve_template(spec: Optional[str], tokenizer: Tokenizer) -> ChatTemplate:
+    """``None``: the tokenizer's template, else built-in; ``"builtin"``; or a path to a Jinja file."""
+    bos, eos = tokenizer.token_string(tokenizer.bos_id), tokenizer.token_string(tokenizer.eos_id)
+    if spec is None and tokenizer.chat_template:
+        return ChatTemplate(tokenizer.chat_template, bos, eos, name=f"of {tokenizer.name}")
+    if spec is None or spec == "builtin":
+        return ChatTemplate(BUILTIN_TEMPLATE, bos, eos, name="builtin")
+    path = Path(spec)
+    if not path.is_file():
+        raise DataError(f"chat_template {spec!r}: not 'builtin' nor a Jinja file")
+    return ChatTemplate(path.read_text(encoding="utf-8"), bos, eos, name=str(path))
+
+
+def tokenize_chat(tokenizer: Tokenizer, template: ChatTemplate, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation and, per token, whether it is trainable.
+
+    Each piece is encoded on its own, so a trainable span starts exactly at a token boundary
+    (as when the model generates after the prompt at inference)."""
+    ids: list[int] = []
+    trainable: list[bool] = []
+    for text, flag in template.segments(messages):
+        piece = tokenizer.encode(text)
+        ids += piece
+        trainable += [flag] * len(piece)
+    return ids, trainable

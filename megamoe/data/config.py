@@ -1,0 +1,56 @@
+"""``DataConfig``: the ``data`` section of a training recipe.
+
+No ``from __future__ import annotations``: OmegaConf reads these annotations at run time.
+"""
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from megamoe.config import check, check_choice, check_positive
+
+KINDS = ("pretrain", "sft", "image_caption", "synthetic")
+TRUNCATION = ("right", "error")
+
+
+@dataclass
+class DataConfig:
+    """What to train on and how samples are cut. See docs/data.md."""
+
+    kind: str = "pretrain"  # pretrain | sft | image_caption | synthetic (no files; see data/synthetic.py)
+    # pretrain: token directories (tools/prepare_data.py); sft, image_caption: JSONL files
+    paths: List[str] = field(default_factory=list)
+    tokenizer: str = "byte"  # "byte", a SentencePiece .model, a tokenizer.json, or a tokenizer directory
+    seq_len: int = 512  # tokens per sample (input_ids and labels are both [b, seq_len])
+    seed: int = 1234  # sample order; each epoch is reshuffled from it
+    shuffle: bool = True
+    num_workers: int = 0  # DataLoader worker processes per rank
+    chat_template: Optional[str] = None  # sft: None = the tokenizer's, else built-in; "builtin"; or a .jinja path
+    truncation: str = "right"  # sft, image_caption: records longer than seq_len are cut (right) or rejected (error)
+    image_token: str = "<image>"  # image_caption: the placeholder token (must exist in the tokenizer)
+    image_tokens: int = 1  # image_caption: placeholders per image (the trainer may pass a callable instead)
+    generator: Optional[str] = None  # image_caption: "module:function" returning (image, caption) pairs
+    generator_samples: int = 0  # image_caption: number of pairs to ask the generator for
+
+    def validate(self, path: str = "data") -> None:
+        check_choice(f"{path}.kind", self.kind, KINDS)
+        check_positive(f"{path}.seq_len", self.seq_len)
+        check(isinstance(self.seed, int) and self.seed >= 0, f"{path}.seed", self.seed, "must be an integer >= 0")
+        check(isinstance(self.num_workers, int) and self.num_workers >= 0, f"{path}.num_workers",
+              self.num_workers, "must be an integer >= 0")
+        check_choice(f"{path}.truncation", self.truncation, TRUNCATION)
+        check(isinstance(self.tokenizer, str) and bool(self.tokenizer), f"{path}.tokenizer", self.tokenizer,
+              "must be 'byte', a .model file, a tokenizer.json file or a tokenizer directory")
+        check(all(isinstance(p, str) and p for p in self.paths), f"{path}.paths", self.paths,
+              "must be a list of non-empty path strings")
+        if self.generator is None:
+            check(len(self.paths) > 0 or self.kind == "synthetic", f"{path}.paths", self.paths,
+                  "must name at least one file or directory" + (" (or set data.generator)"
+                                                                 if self.kind == "image_caption" else ""))
+        else:
+            check(self.kind == "image_caption", f"{path}.generator", self.generator,
+                  "only for kind=image_caption")
+            check(":" in self.generator, f"{path}.generator", self.generator, "must be 'module:function'")
+            check_positive(f"{path}.generator_samples", self.generator_samples)
+        if self.kind == "image_caption":
+            check_positive(f"{path}.image_tokens", self.image_tokens)
+            check(self.image_tokens < self.seq_len, f"{path}.image_tokens", self.image_tokens,
+                  f"must be smaller than seq_len={self.seq_len} to leave room for the caption")

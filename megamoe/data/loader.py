@@ -1,0 +1,147 @@
+"""What the trainer calls: build the tokenizer and dataset from a ``DataConfig`` and iterate over
+this data-parallel rank's micro-batches, step by step, from a saved ``consumed_samples``.
+
+    tokenizer = build_tokenizer(cfg)
+    data = build_train_data(cfg, global_batch_size=G, micro_batch_size=m, dp_rank=r, dp_size=D,
+                            consumed_samples=saved, tokenizer=tokenizer)
+    for step in range(start_step, steps):
+        micro_batches = data(step * G)  # each {"input_ids": [m, s], "labels": [m, s], ("images")}
+        ...                             # save consumed_samples = (step + 1) * G with the checkpoint
+
+Sample order and rank slices: ``megamoe.data.sampling``.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Iterator, Optional
+
+import numpy as np
+from torch.utils.data import DataLoader, Dataset
+
+from megamoe.data.captions import ImageCaptionDataset, ImageTokens
+from megamoe.data.chat import resolve_template
+from megamoe.data.config import DataConfig
+from megamoe.data.pretrain import PackedDataset
+from megamoe.data.samples import collate
+from megamoe.data.sampling import BatchLayout, global_order
+from megamoe.data.sft import SFTDataset
+from megamoe.data.tokenizer import Tokenizer, load_tokenizer
+from megamoe.errors import ConfigError
+
+
+def build_tokenizer(cfg: DataConfig) -> Tokenizer:
+    return load_tokenizer(cfg.tokenizer)
+
+
+def check_vocab(tokenizer: Tokenizer, vocab_size: int, path: str = "model.vocab_size") -> None:
+    """The model's embedding must have a row for every id the tokenizer produces."""
+    if vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"{path}={vocab_size} is invalid: tokenizer {tokenizer.name} has "
+                          f"{tokenizer.vocab_size} ids; must be >= {tokenizer.vocab_size}")
+
+
+def load_generator(spec: str):
+    """``"module:function"`` -> the function (e.g. ``megamoe.data.shapes:...``)."""
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"data.generator={spec!r} is invalid: cannot import it ({e})") from None
+
+
+def build_dataset(cfg: DataConfig, tokenizer: Optional[Tokenizer] = None,
+                  image_tokens: Optional[ImageTokens] = None) -> Dataset:
+    """The dataset ``cfg.kind`` describes; ``image_tokens`` overrides ``cfg.image_tokens``."""
+    cfg.validate()
+    tokenizer = tokenizer or build_tokenizer(cfg)
+    if cfg.kind == "synthetic":
+        from megamoe.data.synthetic import SyntheticDataset
+
+        return SyntheticDataset(tokenizer.vocab_size, cfg.seq_len, seed=cfg.seed)
+    if cfg.kind == "pretrain":
+        return PackedDataset(cfg.paths, cfg.seq_len, tokenizer)
+    if cfg.kind == "sft":
+        template = resolve_template(cfg.chat_template, tokenizer)
+        return SFTDataset(cfg.paths, tokenizer, cfg.seq_len, template, cfg.truncation)
+    kwargs = dict(image_token=cfg.image_token, image_tokens=image_tokens or cfg.image_tokens,
+                  truncation=cfg.truncation)
+    if cfg.generator is not None:
+        pairs = load_generator(cfg.generator)(num_samples=cfg.generator_samples, seed=cfg.seed)
+        return ImageCaptionDataset.from_pairs(pairs, tokenizer, cfg.seq_len, name=cfg.generator, **kwargs)
+    return ImageCaptionDataset.from_jsonl(cfg.paths, tokenizer, cfg.seq_len, **kwargs)
+
+
+class StepSampler:
+    """Endless batch sampler of a rank's micro-batches from ``start``. The DataLoader may read
+    ahead of the trainer; ``TrainData.consumed_samples`` counts only the steps returned."""
+
+    def __init__(self, data: "TrainData", start: int):
+        self.data, self.start = data, start
+
+    def __iter__(self):
+        consumed = self.start
+        while True:
+            for micro in self.data.step_indices(consumed):
+                yield micro.tolist()
+            consumed += self.data.layout.global_batch_size
+
+
+class TrainData:
+    """One data-parallel rank's micro-batches, step by step.
+
+    ``data(consumed_samples)`` returns the ``layout.num_micro_batches`` collated micro-batches of
+    the step that starts at ``consumed_samples`` (the trainer's ``BatchSource``); calls with
+    consecutive positions stream from one DataLoader (workers read ahead), any other position
+    restarts it there. ``next(data)`` continues from ``data.consumed_samples``."""
+
+    def __init__(self, dataset: Dataset, layout: BatchLayout, seed: int, shuffle: bool = True,
+                 consumed_samples: int = 0, num_workers: int = 0):
+        self.dataset, self.layout, self.seed, self.shuffle = dataset, layout, seed, shuffle
+        self.num_items, self.num_workers = len(dataset), num_workers
+        self._start(consumed_samples)
+
+    def _start(self, consumed_samples: int) -> None:
+        if not isinstance(consumed_samples, int) or consumed_samples < 0:
+            raise ConfigError(f"consumed_samples={consumed_samples!r} is invalid: must be an integer >= 0")
+        self.consumed_samples = consumed_samples
+        loader = DataLoader(self.dataset, batch_sampler=StepSampler(self, consumed_samples), collate_fn=collate,
+                            num_workers=self.num_workers)
+        self._it: Iterator = iter(loader)
+
+    def step_indices(self, consumed_samples: int) -> list[np.ndarray]:
+        """Dataset items of this rank's micro-batches in the step starting at ``consumed_samples``."""
+        return [global_order(m, self.num_items, self.seed, self.shuffle)
+                for m in self.layout.micro_batches(consumed_samples)]
+
+    def __call__(self, consumed_samples: int) -> list[dict]:
+        if consumed_samples != self.consumed_samples:
+            self._start(consumed_samples)
+        return next(self)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[dict]:
+        batches = [next(self._it) for _ in range(self.layout.num_micro_batches)]
+        self.consumed_samples += self.layout.global_batch_size
+        return batches
+
+
+def build_train_data(cfg: DataConfig, *, global_batch_size: int, micro_batch_size: int, dp_rank: int = 0,
+                     dp_size: int = 1, consumed_samples: int = 0, tokenizer: Optional[Tokenizer] = None,
+                     image_tokens: Optional[ImageTokens] = None, dataset: Optional[Dataset] = None) -> TrainData:
+    """The trainer's entry point: this rank's step iterator, resuming at ``consumed_samples``."""
+    layout = BatchLayout(global_batch_size, micro_batch_size, dp_size, dp_rank)
+    dataset = dataset if dataset is not None else build_dataset(cfg, tokenizer, image_tokens)
+    return TrainData(dataset, layout, cfg.seed, cfg.shuffle, consumed_samples, cfg.num_workers)
+
+
+def concat_micro_batches(batches: list[dict]) -> dict:
+    """A rank's micro-batches of one step as one batch [G/D, s] (e.g. for a pipeline schedule,
+    which splits it again into the same micro-batches, in order)."""
+    import torch
+
+    out = {k: torch.cat([b[k] for b in batches]) for k in ("input_ids", "labels")}
+    if "images" in batches[0]:
+        out["images"] = [img for b in batches for img in b["images"]]
+    return out

@@ -1,0 +1,77 @@
+"""Supervised fine-tuning on JSONL chat records.
+
+One record per line: ``{"messages": [{"role": "user", "content": "..."}, {"role": "assistant",
+"content": "..."}, ...]}`` with roles ``system``, ``user``, ``assistant``, ``tool``, string
+contents and at least one assistant message. All records are checked when the dataset is built
+(a malformed one is a ``FILE:LINE`` error); rendering and tokenising happen per item.
+
+Each record is rendered with the chat template (``megamoe.data.chat``); labels are -100
+everywhere except the targets that are assistant tokens (reply plus end-of-turn marker), then
+the sample is padded/truncated to ``seq_len`` (``megamoe.data.samples``). One conversation per
+sample (no packing of several conversations).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+from torch.utils.data import Dataset
+
+from megamoe.data.chat import ROLES, ChatTemplate, ChatTemplateError, resolve_template, tokenize_chat
+from megamoe.data.records import data_error, iter_jsonl, require_text
+from megamoe.data.samples import Truncations, make_sample
+from megamoe.data.tokenizer import Tokenizer
+
+
+def check_messages(record: dict, path: Path, line: int) -> list[dict]:
+    """The record's messages as [{"role", "content"}], or a FILE:LINE error naming the problem."""
+    if "messages" not in record:
+        raise data_error(path, line, f"missing field 'messages' (fields: {', '.join(map(str, record)) or 'none'})")
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise data_error(path, line, "field 'messages' must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise data_error(path, line, f"messages[{i}] must be an object, got {type(m).__name__}")
+        role = require_text(m, "role", path, line, what=f"messages[{i}].")
+        if role not in ROLES:
+            raise data_error(path, line, f"messages[{i}].role={role!r} is invalid: allowed: {', '.join(ROLES)}")
+        out.append({"role": role, "content": require_text(m, "content", path, line, what=f"messages[{i}].")})
+    if not any(m["role"] == "assistant" for m in out):
+        raise data_error(path, line, "no assistant message: nothing to train on")
+    return out
+
+
+class SFTDataset(Dataset):
+    """``item -> {"input_ids": LongTensor[s], "labels": LongTensor[s]}`` for each chat record."""
+
+    def __init__(self, paths: Sequence[str | Path], tokenizer: Tokenizer, seq_len: int,
+                 template: Optional[ChatTemplate] = None, truncation: str = "right"):
+        self.tokenizer, self.seq_len, self.truncation = tokenizer, seq_len, truncation
+        self.template = template or resolve_template(None, tokenizer)
+        self.records: list[tuple[Path, int, list[dict]]] = []
+        for p in map(Path, paths):
+            count = len(self.records)
+            for line, record in iter_jsonl(p):
+                self.records.append((p, line, check_messages(record, p, line)))
+            if len(self.records) == count:
+                raise data_error(p, None, "contains no records")
+        self.truncated = Truncations()
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def tokenize(self, index: int) -> tuple[list[int], list[bool]]:
+        """Unpadded token ids of record ``index`` and whether each token is trainable."""
+        path, line, messages = self.records[index]
+        try:
+            return tokenize_chat(self.tokenizer, self.template, messages)
+        except ChatTemplateError as e:
+            raise data_error(path, line, str(e)) from None
+
+    def __getitem__(self, index: int) -> dict:
+        ids, trainable = self.tokenize(index)
+        path, line, _ = self.records[index]
+        return make_sample(ids, trainable, self.seq_len, self.tokenizer.pad_id, self.truncation, (path, line),
+                           self.truncated)

@@ -1,0 +1,274 @@
+"""Tokenizers behind one small interface: byte-level (built in), SentencePiece, HF tokenizer.json.
+
+Every tokenizer has ``encode(text) -> list[int]`` (no BOS/EOS added; special-token strings in
+the text such as ``<|im_end|>`` map to their ids where the tokenizer defines them),
+``decode(ids) -> str``, ``token_to_id``, ``bos_id`` (or None), ``eos_id``, ``pad_id`` (the EOS id
+when the tokenizer has no pad token), ``vocab_size`` (number of ids, special tokens included),
+``chat_template`` (a Jinja string or None) and ``identity()`` (recorded in token files so a
+file is never read with a different tokenizer).
+
+``load_tokenizer(spec)``: ``"byte"``, a SentencePiece ``.model`` file, a ``tokenizer.json`` file,
+or a tokenizer directory (read by transformers' ``AutoTokenizer`` from local files only).
+sentencepiece, tokenizers and transformers are imported only when such a tokenizer is loaded.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Optional, Sequence
+
+from megamoe.errors import DataError
+
+# Strings that name an end-of-sequence token in common tokenizer.json files without a config.
+KNOWN_EOS = ("</s>", "<|endoftext|>", "<|im_end|>", "<eos>", "<|end_of_text|>", "<｜end▁of▁sentence｜>")
+
+
+def optional_import(module: str, pip_name: str, what: str):
+    """Import an optional dependency, or a one-line error saying what to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DataError(f"{what} needs the {module!r} package: pip install {pip_name}") from None
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Tokenizer:
+    """The interface the data pipeline uses. Subclasses set the attributes in ``__init__``."""
+
+    kind: str = ""
+    name: str = ""
+    vocab_size: int = 0
+    bos_id: Optional[int] = None
+    eos_id: int = 0
+    pad_id: int = 0
+    chat_template: Optional[str] = None
+    fingerprint: str = ""  # sha256 of the tokenizer's defining file(s)
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def token_string(self, token_id: Optional[int]) -> str:
+        """The text of a special token (for chat templates' ``bos_token``/``eos_token``)."""
+        return "" if token_id is None else self.decode([token_id])
+
+    def identity(self) -> dict:
+        return {"kind": self.kind, "name": self.name, "vocab_size": self.vocab_size, "bos_id": self.bos_id,
+                "eos_id": self.eos_id, "pad_id": self.pad_id, "sha256": self.fingerprint}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size})"
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes plus a few special tokens; needs no files (tests, CPU quickstart).
+
+    ids 0..5 are ``<pad> <s> </s> <image> <|im_start|> <|im_end|>``; byte b is id ``b + 6``.
+    """
+
+    SPECIALS = ("<pad>", "<s>", "</s>", "<image>", "<|im_start|>", "<|im_end|>")
+    OFFSET = len(SPECIALS)
+
+    def __init__(self):
+        self.kind = self.name = "byte"
+        self.vocab_size = self.OFFSET + 256
+        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self.fingerprint = hashlib.sha256("|".join(self.SPECIALS).encode()).hexdigest()
+        self._special_ids = {s: i for i, s in enumerate(self.SPECIALS)}
+        self._split = re.compile("(" + "|".join(map(re.escape, self.SPECIALS)) + ")")
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for part in self._split.split(text):
+            if part in self._special_ids:
+                ids.append(self._special_ids[part])
+            elif part:
+                ids.extend(b + self.OFFSET for b in part.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out, pending = [], bytearray()
+        for i in ids:
+            i = int(i)
+            if i >= self.OFFSET:
+                pending.append(i - self.OFFSET)
+                continue
+            out.append(pending.decode("utf-8", errors="replace"))
+            pending = bytearray()
+            out.append(self.SPECIALS[i])
+        out.append(pending.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        return self._special_ids.get(token)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece ``.model`` file. Special-token strings in text are not parsed (SentencePiece
+    treats them as text) unless the model declares them as user-defined symbols."""
+
+    def __init__(self, path: Path):
+        spm = optional_import("sentencepiece", "sentencepiece", f"{path}")
+        self.kind, self.name = "sentencepiece", str(path)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        except (OSError, RuntimeError) as e:
+            raise DataError(f"{path}: not a readable SentencePiece model ({_first_line(e)})") from None
+        self.vocab_size = self.sp.get_piece_size()
+        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        if self.sp.eos_id() < 0:
+            raise DataError(f"{path}: SentencePiece model has no EOS piece (eos_id=-1); it cannot end documents")
+        self.eos_id = self.sp.eos_id()
+        self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.eos_id
+        self.fingerprint = file_sha256(path)
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text, out_type=int)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.sp.encode(list(texts), out_type=int)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        i = self.sp.piece_to_id(token)
+        return i if self.sp.id_to_piece(i) == token else None
+
+    def token_string(self, token_id: Optional[int]) -> str:
+        return "" if token_id is None else self.sp.id_to_piece(token_id)
+
+
+class TokenizerJson(Tokenizer):
+    """A bare HF ``tokenizer.json`` read with the ``tokenizers`` package.
+
+    Special tokens come from a ``tokenizer_config.json`` beside the file if there is one,
+    otherwise EOS is the first of ``KNOWN_EOS`` the file defines.
+    """
+
+    def __init__(self, path: Path):
+        tokenizers = optional_import("tokenizers", "tokenizers", f"{path}")
+        self.kind, self.name = "tokenizer.json", str(path)
+        try:
+            self.tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust error type is not exported
+            raise DataError(f"{path}: not a readable tokenizer.json ({_first_line(e)})") from None
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        config = _read_json(path.parent / "tokenizer_config.json") if (path.parent / "tokenizer_config.json").is_file() else {}
+        self.bos_id = self._special(config.get("bos_token"))
+        eos = self._special(config.get("eos_token"))
+        if eos is None:
+            eos = next((i for i in map(self.tok.token_to_id, KNOWN_EOS) if i is not None), None)
+        if eos is None:
+            raise DataError(f"{path}: no EOS token found (add eos_token to a tokenizer_config.json beside it)")
+        self.eos_id = eos
+        pad = self._special(config.get("pad_token"))
+        self.pad_id = eos if pad is None else pad
+        self.chat_template = config.get("chat_template") if isinstance(config.get("chat_template"), str) else None
+        self.fingerprint = file_sha256(path)
+
+    def _special(self, entry) -> Optional[int]:
+        """tokenizer_config.json spells a special token as a string or as {"content": ...}."""
+        if isinstance(entry, dict):
+            entry = entry.get("content")
+        return self.tok.token_to_id(entry) if isinstance(entry, str) else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        return self.tok.token_to_id(token)
+
+
+class HFTokenizer(Tokenizer):
+    """A tokenizer directory loaded by transformers' ``AutoTokenizer`` from local files only
+    (any format transformers reads; chat template from the directory)."""
+
+    def __init__(self, path: Path):
+        transformers = optional_import("transformers", "'megamoe[hf]'", f"tokenizer directory {path}")
+        self.kind, self.name = "hf", str(path)
+        try:
+            self.tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:  # transformers raises many types for unreadable directories
+            raise DataError(f"{path}: not a tokenizer directory transformers can read ({_first_line(e)})") from None
+        self.vocab_size = len(self.tok)
+        self.bos_id = self.tok.bos_token_id
+        if self.tok.eos_token_id is None:
+            raise DataError(f"{path}: tokenizer has no eos_token (set it in tokenizer_config.json)")
+        self.eos_id = self.tok.eos_token_id
+        self.pad_id = self.eos_id if self.tok.pad_token_id is None else self.tok.pad_token_id
+        template = getattr(self.tok, "chat_template", None)
+        self.chat_template = template if isinstance(template, str) else None
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".model", ".txt", ".jinja"))
+        h = hashlib.sha256()
+        for p in files:
+            h.update(p.name.encode() + file_sha256(p).encode())
+        self.fingerprint = h.hexdigest()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.tok(list(texts), add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        i = self.tok.convert_tokens_to_ids(token)
+        return None if i is None or i == self.tok.unk_token_id and token != self.tok.unk_token else i
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: not a readable JSON file ({_first_line(e)})") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: expected a JSON object")
+    return data
+
+
+def load_tokenizer(spec: str | Path) -> Tokenizer:
+    """``"byte"``, a ``.model`` file, a ``tokenizer.json`` (any ``.json``) file, or a directory."""
+    if str(spec) == "byte":
+        return ByteTokenizer()
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return HFTokenizer(path)
+    if not path.is_file():
+        raise DataError(f"tokenizer {str(spec)!r} not found (use 'byte', a SentencePiece .model file, "
+                        "a tokenizer.json file or a tokenizer directory)")
+    if path.suffix == ".json":
+        return TokenizerJson(path)
+    return SentencePieceTokenizer(path)

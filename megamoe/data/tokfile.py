@@ -1,0 +1,172 @@
+"""Memory-mapped token files: raw text tokenised once, read by every rank without loading it.
+
+A token file is a directory::
+
+    corpus.tokens/
+      tokens.bin    all documents' tokens back to back (uint16 if vocab_size <= 65536, else uint32)
+      docs.npy      int64 [num_documents + 1]: document d is tokens[docs[d]:docs[d+1]]
+      header.json   format, version, dtype, counts, tokenizer identity, sources
+
+Each document is ``[BOS] + encode(text) + [EOS]`` (BOS only with ``add_bos``). The directory is
+written under a temporary name beside the target and renamed when complete, so a crash or a
+malformed record leaves no partial output.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from megamoe.data.records import data_error, iter_documents
+from megamoe.data.tokenizer import Tokenizer
+from megamoe.errors import DataError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "megamoe-tokens"
+VERSION = 1
+HEADER, TOKENS, DOCS = "header.json", "tokens.bin", "docs.npy"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def write_token_file(inputs: Sequence[str | Path], output: str | Path, tokenizer: Tokenizer, *,
+                     fmt: str = "auto", text_key: str = "text", add_bos: bool = False,
+                     overwrite: bool = False, batch_docs: int = 512, progress: bool = True) -> dict:
+    """Tokenise ``inputs`` (text or JSONL files, see ``records``) into the token directory ``output``.
+
+    Returns the header. Raises ``DataError`` (``FILE:LINE: ...``) on the first malformed record,
+    leaving neither ``output`` nor a temporary directory behind.
+    """
+    out = Path(output)
+    if out.exists() and not overwrite:
+        raise DataError(f"{out}: already exists (pass overwrite=True / --overwrite to replace it)")
+    if not inputs:
+        raise DataError("no input files given")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        header = _write(tmp, [Path(p) for p in inputs], tokenizer, fmt, text_key, add_bos, batch_docs, progress)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("wrote %s: %d documents, %d tokens (%s)", out, header["num_documents"], header["num_tokens"],
+             header["dtype"])
+    return header
+
+
+def _write(tmp: Path, inputs: list[Path], tok: Tokenizer, fmt, text_key, add_bos, batch_docs, progress) -> dict:
+    dtype = token_dtype(tok.vocab_size)
+    prefix = [tok.bos_id] if add_bos and tok.bos_id is not None else []
+    if add_bos and tok.bos_id is None:
+        raise DataError(f"tokenizer {tok.name} has no BOS token; add_bos is not possible")
+    lengths: list[int] = []
+    sources = []
+    with _progress_bar(sum(p.stat().st_size for p in inputs if p.is_file()), progress) as bar, \
+            open(tmp / TOKENS, "wb") as f:
+        for path in inputs:
+            docs0, tokens0 = len(lengths), sum(lengths)
+            batch: list[tuple[int, str]] = []
+            for line, text in iter_documents(path, fmt, text_key, on_bytes=bar.update):
+                batch.append((line, text))
+                if len(batch) >= batch_docs:
+                    _flush(f, batch, tok, prefix, dtype, lengths, path)
+            _flush(f, batch, tok, prefix, dtype, lengths, path)
+            if len(lengths) == docs0:
+                raise data_error(path, None, "contains no documents")
+            sources.append({"path": str(path), "documents": len(lengths) - docs0, "tokens": sum(lengths) - tokens0})
+        f.flush()
+        os.fsync(f.fileno())
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    np.save(tmp / DOCS, offsets)
+    header = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "num_tokens": int(offsets[-1]),
+              "num_documents": len(lengths), "add_bos": bool(prefix), "append_eos": True,
+              "tokenizer": tok.identity(), "sources": sources, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    (tmp / HEADER).write_text(json.dumps(header, indent=1) + "\n")
+    return header
+
+
+def _flush(f, batch: list, tok: Tokenizer, prefix: list, dtype: np.dtype, lengths: list, path: Path) -> None:
+    """Encode a batch of documents and append them (each ending with EOS) to the token stream."""
+    if not batch:
+        return
+    encoded = tok.encode_batch([text for _, text in batch])
+    for (line, _), ids in zip(batch, encoded):
+        if not ids:
+            raise data_error(path, line, "document encodes to no tokens")
+        doc = np.asarray(prefix + list(ids) + [tok.eos_id], dtype=np.int64)
+        if doc.max() >= tok.vocab_size or doc.min() < 0:
+            raise data_error(path, line, f"token id {int(doc.max())} outside vocab_size={tok.vocab_size}")
+        f.write(doc.astype(dtype).tobytes())
+        lengths.append(len(doc))
+    batch.clear()
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and removed after."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _progress_bar(total_bytes: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenising", disable=not enabled)
+
+
+class TokenFile:
+    """A token directory opened read-only: ``tokens`` (memmap), ``doc_offsets``, ``header``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        head = self.path / HEADER
+        if not head.is_file():
+            hint = " (raw text? tokenise it first with tools/prepare_data.py)" if self.path.is_file() else ""
+            raise DataError(f"{self.path}: not a token directory, {HEADER} missing{hint}")
+        try:
+            self.header = json.loads(head.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise DataError(f"{head}: unreadable header ({e})") from None
+        if self.header.get("format") != FORMAT or self.header.get("version") != VERSION:
+            raise DataError(f"{head}: not a {FORMAT} v{VERSION} header")
+        self.dtype = np.dtype(self.header["dtype"])
+        self.num_tokens = int(self.header["num_tokens"])
+        self.num_documents = int(self.header["num_documents"])
+        size = (self.path / TOKENS).stat().st_size if (self.path / TOKENS).is_file() else -1
+        if size != self.num_tokens * self.dtype.itemsize:
+            raise DataError(f"{self.path / TOKENS}: {size} bytes, header says {self.num_tokens} tokens "
+                            f"of {self.dtype.name}")
+        self.tokens = np.memmap(self.path / TOKENS, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
+        self.doc_offsets = np.load(self.path / DOCS, mmap_mode="r")
+        if len(self.doc_offsets) != self.num_documents + 1 or int(self.doc_offsets[-1]) != self.num_tokens:
+            raise DataError(f"{self.path / DOCS}: does not match header counts")
+
+    def document(self, d: int) -> np.ndarray:
+        return np.asarray(self.tokens[self.doc_offsets[d]:self.doc_offsets[d + 1]])
+
+    def check_tokenizer(self, tokenizer: Optional[Tokenizer]) -> None:
+        """One-line error if this file was written by a different tokenizer."""
+        if tokenizer is None:
+            return
+        mine, theirs = self.header["tokenizer"], tokenizer.identity()
+        for key in ("kind", "vocab_size", "eos_id", "sha256"):
+            if mine.get(key) != theirs.get(key):
+                raise DataError(f"{self.path}: written with tokenizer {mine.get('name')!r} ({key}={mine.get(key)!r}), "
+                                f"not {theirs.get('name')!r} ({key}={theirs.get(key)!r})")
