@@ -12,7 +12,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CORE = ["megamoe/config.py", "megamoe/layout.py", "megamoe/spec.py", "megamoe/recipe.py", "megamoe/errors.py",
-        "megamoe/cache.py", *[str(p.relative_to(REPO)) for p in (REPO / "megamoe/parallel").glob("*.py")]]
+        "megamoe/cache.py", *[str(p.relative_to(REPO)) for p in (REPO / "megamoe/parallel").glob("*.py")],
+        *[str(p.relative_to(REPO)) for p in (REPO / "megamoe/data").glob("*.py")]]
 
 
 def python_files():
