@@ -9,7 +9,7 @@ No ``from __future__ import annotations`` here: OmegaConf reads these annotation
 time to type-check YAML values.
 """
 from dataclasses import dataclass, field, fields
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from megamoe.errors import ConfigError
 from megamoe.layout import MIXERS, MLPS, Layout, parse_layout
@@ -101,6 +101,105 @@ class MLPConfig:
 
 
 @dataclass
+class VisionParallelConfig:
+    """How the vision encoder is spread over ranks, separately from the language model.
+
+    mode ``replicated``: every rank of the LM's tensor-parallel group encodes all images of its
+    batch; ``split``: the images of a batch are divided over that group (balanced by patch
+    count) and the projected features all-gathered, so each rank encodes about 1/tp of them.
+    timm encoders are not tensor-parallel: ``tp`` must be 1.
+    """
+
+    mode: str = "replicated"
+    tp: int = 1
+
+    def validate(self, path: str = "model.vision.parallel") -> None:
+        check_choice(f"{path}.mode", self.mode, ("replicated", "split"))
+        check(self.tp == 1, f"{path}.tp", self.tp,
+              "timm encoders run data-parallel (mode replicated or split); tensor parallelism is not supported")
+
+
+@dataclass
+class ImageBoundsConfig:
+    """Image preprocessing bounds (see docs/vision.md).
+
+    resize ``dynamic``: keep the aspect ratio, sides multiples of ``patch_multiple``, pixel count
+    within [min_pixels, max_pixels] (Qwen's smart resize); ``fixed``: squash to the encoder's
+    pretrained input size; ``auto``: dynamic when the encoder accepts any size, else fixed.
+    Raw images over ``max_input_pixels`` (checked before decoding), with an aspect ratio over
+    ``max_aspect_ratio`` or in a PIL mode outside ``modes`` are rejected with a one-line error.
+    """
+
+    resize: str = "auto"
+    min_pixels: int = 32 * 32
+    max_pixels: int = 1024 * 1024
+    patch_multiple: Optional[int] = None  # None: encoder patch size x projector merge size
+    max_aspect_ratio: float = 200.0
+    max_input_pixels: int = 89_478_485  # PIL's decompression-bomb limit
+    modes: List[str] = field(default_factory=lambda: ["RGB", "RGBA", "L", "LA", "P"])
+
+    def validate(self, path: str = "model.vision.bounds") -> None:
+        check_choice(f"{path}.resize", self.resize, ("auto", "dynamic", "fixed"))
+        check_positive(f"{path}.min_pixels", self.min_pixels)
+        check_positive(f"{path}.max_pixels", self.max_pixels)
+        check(self.max_pixels >= self.min_pixels, f"{path}.max_pixels", self.max_pixels,
+              f"must be >= min_pixels={self.min_pixels}")
+        if self.patch_multiple is not None:
+            check_positive(f"{path}.patch_multiple", self.patch_multiple)
+            check(self.max_pixels >= self.patch_multiple ** 2, f"{path}.max_pixels", self.max_pixels,
+                  f"must hold one patch_multiple^2={self.patch_multiple ** 2} block")
+        check(self.max_aspect_ratio >= 1.0, f"{path}.max_aspect_ratio", self.max_aspect_ratio, "must be >= 1")
+        check_positive(f"{path}.max_input_pixels", self.max_input_pixels)
+        check(len(self.modes) > 0, f"{path}.modes", self.modes, "list at least one PIL mode, e.g. RGB")
+
+
+@dataclass
+class VisionConfig:
+    """A timm vision encoder and the projector that maps its patches to LM tokens.
+
+    encoder: any timm model name, built offline (``encoder_args`` go to ``timm.create_model``);
+    weights: optional local file (safetensors, torch) or directory of ``*.safetensors``; only
+    tensors starting with ``weights_prefix`` are read, then remapped by timm's checkpoint filter
+    of the model (``weights_filter``: ``auto``, ``none`` or a dotted path) and loaded strictly.
+    projector ``mlp``: Linear-GELU-Linear per patch (LLaVA); ``merger``: LayerNorm, k x k patch
+    merge (``merge_size``), Linear-GELU-Linear (Qwen). ``image_token_id``: the placeholder token
+    each projected image token replaces.
+    """
+
+    encoder: str = "vit_base_patch16_224"
+    encoder_args: Dict[str, Any] = field(default_factory=dict)
+    weights: Optional[str] = None
+    weights_prefix: Optional[str] = None
+    weights_filter: str = "auto"
+    freeze: bool = False  # encoder frozen (no grads, run without autograd); the projector trains
+    recompute: bool = False  # timm gradient checkpointing in the encoder blocks (memory for time)
+    projector: str = "mlp"
+    merge_size: int = 2  # merger only
+    projector_hidden: Optional[int] = None  # mlp only; None: the LM hidden size
+    image_token_id: int = -1
+    lr_scale: float = 1.0  # encoder learning rate = lr * lr_scale (see megamoe.multimodal.param_groups)
+    seed: int = 0  # timm's own init is drawn under this seed, so every rank builds the same encoder
+    bounds: ImageBoundsConfig = field(default_factory=ImageBoundsConfig)
+    parallel: VisionParallelConfig = field(default_factory=VisionParallelConfig)
+
+    def validate(self, hidden_size: int, path: str = "model.vision") -> None:
+        check(isinstance(self.encoder, str) and bool(self.encoder), f"{path}.encoder", self.encoder,
+              "name a timm model, e.g. vit_base_patch16_224")
+        check_choice(f"{path}.projector", self.projector, ("mlp", "merger"))
+        check_positive(f"{path}.merge_size", self.merge_size)
+        if self.projector_hidden is not None:
+            check_positive(f"{path}.projector_hidden", self.projector_hidden)
+        check(self.lr_scale >= 0, f"{path}.lr_scale", self.lr_scale, "must be >= 0")
+        check(self.image_token_id >= 0, f"{path}.image_token_id", self.image_token_id,
+              "set the id of the image placeholder token")
+        self.bounds.validate(f"{path}.bounds")
+        self.parallel.validate(f"{path}.parallel")
+
+    def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.vision") -> None:
+        self.parallel.validate(f"{path}.parallel")
+
+
+@dataclass
 class ModelConfig:
     """A causal language model (plus, later, its vision encoder) described by a layout string."""
 
@@ -116,6 +215,7 @@ class ModelConfig:
     init_std: float = 0.02
     params_dtype: str = "float32"
     backend: str = "local"  # role provider: local (pure torch) or te (Transformer Engine)
+    vision: Optional[VisionConfig] = None  # image encoder + projector (megamoe.multimodal)
 
     def parsed_layout(self) -> Layout:
         return parse_layout(self.layout, "model.layout")
@@ -130,6 +230,10 @@ class ModelConfig:
         check_choice(f"{path}.backend", self.backend, ("local", "te"))
         layout = parse_layout(self.layout, f"{path}.layout")
         self._validate_sections(layout, path)
+        if self.vision is not None:
+            self.vision.validate(self.hidden_size, f"{path}.vision")
+            check(self.vision.image_token_id < self.vocab_size, f"{path}.vision.image_token_id",
+                  self.vision.image_token_id, f"must be < vocab_size={self.vocab_size}")
         return layout
 
     def used_sections(self, layout: Layout, path: str = "model") -> dict:
@@ -189,5 +293,7 @@ def validate_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> Lay
     parallel.validate()
     for name, sub in model.used_sections(layout).items():
         sub.validate_parallel(parallel, f"model.{name}")
+    if model.vision is not None:
+        model.vision.validate_parallel(parallel, "model.vision")
     layout.stages(parallel.pp * parallel.vpp)
     return layout
