@@ -36,6 +36,7 @@ class SelfAttention(nn.Module):
         self.q_width = d * (2 if self.gate else 1)
         self.group_width = self.n_rep * self.q_width + 2 * d
         self.rot_dim, self.theta = cfg.rotary_dim(ctx.hidden_size), cfg.rope_theta
+        self.mrope_section = cfg.mrope_section  # used when positions are [3, b, s]
         b = ctx.backend
         self.linear_qkv = b.column_linear(ctx, ctx.hidden_size, cfg.kv_heads() * self.group_width,
                                           bias=cfg.qkv_bias)
@@ -65,7 +66,7 @@ class SelfAttention(nn.Module):
             gate = gate.reshape(bsz, s, self.heads * d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cached_cos_sin(info, self.rot_dim, self.theta)
+        cos, sin = cached_cos_sin(info, self.rot_dim, self.theta, sections=self.mrope_section)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:

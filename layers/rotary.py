@@ -2,6 +2,11 @@
 
 Shapes: positions [b, s]; cos/sin [b, s, rot]; x [b, s, heads, head_dim] with the first
 ``rot`` channels rotated and the rest passed through.
+
+Multimodal RoPE (Qwen3-VL / Qwen3.5, interleaved): positions [3, b, s] hold a (t, h, w)
+position per token; frequency pair i takes its angle from axis h when ``i % 3 == 1`` and
+``i < 3 * sections[1]``, from w when ``i % 3 == 2`` and ``i < 3 * sections[2]``, else from t.
+Text tokens have t = h = w, which reduces to plain RoPE.
 """
 from __future__ import annotations
 
@@ -21,11 +26,39 @@ def rope_cos_sin(positions: torch.Tensor, rot_dim: int, theta: float) -> tuple[t
     return emb.cos().float(), emb.sin().float()
 
 
-def cached_cos_sin(info: ForwardInfo, rot_dim: int, theta: float, fn=rope_cos_sin):
-    """cos/sin shared by every layer with the same rotary parameters within one forward."""
-    key = ("rope", fn.__name__, rot_dim, theta)
+def mrope_axis(rot_dim: int, sections, device=None) -> torch.Tensor:
+    """[rot_dim/2] long: the axis (0=t, 1=h, 2=w) each frequency pair reads, interleaved layout."""
+    i = torch.arange(rot_dim // 2, device=device)
+    axis = torch.zeros_like(i)
+    axis[(i % 3 == 1) & (i < 3 * sections[1])] = 1
+    axis[(i % 3 == 2) & (i < 3 * sections[2])] = 2
+    return axis
+
+
+def mrope_cos_sin(positions: torch.Tensor, rot_dim: int, theta: float, sections
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [3, b, s] (t, h, w) -> (cos, sin) [b, s, rot_dim] in fp32."""
+    freqs = positions.to(torch.float64).unsqueeze(-1) * inv_freq(rot_dim, theta, positions.device)
+    axis = mrope_axis(rot_dim, sections, positions.device)
+    freqs = freqs.gather(0, axis.view(1, 1, 1, -1).expand(1, *freqs.shape[1:])).squeeze(0)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def cached_cos_sin(info: ForwardInfo, rot_dim: int, theta: float, fn=rope_cos_sin, sections=None):
+    """cos/sin shared by every layer with the same rotary parameters within one forward.
+
+    ``sections``: the layer's multimodal RoPE sections; used when ``info.positions`` is
+    [3, b, s]. A layer without sections given [3, b, s] positions rotates by the t row (the
+    text position), so mixers that know nothing of images still work in a multimodal model.
+    """
+    key = ("rope", fn.__name__, rot_dim, theta, tuple(sections or ()))
     if key not in info.memo:
-        info.memo[key] = fn(info.positions, rot_dim, theta)
+        pos = info.positions
+        if pos.dim() == 3 and sections:
+            info.memo[key] = mrope_cos_sin(pos, rot_dim, theta, sections)
+        else:
+            info.memo[key] = fn(pos[0] if pos.dim() == 3 else pos, rot_dim, theta)
     return info.memo[key]
 
 

@@ -1,0 +1,203 @@
+"""Multimodal model assembly: where the vision tower meets the language model.
+
+``MultimodalModel`` is a ``LanguageModel`` (same parameter names: ``embedding``, ``layers.*``,
+``final_norm``, ``output_layer``) plus ``vision`` (``vision.encoder.*``, ``vision.projector.*``).
+Images enter as a flat list in order of appearance over the batch (sample 0's images, then
+sample 1's, ...), each a preprocessed ``[3, H, W]`` tensor (``model.vision.preprocessor()``).
+Image ``i`` occupies ``vision.num_tokens(H_i, W_i)`` consecutive placeholder tokens
+(``model.vision.image_token_id``) in ``input_ids``; their embeddings are replaced by the
+projected image tokens. Any mismatch (counts, an image split across samples, stray
+placeholders) is a one-line ``ImageError``.
+
+Positions: with ``model.attention.mrope_section`` set (Qwen3.5's interleaved M-RoPE) they
+are ``[3, b, s]`` (t, h, w) as in HF's ``get_rope_index``: text advances all three by one per
+token; an image on an (gh, gw) token grid starting at position c gets t = c, h = c + row,
+w = c + col, and the text after it continues at c + max(gh, gw). Otherwise positions are
+plain ``0..s-1``. Under a decode cache the offset ``max position + 1 - s`` is kept in
+``cache.layer("mrope")`` for the tokens that follow.
+
+Shapes: input_ids [b, s]; hidden [b, s, h] ([b, s/tp, h] under SP); logits [b, s, V].
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from megamoe.config import ModelConfig
+from megamoe.errors import ConfigError
+from megamoe.model import DTYPES, LanguageModel
+from megamoe.parallel import comm
+from megamoe.parallel.groups import ParallelGroups
+from megamoe.spec import ForwardInfo
+from megamoe.vision.preprocess import ImageError
+from megamoe.vision.tower import VisionTower
+
+
+def image_spans(input_ids: torch.Tensor, token_id: int, counts: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(sample, start, length) of each image's placeholder run, images in order.
+
+    Runs of consecutive placeholders are consumed image by image (two images may touch).
+    """
+    is_img = (input_ids == token_id).to(torch.int8)
+    edges = torch.diff(is_img, dim=1, prepend=is_img.new_zeros(is_img.size(0), 1),
+                       append=is_img.new_zeros(is_img.size(0), 1))
+    starts, ends = (edges == 1).nonzero().tolist(), (edges == -1).nonzero().tolist()
+    spans, k = [], 0
+    for (b, start), (_, end) in zip(starts, ends):
+        t = start
+        while t < end:
+            if k >= len(counts):
+                raise ImageError(f"input_ids[{b}, {t}] is an image placeholder (id {token_id}) beyond the "
+                                 f"{len(counts)} image(s) given ({int(is_img.sum())} placeholders, "
+                                 f"{sum(counts)} image tokens)")
+            if t + counts[k] > end:
+                raise ImageError(f"image {k} needs {counts[k]} consecutive placeholders (id {token_id}) at "
+                                 f"input_ids[{b}, {t}], found {end - t}")
+            spans.append((b, t, counts[k]))
+            t += counts[k]
+            k += 1
+    if k != len(counts):
+        raise ImageError(f"{len(counts)} image(s) given but input_ids hold placeholders (id {token_id}) "
+                         f"for {k}: {int(is_img.sum())} placeholders, {sum(counts)} image tokens")
+    return spans
+
+
+def mrope_positions(input_ids: torch.Tensor, spans, grids) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [3, b, s] (t, h, w) and delta [b] = max position + 1 - s.
+
+    ``spans``: (sample, start, length) per image (``image_spans``); ``grids``: its (gh, gw)
+    token grid in the language model.
+    """
+    b, s = input_ids.shape
+    dev = input_ids.device
+    pos = torch.empty(3, b, s, dtype=torch.long, device=dev)
+    per_sample: list[list] = [[] for _ in range(b)]
+    for (row, start, n), grid in zip(spans, grids):
+        per_sample[row].append((start, n, grid))
+    for row, items in enumerate(per_sample):
+        cur, t = 0, 0
+        for start, n, (gh, gw) in items + [(s, 0, (0, 0))]:
+            pos[:, row, t:start] = torch.arange(cur, cur + start - t, device=dev)
+            cur += start - t
+            if n:
+                pos[0, row, start:start + n] = cur
+                pos[1, row, start:start + n] = cur + torch.arange(gh, device=dev).repeat_interleave(gw)
+                pos[2, row, start:start + n] = cur + torch.arange(gw, device=dev).repeat(gh)
+                cur += max(gh, gw)
+            t = start + n
+    delta = pos.amax(dim=(0, 2)) + 1 - s
+    return pos, delta
+
+
+class MultimodalModel(LanguageModel):
+    """A LanguageModel whose first stage also holds a VisionTower (``cfg.vision``).
+
+    ``vision_split_group``: the group the tower splits images over in ``split`` mode (default:
+    this rank's TP group, the ranks that share a batch).
+    """
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups | None = None, *,
+                 sequence_parallel: bool = False, layer_ids: Sequence[int] | None = None,
+                 pre_process: bool = True, post_process: bool = True, device=None, vision_split_group=None):
+        if cfg.vision is None:
+            raise ConfigError("model.vision is not set: a multimodal model needs a vision section")
+        super().__init__(cfg, groups, sequence_parallel=sequence_parallel, layer_ids=layer_ids,
+                         pre_process=pre_process, post_process=post_process, device=device)
+        self.image_token_id = cfg.vision.image_token_id
+        self.mrope = cfg.attention.mrope_section is not None
+        self.vision = None
+        if pre_process:
+            split = vision_split_group if vision_split_group is not None else self.groups.tp
+            self.vision = VisionTower(cfg.vision, cfg.hidden_size, split_group=split, init_std=cfg.init_std,
+                                      dtype=DTYPES[cfg.params_dtype], device=device)
+
+    # ---- pieces -------------------------------------------------------------------------
+
+    def merge_images(self, hidden: torch.Tensor, input_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Replace placeholder embeddings by image tokens [N, h]; hidden [b, s(/tp), h]."""
+        mask = input_ids == self.image_token_id
+        full = hidden.new_zeros(*input_ids.shape, hidden.size(-1))
+        full = full.masked_scatter(mask.unsqueeze(-1), tokens.to(hidden.dtype))
+        if self.ctx.sp:  # keep this rank's sequence shard; backward gathers the full gradient
+            full = comm.scatter_to(full, 1, self.groups.tp)
+            mask = mask.chunk(self.groups.tp_size, dim=1)[self.groups.tp_rank]
+        return torch.where(mask.unsqueeze(-1), full, hidden)
+
+    def positions_for(self, input_ids: torch.Tensor, spans, grids, cache=None) -> torch.Tensor:
+        """[3, b, s] M-RoPE positions (first forward) or [b, s] (text, or decode steps)."""
+        if not self.mrope:
+            return self.default_positions(input_ids, None, cache)
+        if cache is not None and cache.seen > 0:
+            if spans:
+                raise ImageError("images can only be given in the first forward of a decode cache")
+            delta = cache.layer("mrope").get("delta")
+            pos = self.default_positions(input_ids, None, cache)
+            return pos if delta is None else pos + delta.unsqueeze(1)
+        pos, delta = mrope_positions(input_ids, spans, grids)
+        if cache is not None:
+            cache.layer("mrope")["delta"] = delta
+        return pos
+
+    def embed_multimodal(self, input_ids: torch.Tensor, images=None, positions: torch.Tensor | None = None,
+                         cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [b, s(/tp), h] with image tokens merged, positions)."""
+        images = [] if images is None else list(images)
+        sizes = [tuple(img.shape[-2:]) for img in images]
+        spans = image_spans(input_ids, self.image_token_id, [self.vision.num_tokens(*hw) for hw in sizes])
+        hidden = self.merge_images(self.embed(input_ids), input_ids, self.vision(images))
+        if positions is None:
+            positions = self.positions_for(input_ids, spans, [self.vision.lm_grid(*hw) for hw in sizes], cache)
+        return hidden, positions
+
+    # ---- forward ------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor | None = None, images=None, *, labels: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+                cache=None) -> torch.Tensor:
+        """Logits [b, s, V] (labels None), the mean loss (labels given) or, on a stage without the
+        output layer, hidden states. Later pipeline stages take ``hidden`` and the ``positions``
+        the first stage used."""
+        if self.pre_process:
+            hidden, positions = self.embed_multimodal(input_ids, images, positions, cache)
+        elif positions is None:
+            positions = self.default_positions(None, hidden, cache)
+        hidden = self.run_layers(hidden, ForwardInfo(positions=positions, cache=cache))
+        if cache is not None and self.post_process:
+            cache.advance(positions.size(-1))
+        if not self.post_process:
+            return hidden
+        local_logits = self.head(hidden)
+        if labels is None:
+            return self.gather_logits(local_logits)
+        return self.loss(local_logits, labels)
+
+
+# ---- addressing vision and language parameters separately -----------------------------------
+
+PART_PREFIXES = {"vision_encoder": "vision.encoder.", "vision_projector": "vision.projector."}
+
+
+def parameter_part(name: str) -> str:
+    """'vision_encoder', 'vision_projector' or 'language' for a parameter name."""
+    return next((part for part, prefix in PART_PREFIXES.items() if name.startswith(prefix)), "language")
+
+
+def set_trainable(model: MultimodalModel, *, language: bool = True, vision_encoder: bool = True,
+                  vision_projector: bool = True) -> None:
+    """Freeze or unfreeze each part (requires_grad)."""
+    wanted = {"language": language, "vision_encoder": vision_encoder, "vision_projector": vision_projector}
+    for name, p in model.named_parameters():
+        p.requires_grad_(wanted[parameter_part(name)])
+
+
+def param_groups(model: MultimodalModel, lr: float, weight_decay: float = 0.0) -> list[dict]:
+    """Optimizer parameter groups per part (trainable parameters only); the encoder's learning
+    rate is ``lr * model.vision.lr_scale``."""
+    parts: dict[str, list] = {"language": [], "vision_encoder": [], "vision_projector": []}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            parts[parameter_part(name)].append(p)
+    scale = model.config.vision.lr_scale
+    return [{"name": part, "params": params, "lr": lr * (scale if part == "vision_encoder" else 1.0),
+             "weight_decay": weight_decay} for part, params in parts.items() if params]
