@@ -1,4 +1,5 @@
 """megamoe.layers: the model maths, one role per file. Importing registers every layout letter."""
 from megamoe.layers import attention, mlp  # noqa: F401  (registration side effects)
+from megamoe.layers import dsa, lightning, mla  # noqa: F401  (letters L, M, D, I)
 from megamoe.layers.backend import LocalBackend, get_backend  # noqa: F401
 from megamoe.layers.norm import RMSNorm  # noqa: F401

@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.cache import append_kv
+from megamoe.cache import append_kv, trim_kv
 from megamoe.config import AttentionConfig
+from megamoe.errors import ConfigError
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
 from megamoe.layers.rotary import apply_rotary, cached_cos_sin
 
@@ -45,9 +46,9 @@ class SelfAttention(nn.Module):
             self.k_norm = b.norm(ctx, d, head_sharded=True)
         else:
             self.q_norm = self.k_norm = None
-        window = cfg.sliding_window if sliding else 0
+        self.window = window = cfg.sliding_window if sliding else 0
         if sliding and window <= 0:
-            raise ValueError("model.attention.sliding_window must be > 0 for 'S' layers")
+            raise ConfigError("model.attention.sliding_window must be > 0 for 'S' layers")
         scale = cfg.softmax_scale or d ** -0.5
         self.core = b.core_attention(ctx, softmax_scale=scale, window=window)
         self.linear_proj = b.row_linear(ctx, cfg.num_heads * d, ctx.hidden_size)
@@ -72,7 +73,10 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
         q, k, v, gate = self.project(x, info)
         if info.cache is not None:  # decoding: attend over everything cached so far
-            k, v = append_kv(info.cache.layer(self.layer_number), k, v)
+            state = info.cache.layer(self.layer_number)
+            k, v = append_kv(state, k, v)
+            if self.window:  # 'S': later queries look back at most window - 1 keys
+                trim_kv(state, self.window - 1)
         out = self.core(q, k, v)  # [b, s, heads, d]
         out = out.reshape(*out.shape[:2], -1)
         if gate is not None:

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamoe.errors import ConfigError
-from megamoe.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from megamoe.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from megamoe.spec import BuildContext
-from megamoe.layers.norm import RMSNorm
+from megamoe.layers.norm import RMSNorm, ShardedRMSNorm
 
 
 def causal_mask(t_q: int, t_k: int, window: int = 0, device=None) -> torch.Tensor:
@@ -75,6 +75,18 @@ class LocalBackend:
         return RowParallelLinear(in_features, out_features, getattr(ctx.groups, group), bias=bias,
                                  sequence_parallel=sp, init_std=std, dtype=ctx.dtype, device=ctx.device,
                                  group_name=group)
+
+    def replicated_linear(self, ctx: BuildContext, in_features: int, out_features: int, *, bias: bool = False,
+                          sequence_parallel: bool | None = None, init_std: float | None = None) -> nn.Module:
+        """A linear every TP rank holds whole (see ``ReplicatedLinear`` for the gradient contract)."""
+        sp = ctx.sp if sequence_parallel is None else sequence_parallel
+        return ReplicatedLinear(in_features, out_features, ctx.groups.tp, bias=bias, sequence_parallel=sp,
+                                init_std=init_std or ctx.init_std, dtype=ctx.dtype, device=ctx.device)
+
+    def sharded_norm(self, ctx: BuildContext, full_dim: int, *, eps: float | None = None) -> nn.Module:
+        """RMSNorm over a dim split over TP (statistics all-reduced); weight ones."""
+        return ShardedRMSNorm(full_dim, ctx.groups.tp, ctx.norm_eps if eps is None else eps,
+                              dtype=ctx.dtype, device=ctx.device)
 
     def norm(self, ctx: BuildContext, dim: int, *, sequence_parallel: bool = False, head_sharded: bool = False,
              eps: float | None = None, zero_centered: bool | None = None) -> nn.Module:

@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.parallel.sharding import const_init, mark_init, mark_tp_partial_grad
+from megamoe.parallel import comm
+from megamoe.parallel.groups import group_size
+from megamoe.parallel.sharding import Shard, const_init, mark_init, mark_tp_partial_grad, set_sharding
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,3 +40,31 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.numel()}, eps={self.eps}, zero_centered={self.zero_centered}"
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a last dim that is split over ``group`` (a norm over all heads when TP
+    holds some of them, e.g. MiniMax lightning attention's output norm).
+
+    x: [..., full_dim / tp] -> same. The sum of squares is all-reduced in the forward and its
+    gradient in the backward (each rank normalises its own channels by the shared statistic).
+    The weight is split like x.
+    """
+
+    def __init__(self, full_dim: int, group=None, eps: float = 1e-6, *, dtype=None, device=None):
+        super().__init__()
+        self.group, self.full_dim, self.eps = group, full_dim, eps
+        self.weight = nn.Parameter(torch.empty(full_dim // group_size(group), dtype=dtype, device=device))
+        set_sharding(self.weight, Shard(0, "tp"))
+        mark_init(self.weight, const_init(1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        sumsq = xf.pow(2).sum(-1, keepdim=True)
+        # all-reduce forward and backward: copy_to (backward all-reduce) then reduce_from
+        sumsq = comm.reduce_from(comm.copy_to(sumsq, self.group), self.group)
+        out = xf * torch.rsqrt(sumsq / self.full_dim + self.eps) * self.weight.float()
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.full_dim} (local {self.weight.numel()}), eps={self.eps}"

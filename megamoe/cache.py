@@ -45,3 +45,18 @@ def append_kv(state: dict, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tens
         v = torch.cat([state["v"], v], dim=1)
     state["k"], state["v"] = k, v
     return k, v
+
+
+def append_time(state: dict, name: str, x: torch.Tensor) -> torch.Tensor:
+    """Append ``x`` [b, t, ...] to ``state[name]`` along time (dim 1); return everything so far."""
+    if name in state:
+        x = torch.cat([state[name], x], dim=1)
+    state[name] = x
+    return x
+
+
+def trim_kv(state: dict, keep: int) -> None:
+    """Keep only the last ``keep`` cached keys/values (sliding-window layers)."""
+    n = state["k"].size(1)
+    if n > keep:
+        state["k"], state["v"] = state["k"][:, n - keep:], state["v"][:, n - keep:]

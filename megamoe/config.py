@@ -33,7 +33,7 @@ def check_choice(path: str, value, allowed) -> None:
 
 @dataclass
 class AttentionConfig:
-    """Softmax attention (letters A, S, I). Shapes: q [b, t, heads, head_dim]."""
+    """Softmax attention (letters A, S). Shapes: q [b, t, heads, head_dim]."""
 
     num_heads: int = 8
     num_kv_heads: Optional[int] = None  # None: same as num_heads (MHA)
@@ -200,6 +200,116 @@ class VisionConfig:
 
 
 @dataclass
+class LightningConfig:
+    """Lightning attention, MiniMax-01 (letter L): decayed linear attention, per-head slopes.
+
+    Shapes: q, k, v [b, t, heads, head_dim]; state [b, heads, head_dim, head_dim] in fp32.
+    ``block_size`` is the training chunk length (any value gives the same result).
+    """
+
+    num_heads: int = 8
+    head_dim: Optional[int] = None  # None: hidden_size // num_heads
+    block_size: int = 64
+    norm_eps: float = 1e-6  # the output norm over all heads (MiniMax builds it with the default eps)
+
+    def dim(self, hidden_size: int) -> int:
+        return self.head_dim or hidden_size // self.num_heads
+
+    def validate(self, hidden_size: int, path: str = "model.lightning") -> None:
+        check_positive(f"{path}.num_heads", self.num_heads)
+        if self.head_dim is None:
+            check(hidden_size % self.num_heads == 0, f"{path}.num_heads", self.num_heads,
+                  f"must divide hidden_size={hidden_size} when head_dim is not set")
+        else:
+            check_positive(f"{path}.head_dim", self.head_dim)
+        check_positive(f"{path}.block_size", self.block_size)
+        check(self.norm_eps > 0, f"{path}.norm_eps", self.norm_eps, "must be > 0")
+
+    def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.lightning") -> None:
+        check(self.num_heads % parallel.tp == 0, f"{path}.num_heads", self.num_heads,
+              f"must be divisible by parallel.tp={parallel.tp}")
+
+
+@dataclass
+class DSAConfig:
+    """DeepSeek sparse attention indexer (letters D and I), section ``mla.indexer``.
+
+    Per query, the indexer scores keys with ``num_heads`` light heads
+    (``sum_h w_h * relu(q_h . k)``) and the attention sees only the ``topk`` best (causal).
+    ``kpool`` and ``select_tail`` apply to ``I`` (GLM-5): keys are scored in pools of
+    ``kpool`` tokens, ``topk / kpool`` pools are kept, plus the incomplete last pool.
+    """
+
+    num_heads: int = 64  # HF index_n_heads
+    head_dim: int = 128  # HF index_head_dim
+    topk: int = 2048  # HF index_topk (tokens)
+    kpool: int = 1  # HF index_kpool ('I' layers)
+    select_tail: bool = True  # HF index_kpool_always_select_tail ('I' layers)
+
+    def validate(self, hidden_size: int, path: str = "model.mla.indexer") -> None:
+        for name in ("num_heads", "head_dim", "topk", "kpool"):
+            check_positive(f"{path}.{name}", getattr(self, name))
+        check(self.topk % self.kpool == 0, f"{path}.topk", self.topk, f"must be divisible by kpool={self.kpool}")
+        check(self.kpool == 1 or self.select_tail, f"{path}.select_tail", self.select_tail,
+              "must be true when kpool > 1 (else the first tokens would see no key)")
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (letters M, D, I): DeepSeek-V3, Kimi, Ling, GLM-5.
+
+    q = W_qb norm(W_qa x) (or W_q x when ``q_lora_rank`` is None); the keys/values come from a
+    shared latent c = norm(W_kva x)[:kv_lora_rank] expanded per head by W_kvb, plus one
+    RoPE key part k_rope shared by all heads. Heads have qk_nope + qk_rope query/key channels
+    and v_head_dim value channels. ``rope``: interleaved (DeepSeek, Ling), half (rotate-half),
+    none (Kimi, GLM-5: the k_rope channels are used unrotated). ``yarn_*``: YaRN scaling
+    (factor 1 = off). ``head_gate``: per-head sigmoid output gate from x (Ling).
+    """
+
+    num_heads: int = 16
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope: str = "interleaved"
+    rope_theta: float = 10000.0
+    yarn_factor: float = 1.0
+    yarn_original_max_position: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    head_gate: bool = False
+    latent_norm_eps: Optional[float] = None  # None: model.norm_eps
+    softmax_scale: Optional[float] = None  # None: (qk_nope + qk_rope) ** -0.5, times the YaRN mscale
+    indexer: Optional[DSAConfig] = None  # required by D and I layers
+
+    def validate(self, hidden_size: int, path: str = "model.mla") -> None:
+        for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            check_positive(f"{path}.{name}", getattr(self, name))
+        if self.q_lora_rank is not None:
+            check_positive(f"{path}.q_lora_rank", self.q_lora_rank)
+        rope = self.qk_rope_head_dim
+        check(isinstance(rope, int) and rope >= 0 and rope % 2 == 0, f"{path}.qk_rope_head_dim", rope,
+              "must be an even integer >= 0")
+        check_choice(f"{path}.rope", self.rope, ("interleaved", "half", "none"))
+        check(self.rope_theta > 0, f"{path}.rope_theta", self.rope_theta, "must be > 0")
+        check(self.yarn_factor >= 1.0, f"{path}.yarn_factor", self.yarn_factor, "must be >= 1 (1 = off)")
+        check_positive(f"{path}.yarn_original_max_position", self.yarn_original_max_position)
+        if self.indexer is not None:
+            self.indexer.validate(hidden_size, f"{path}.indexer")
+            check(self.q_lora_rank is not None, f"{path}.q_lora_rank", self.q_lora_rank,
+                  "must be set when mla.indexer is (the indexer reads the query latent)")
+            check(rope <= self.indexer.head_dim, f"{path}.indexer.head_dim", self.indexer.head_dim,
+                  f"must be >= qk_rope_head_dim={rope} (the indexer rotates that many channels)")
+
+    def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.mla") -> None:
+        check(self.num_heads % parallel.tp == 0, f"{path}.num_heads", self.num_heads,
+              f"must be divisible by parallel.tp={parallel.tp}")
+
+
+@dataclass
 class ModelConfig:
     """A causal language model (plus, later, its vision encoder) described by a layout string."""
 
@@ -208,6 +318,8 @@ class ModelConfig:
     layout: str = "AdAd"
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     mlp: MLPConfig = field(default_factory=MLPConfig)
+    lightning: Optional[LightningConfig] = None  # letter L
+    mla: Optional[MLAConfig] = None  # letters M, D, I
     norm_eps: float = 1e-6
     norm_zero_centered: bool = False  # RMSNorm weight applied as (1 + w), stored zero-initialised
     tie_embeddings: bool = False

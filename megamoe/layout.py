@@ -24,7 +24,7 @@ MIXERS: dict[str, tuple[str, str]] = {
     "L": ("lightning attention", "lightning"),
     "M": ("multi-head latent attention (MLA)", "mla"),
     "D": ("MLA with DeepSeek sparse attention (DSA)", "mla"),
-    "I": ("indexed sparse softmax attention (DSA on GQA)", "attention"),
+    "I": ("MLA with pooled DeepSeek sparse attention (GLM-5 indexed)", "mla"),
 }
 MLPS: dict[str, tuple[str, str | None]] = {
     "d": ("dense SwiGLU MLP", "mlp"),

@@ -42,6 +42,9 @@ def tp_parity_case(cfg: ModelConfig, tp: int, sp: bool, seed: int = 0) -> dict:
     finalize_grads(model, groups)
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
+        if ref_params[name].grad is None:  # e.g. the DSA indexer: selection only, no gradient
+            errs[f"no grad {name}"] = 0.0 if p.grad is None else 1.0
+            continue
         errs[f"grad {name}"] = rel_err(gather_full(p, groups, p.grad), ref_params[name].grad)
     return errs
 

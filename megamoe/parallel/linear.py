@@ -141,3 +141,37 @@ class VocabParallelEmbedding(nn.Module):
         if self.sequence_parallel:
             return comm.reduce_scatter_to(out, SEQ_DIM, self.group)
         return comm.reduce_from(out, self.group)
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T (+ b) with W the same on every TP rank (MLA's down-projections, indexers).
+
+    Contract: y's gradient is identical on every TP rank (y feeds column-parallel linears,
+    which all-reduce their input gradient, or the caller makes it so with ``comm.copy_to``).
+    So W's gradient is already complete and x needs no gradient reduction: without sequence
+    parallelism the input passes through; with it the sequence is all-gathered and the
+    backward keeps this rank's chunk.
+
+    x: [b, s, in] (``[b, s/tp, in]`` with sequence_parallel) -> y: [b, s, out].
+    """
+
+    def __init__(self, in_features: int, out_features: int, group=None, *, bias: bool = False,
+                 sequence_parallel: bool = False, init_std: float = 0.02, dtype=None, device=None):
+        super().__init__()
+        self.group, self.in_features, self.out_features = group, in_features, out_features
+        self.sequence_parallel = sequence_parallel and group_size(group) > 1
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        mark_init(self.weight, normal_init(init_std))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
+            mark_init(self.bias, const_init(0.0))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = comm.gather_from(x, SEQ_DIM, self.group)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, sp={self.sequence_parallel}"

@@ -1,0 +1,200 @@
+"""DeepSeek sparse attention on MLA: letters ``D`` (DeepSeek-V3.2) and ``I`` (GLM-5 indexed).
+
+A lightning indexer picks, per query, the keys the attention may see; the attention is MLA
+restricted to them. Indexer (its own light heads, computed without gradient as in HF: it
+is trained by its own objective, not through the selection)::
+
+    q_i = W_iq q_latent  [b, s, Hi, Di]      k_i = LayerNorm(W_ik x)  [b, T, Di]
+    score[s, t] = sum_h (W_w x_s)_h / sqrt(Hi) * relu(q_i[s, h] . k_i[t] / sqrt(Di))
+
+``D``: the first qk_rope_head_dim indexer channels get rotate-half RoPE; each query keeps its
+``topk`` best causal keys. ``I`` (GLM-5, no RoPE): keys are scored in pools of ``kpool``
+consecutive tokens (pool key = channel-wise softmax(W_pg x + ape)-weighted mean of its keys);
+only complete pools whose last token is visible compete, ``topk / kpool`` of them are kept
+and expanded to their tokens, and the incomplete visible tail pool is always added.
+
+Ties are broken towards the earlier key (a stable sort), so the selection of a query does not
+depend on how many future keys a pass holds (decoding equals the full forward).
+
+Two attentions over the selection (shapes: indices [b, s, K], -1 = no key):
+- ``sparse_latent_attention``: gathers the K latents of each query and attends in the
+  absorbed form (the fast path, and the decode path);
+- the dense-mask reference: expanded keys/values and a [b, s, T] mask built from the indices
+  (``SparseMLA(..).dense_reference = True``), as HF computes it.
+
+Decode cache: MLA's latents, plus the indexer keys (``index_k`` [b, T, Di]; for ``I`` also
+``index_gate`` [b, T, Di], from which the pools are rebuilt).
+
+Parameters per layer: MLA's + r_q*Hi*Di + h*Di + 2*Di (LayerNorm) + h*Hi
+  [+ kpool*Di + Di*h for I].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megamoe.cache import append_time
+from megamoe.config import DSAConfig, MLAConfig
+from megamoe.errors import ConfigError
+from megamoe.layers.mla import MultiLatentAttention
+from megamoe.layers.rotary import apply_rotary, cached_yarn_cos_sin
+from megamoe.parallel import comm
+from megamoe.parallel.sharding import const_init, mark_init
+from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
+
+
+def query_positions(s: int, total: int, device=None) -> torch.Tensor:
+    """Positions of the s queries, the last s of ``total`` keys."""
+    return torch.arange(total - s, total, device=device)
+
+
+def select_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """scores, valid [b, s, N] -> indices [b, s, min(k, N)] of the best valid candidates, -1 where
+    fewer are valid. Ties go to the lower index (stable sort)."""
+    k = min(k, scores.size(-1))
+    scores = scores.masked_fill(~valid, float("-inf"))
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    return order.masked_fill(~valid.gather(-1, order), -1)
+
+
+def indices_to_mask(idx: torch.Tensor, total: int) -> torch.Tensor:
+    """indices [b, s, K] (-1 = none) -> bool mask [b, s, total], True at the selected keys."""
+    mask = torch.zeros(*idx.shape[:2], total + 1, dtype=torch.bool, device=idx.device)
+    mask.scatter_(-1, torch.where(idx < 0, total, idx), True)  # -1 lands in a spare column
+    return mask[..., :total]
+
+
+def sparse_latent_attention(q_lat, q_rope, c, k_rope, idx, scale: float):
+    """Absorbed MLA attention over each query's selected keys only.
+
+    q_lat [b, s, H, r], q_rope [b, s, H, dr], c [b, T, r], k_rope [b, T, dr], idx [b, s, K]
+    (-1 = none; every query has at least one) -> [b, s, H, r].
+    """
+    valid = idx >= 0
+    rows = torch.arange(idx.size(0), device=idx.device)[:, None, None]
+    safe = idx.clamp(min=0)
+    c_sel, kr_sel = c[rows, safe], k_rope[rows, safe]  # [b, s, K, r], [b, s, K, dr]
+    scores = (torch.einsum("bshr,bskr->bshk", q_lat, c_sel) + torch.einsum("bshd,bskd->bshk", q_rope, kr_sel)) * scale
+    scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    p = torch.softmax(scores.float(), dim=-1).to(c.dtype)
+    return torch.einsum("bshk,bskr->bshr", p, c_sel)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias, statistics in fp32 (the indexer's key norm, eps 1e-6)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
+        mark_init(self.weight, const_init(1.0))
+        mark_init(self.bias, const_init(0.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+
+class Indexer(nn.Module):
+    """The lightning indexer: x [b, s, h], q_latent [b, s, r_q] -> key indices [b, s, K].
+
+    Replicated over TP (every rank selects the same keys); ``pooled`` selects GLM-5's k-pool
+    form. ``rope_dim`` channels are rotated (``D``; 0 for ``I``).
+    """
+
+    def __init__(self, cfg: DSAConfig, ctx: BuildContext, q_lora_rank: int, rope_dim: int, pooled: bool):
+        super().__init__()
+        self.heads, self.dim, self.topk = cfg.num_heads, cfg.head_dim, cfg.topk
+        self.rope_dim, self.pooled, self.kpool = rope_dim, pooled, cfg.kpool if pooled else 1
+        b = ctx.backend
+        self.linear_q = b.replicated_linear(ctx, q_lora_rank, self.heads * self.dim, sequence_parallel=False)
+        self.linear_k = b.replicated_linear(ctx, ctx.hidden_size, self.dim)
+        self.k_norm = LayerNorm(self.dim, dtype=ctx.dtype, device=ctx.device)
+        self.linear_weights = b.replicated_linear(ctx, ctx.hidden_size, self.heads)
+        if pooled:
+            self.linear_pool_gate = b.replicated_linear(ctx, ctx.hidden_size, self.dim)
+            mark_init(self.linear_pool_gate.weight, const_init(1.0))  # as HF initialises it
+            self.pool_ape = nn.Parameter(torch.empty(self.kpool, self.dim, dtype=ctx.dtype, device=ctx.device))
+            mark_init(self.pool_ape, const_init(0.0))
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos_sin, state: dict | None):
+        """x [b, s(/tp), h], q_latent [b, s, r_q], cos_sin: RoPE tables [b, s, rope_dim] (or None),
+        state: this layer's decode cache (or None)."""
+        bsz, s = q_latent.shape[:2]
+        q = self.linear_q(q_latent).view(bsz, s, self.heads, self.dim)
+        k = self.k_norm(self.linear_k(x))  # [b, s, Di]
+        if self.rope_dim:
+            cos, sin = cos_sin
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k.unsqueeze(2), cos, sin).squeeze(2)
+        gate = self.linear_pool_gate(x) if self.pooled else None
+        if state is not None:
+            k = append_time(state, "index_k", k)
+            gate = append_time(state, "index_gate", gate) if self.pooled else None
+        weights = self.linear_weights(x).float() * self.heads ** -0.5  # [b, s, Hi]
+        qpos = query_positions(s, k.size(1), k.device)
+        if self.pooled:
+            return self.select_pools(q, k, gate, weights, qpos)
+        scores = self.score(q, k, weights)
+        valid = torch.arange(k.size(1), device=k.device)[None, :] <= qpos[:, None]
+        return select_topk(scores, valid.expand_as(scores), self.topk)
+
+    def score(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """q [b, s, Hi, Di], keys [b, N, Di], weights [b, s, Hi] -> [b, s, N] (fp32)."""
+        per_head = F.relu(torch.einsum("bshd,bnd->bshn", q.float(), keys.float()) * self.dim ** -0.5)
+        return torch.einsum("bsh,bshn->bsn", weights, per_head)
+
+    def select_pools(self, q, k, gate, weights, qpos):
+        """GLM-5: score complete pools, keep topk/kpool of them, add the visible tail pool."""
+        bsz, total, kp = k.size(0), k.size(1), self.kpool
+        pools = total // kp  # only complete pools can ever be selected
+        keys = k[:, :pools * kp].view(bsz, pools, kp, self.dim)
+        logits = gate[:, :pools * kp].view(bsz, pools, kp, self.dim).float() + self.pool_ape.float()
+        pool_keys = (torch.softmax(logits, dim=2).to(keys.dtype) * keys).sum(dim=2)  # [b, P, Di]
+        pool_end = torch.arange(pools, device=k.device) * kp + kp - 1
+        valid = (pool_end[None, :] <= qpos[:, None]).expand(bsz, -1, -1)
+        chosen = select_topk(self.score(q, pool_keys, weights), valid, self.topk // kp)  # [b, s, k]
+        offsets = torch.arange(kp, device=k.device)
+        tokens = (chosen.unsqueeze(-1) * kp + offsets).masked_fill(chosen.unsqueeze(-1) < 0, -1).flatten(-2)
+        if kp == 1:
+            return tokens
+        tail_count = (qpos + 1) % kp
+        tail = (qpos + 1 - tail_count)[:, None] + offsets[:-1]  # [s, kp - 1]
+        tail = tail.masked_fill(offsets[:-1][None, :] >= tail_count[:, None], -1)
+        return torch.cat([tokens, tail.expand(bsz, -1, -1)], dim=-1)
+
+
+class SparseMLA(MultiLatentAttention):
+    """MLA whose queries see only the keys the indexer selects. x: [b, s, h] -> same."""
+
+    def __init__(self, cfg: MLAConfig, ctx: BuildContext, layer_number: int = 0, *, pooled: bool = False):
+        super().__init__(cfg, ctx, layer_number)
+        if cfg.indexer is None:
+            raise ConfigError(f"model.mla.indexer is not set but model.layout uses '{'I' if pooled else 'D'}' "
+                              "(sparse attention needs the indexer settings)")
+        rope_dim = 0 if pooled else cfg.qk_rope_head_dim
+        self.indexer = Indexer(cfg.indexer, ctx, cfg.q_lora_rank, rope_dim, pooled)
+        self.dense_reference = False  # True: expanded heads and a mask built from the indices
+
+    def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
+        q_nope, q_rope, q_latent, c, k_rope = self.project(x, info)
+        # the indexer rotates rotate-half with MLA's (YaRN) tables
+        cos_sin = cached_yarn_cos_sin(info, self.dr, self.theta, self.yarn) if self.indexer.rope_dim else None
+        state = None if info.cache is None else info.cache.layer(self.layer_number)
+        idx = self.indexer(x, q_latent, cos_sin, state)
+        if self.dense_reference:
+            c_all, kr_all = self.cached_latents(c, k_rope, info)
+            k, v = self.expand(c_all, kr_all)
+            mask = indices_to_mask(idx, c_all.size(1)).unsqueeze(1)  # [b, 1, s, T]
+            out = self.core(torch.cat([q_nope, q_rope], dim=-1), k, v, mask=mask)
+        else:
+            c_all, kr_all = self.cached_latents(comm.copy_to(c, self.tp_group), k_rope, info)
+            o_lat = sparse_latent_attention(self.absorbed_query(q_nope), q_rope, c_all, kr_all, idx, self.scale)
+            out = self.absorbed_output(o_lat)
+        return self.finish(out, x)
+
+
+register_mixer("D", ModuleSpec(SparseMLA))
+register_mixer("I", ModuleSpec(SparseMLA, params={"pooled": True}))
