@@ -11,7 +11,7 @@ Queries from a low-rank latent (or directly from x); keys and values from one sh
 
 RoPE variants (``mla.rope``): ``interleaved`` pairs (DeepSeek, Ling), ``half`` (rotate-half),
 ``none`` (Kimi and GLM-5 use the k_rope channels unrotated). YaRN scales the frequencies, the
-cos/sin and the softmax scale as HF's ``rope_type='yarn'``.
+cos/sin and the softmax scale as HF's ``rope_type='yarn'`` (``mla.yarn``).
 
 TP splits heads: W_qb, W_kvb, W_g are column-parallel, W_o row-parallel; W_qa, W_kva and the
 latent norms are replicated (``ReplicatedLinear``: their outputs' gradients are made identical
@@ -34,16 +34,9 @@ from torch import nn
 from megamoe.cache import append_time
 from megamoe.config import MLAConfig
 from megamoe.layers.backend import causal_mask
-from megamoe.layers.rotary import YarnScaling, apply_rotary, apply_rotary_interleaved, cached_yarn_cos_sin
+from megamoe.layers.rotary import apply_rotary, apply_rotary_interleaved, cached_yarn_cos_sin, yarn_softmax_scale
 from megamoe.parallel import comm
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
-
-
-def yarn_of(cfg: MLAConfig) -> YarnScaling | None:
-    if cfg.yarn_factor <= 1:
-        return None
-    return YarnScaling(cfg.yarn_factor, cfg.yarn_original_max_position, cfg.yarn_beta_fast, cfg.yarn_beta_slow,
-                       cfg.yarn_mscale, cfg.yarn_mscale_all_dim)
 
 
 def latent_attention(q_lat, q_rope, c, k_rope, scale: float, mask: torch.Tensor | None):
@@ -67,7 +60,7 @@ class MultiLatentAttention(nn.Module):
         self.layer_number = layer_number
         self.heads = cfg.num_heads // ctx.groups.tp_size
         self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        self.rope, self.theta, self.yarn = cfg.rope, cfg.rope_theta, yarn_of(cfg)
+        self.rope, self.theta, self.yarn = cfg.rope, cfg.rope_theta, cfg.yarn
         self.tp_group = ctx.groups.tp
         h, H, b = ctx.hidden_size, cfg.num_heads, ctx.backend
         eps = cfg.latent_norm_eps or ctx.norm_eps
@@ -83,7 +76,7 @@ class MultiLatentAttention(nn.Module):
         self.kv_norm = b.norm(ctx, cfg.kv_lora_rank, eps=eps, zero_centered=False)
         self.linear_kv_up = b.column_linear(ctx, cfg.kv_lora_rank, H * (self.dn + self.dv), sequence_parallel=False)
         self.linear_gate = b.column_linear(ctx, h, H) if cfg.head_gate else None
-        self.scale = cfg.softmax_scale or dq ** -0.5 * (self.yarn.softmax_scale() if self.yarn else 1.0)
+        self.scale = cfg.softmax_scale or dq ** -0.5 * yarn_softmax_scale(cfg.yarn)
         self.core = b.core_attention(ctx, softmax_scale=self.scale)
         self.linear_proj = b.row_linear(ctx, H * self.dv, h)
 

@@ -12,10 +12,11 @@ Text tokens have t = h = w, which reduces to plain RoPE.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import astuple
 
 import torch
 
+from megamoe.config import YarnConfig
 from megamoe.spec import ForwardInfo
 
 
@@ -95,64 +96,48 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return apply_rotary(evens_odds, cos, sin)
 
 
-@dataclass(frozen=True)
-class YarnScaling:
-    """YaRN context extension (HF ``rope_type='yarn'`` as DeepSeek-V3 configs use it).
-
-    factor: context scale (1 = off); original_max_position: pre-training length; beta_fast /
-    beta_slow: rotation counts bounding the interpolation ramp; mscale / mscale_all_dim: the
-    attention temperature terms (``0.1 * m * ln(factor) + 1``).
-    """
-
-    factor: float = 1.0
-    original_max_position: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
-
-    @staticmethod
-    def _m(factor: float, m: float = 1.0) -> float:
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
-    def cos_sin_scale(self) -> float:
-        """Factor on cos/sin (HF ``attention_factor``)."""
-        if self.mscale and self.mscale_all_dim:
-            return self._m(self.factor, self.mscale) / self._m(self.factor, self.mscale_all_dim)
-        return self._m(self.factor)
-
-    def softmax_scale(self) -> float:
-        """Factor on the softmax scale (HF ``yarn_apply_mscale``): mscale(factor, all_dim)^2."""
-        if not self.mscale_all_dim:
-            return 1.0
-        return self._m(self.factor, self.mscale_all_dim) ** 2
-
-    def inv_freq(self, rot_dim: int, theta: float, device=None) -> torch.Tensor:
-        """Per-pair frequencies: extrapolated (high) and interpolated (/factor, low) blended by a ramp."""
-        def correction_dim(rotations: float) -> float:
-            return rot_dim * math.log(self.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-        low = max(math.floor(correction_dim(self.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(self.beta_slow)), rot_dim - 1)
-        high = high + 0.001 if low == high else high  # avoid a zero-width ramp
-        ramp = ((torch.arange(rot_dim // 2, dtype=torch.float64, device=device) - low) / (high - low)).clamp(0, 1)
-        extra = inv_freq(rot_dim, theta, device)
-        return extra / self.factor * ramp + extra * (1 - ramp)
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
-def yarn_cos_sin(positions: torch.Tensor, rot_dim: int, theta: float, yarn: YarnScaling):
+def yarn_cos_sin_scale(yarn: YarnConfig) -> float:
+    """Factor on cos/sin (HF ``attention_factor``)."""
+    if yarn.mscale and yarn.mscale_all_dim:
+        return yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim)
+    return yarn_mscale(yarn.factor)
+
+
+def yarn_softmax_scale(yarn: YarnConfig) -> float:
+    """Factor on the softmax scale (HF ``yarn_apply_mscale``): mscale(factor, all_dim)^2."""
+    return yarn_mscale(yarn.factor, yarn.mscale_all_dim) ** 2 if yarn.mscale_all_dim else 1.0
+
+
+def yarn_inv_freq(yarn: YarnConfig, rot_dim: int, theta: float, device=None) -> torch.Tensor:
+    """Per-pair frequencies: extrapolated (high) and interpolated (/factor, low) blended by a ramp."""
+    def correction_dim(rotations: float) -> float:
+        return rot_dim * math.log(yarn.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), rot_dim - 1)
+    high = high + 0.001 if low == high else high  # avoid a zero-width ramp
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float64, device=device) - low) / (high - low)).clamp(0, 1)
+    extra = inv_freq(rot_dim, theta, device)
+    return extra / yarn.factor * ramp + extra * (1 - ramp)
+
+
+def yarn_cos_sin(positions: torch.Tensor, rot_dim: int, theta: float, yarn: YarnConfig):
     """positions [b, s] -> (cos, sin) [b, s, rot_dim] in fp32, YaRN frequencies and scale."""
-    freqs = positions.to(torch.float64).unsqueeze(-1) * yarn.inv_freq(rot_dim, theta, positions.device)
+    freqs = positions.to(torch.float64).unsqueeze(-1) * yarn_inv_freq(yarn, rot_dim, theta, positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
-    scale = yarn.cos_sin_scale()
+    scale = yarn_cos_sin_scale(yarn)
     return (emb.cos() * scale).float(), (emb.sin() * scale).float()
 
 
-def cached_yarn_cos_sin(info: ForwardInfo, rot_dim: int, theta: float, yarn: YarnScaling | None):
-    """Like ``cached_cos_sin``; plain RoPE tables when ``yarn`` is None or has factor <= 1."""
-    if yarn is None or yarn.factor <= 1:
+def cached_yarn_cos_sin(info: ForwardInfo, rot_dim: int, theta: float, yarn: YarnConfig):
+    """Like ``cached_cos_sin``; plain RoPE tables when the YaRN factor is <= 1."""
+    if yarn.factor <= 1:
         return cached_cos_sin(info, rot_dim, theta)
-    key = ("rope", "yarn", rot_dim, theta, yarn)
+    key = ("rope", "yarn", rot_dim, theta, *astuple(yarn))
     if key not in info.memo:
         info.memo[key] = yarn_cos_sin(info.positions, rot_dim, theta, yarn)
     return info.memo[key]

@@ -255,6 +255,29 @@ class DSAConfig:
 
 
 @dataclass
+class YarnConfig:
+    """YaRN RoPE scaling, as HF ``rope_type: yarn`` (DeepSeek-V3 configs); factor 1 = off.
+
+    original_max_position: pre-training length; beta_fast / beta_slow: rotation counts that
+    bound the interpolation ramp; mscale / mscale_all_dim: attention temperature terms
+    ``0.1 * m * ln(factor) + 1`` (cos/sin and softmax scale).
+    """
+
+    factor: float = 1.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    def validate(self, path: str = "model.mla.yarn") -> None:
+        check(self.factor >= 1.0, f"{path}.factor", self.factor, "must be >= 1 (1 = off)")
+        check_positive(f"{path}.original_max_position", self.original_max_position)
+        check(self.beta_fast > self.beta_slow > 0, f"{path}.beta_fast", self.beta_fast,
+              f"must be > beta_slow={self.beta_slow} > 0")
+
+
+@dataclass
 class MLAConfig:
     """Multi-head latent attention (letters M, D, I): DeepSeek-V3, Kimi, Ling, GLM-5.
 
@@ -262,7 +285,7 @@ class MLAConfig:
     shared latent c = norm(W_kva x)[:kv_lora_rank] expanded per head by W_kvb, plus one
     RoPE key part k_rope shared by all heads. Heads have qk_nope + qk_rope query/key channels
     and v_head_dim value channels. ``rope``: interleaved (DeepSeek, Ling), half (rotate-half),
-    none (Kimi, GLM-5: the k_rope channels are used unrotated). ``yarn_*``: YaRN scaling
+    none (Kimi, GLM-5: the k_rope channels are used unrotated). ``yarn``: YaRN scaling
     (factor 1 = off). ``head_gate``: per-head sigmoid output gate from x (Ling).
     """
 
@@ -274,12 +297,7 @@ class MLAConfig:
     v_head_dim: int = 128
     rope: str = "interleaved"
     rope_theta: float = 10000.0
-    yarn_factor: float = 1.0
-    yarn_original_max_position: int = 4096
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-    yarn_mscale: float = 1.0
-    yarn_mscale_all_dim: float = 0.0
+    yarn: YarnConfig = field(default_factory=YarnConfig)
     head_gate: bool = False
     latent_norm_eps: Optional[float] = None  # None: model.norm_eps
     softmax_scale: Optional[float] = None  # None: (qk_nope + qk_rope) ** -0.5, times the YaRN mscale
@@ -295,8 +313,7 @@ class MLAConfig:
               "must be an even integer >= 0")
         check_choice(f"{path}.rope", self.rope, ("interleaved", "half", "none"))
         check(self.rope_theta > 0, f"{path}.rope_theta", self.rope_theta, "must be > 0")
-        check(self.yarn_factor >= 1.0, f"{path}.yarn_factor", self.yarn_factor, "must be >= 1 (1 = off)")
-        check_positive(f"{path}.yarn_original_max_position", self.yarn_original_max_position)
+        self.yarn.validate(f"{path}.yarn")
         if self.indexer is not None:
             self.indexer.validate(hidden_size, f"{path}.indexer")
             check(self.q_lora_rank is not None, f"{path}.q_lora_rank", self.q_lora_rank,

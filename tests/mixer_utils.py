@@ -6,7 +6,7 @@ import torch
 
 from megamoe.cache import InferenceCache
 from megamoe.config import (AttentionConfig, DSAConfig, LightningConfig, MLAConfig, MLPConfig, ModelConfig,
-                            ParallelConfig)
+                            ParallelConfig, YarnConfig)
 from megamoe.layout import MIXERS
 from megamoe.spec import ForwardInfo
 from tests.numerics import rel_err
@@ -21,7 +21,7 @@ def tiny_model(layout: str = "AdSdLdMdDdId", **kw) -> ModelConfig:
         mlp=MLPConfig(ffn_hidden_size=48),
         lightning=LightningConfig(num_heads=4, block_size=4),
         mla=MLAConfig(num_heads=4, q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4,
-                      v_head_dim=5, yarn_factor=4.0, yarn_original_max_position=8, yarn_mscale_all_dim=0.8,
+                      v_head_dim=5, yarn=YarnConfig(factor=4.0, original_max_position=8, mscale_all_dim=0.8),
                       indexer=DSAConfig(num_heads=3, head_dim=8, topk=4, kpool=2)),
     )
     base.update(kw)

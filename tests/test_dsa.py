@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from megamoe.config import DSAConfig
+from megamoe.config import DSAConfig, YarnConfig
 from megamoe.layers.rotary import apply_rotary, cached_yarn_cos_sin
 from megamoe.spec import ForwardInfo
 from tests.mixer_utils import (build_mixer, causal_additive_mask, decode_steps, full_forward, load_from_hf,
@@ -150,7 +150,7 @@ def test_matches_glm5_next_indexed_attention():
                                 layer_types=["indexed_attention"], indexer_types=["full"], **shape)
     hf_cfg._attn_implementation = "eager"
     hf = hf_indexer_without_ties(Glm5NextTextAttention(hf_cfg, 0))
-    ours = build_mixer("I", model("I", qk_rope_head_dim=0, rope="none", yarn_factor=1.0, indexer=HF_INDEXER))
+    ours = build_mixer("I", model("I", qk_rope_head_dim=0, rope="none", yarn=YarnConfig(), indexer=HF_INDEXER))
     load_from_hf(ours, hf, {**MLA_NAMES, **INDEXER_NAMES})
     x = x_of(7, t=14)
     with torch.no_grad():

@@ -3,13 +3,15 @@ kimi_linear, DeepSeek-V3 and Ling (bailing_hybrid) MLA modules."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
-from megamoe.config import MLAConfig
+from megamoe.config import MLAConfig, YarnConfig
 from megamoe.errors import ConfigError
-from megamoe.layers.rotary import YarnScaling, apply_rotary, apply_rotary_interleaved, rope_cos_sin
+from megamoe.layers.rotary import (apply_rotary, apply_rotary_interleaved, rope_cos_sin, yarn_cos_sin_scale,
+                                   yarn_softmax_scale)
 from tests.mixer_utils import (build_mixer, causal_additive_mask, decode_steps, full_forward, load_from_hf,
                                randomize, tiny_model)
 from tests.numerics import max_abs, rel_err
@@ -58,9 +60,11 @@ def test_interleaved_rope_rotates_pairs():
 
 
 def test_yarn_softmax_and_cos_scales():
-    y = YarnScaling(factor=40.0, mscale=1.0, mscale_all_dim=1.0)
-    assert y.cos_sin_scale() == 1.0 and abs(y.softmax_scale() - (0.1 * torch.tensor(40.0).log() + 1) ** 2) < 1e-6
-    assert YarnScaling(factor=4.0, mscale_all_dim=0.0).softmax_scale() == 1.0
+    """DeepSeek-V3's setting (factor 40, mscale = mscale_all_dim = 1): cos/sin unscaled, the
+    softmax scale times (0.1 ln 40 + 1)^2; without mscale_all_dim the softmax scale is kept."""
+    y = YarnConfig(factor=40.0, mscale=1.0, mscale_all_dim=1.0)
+    assert yarn_cos_sin_scale(y) == 1.0 and abs(yarn_softmax_scale(y) - (0.1 * math.log(40.0) + 1) ** 2) < 1e-12
+    assert yarn_softmax_scale(YarnConfig(factor=4.0)) == 1.0
 
 
 def hf_run(hf, x, rotary=None):
@@ -86,7 +90,7 @@ def test_matches_kimi_linear_mla():
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
 
     hf = KimiLinearAttention(KimiLinearConfig(q_lora_rank=None, layer_types=["full_attention"], **HF_SHAPE), 0)
-    ours = build_mixer("M", mla_model(q_lora_rank=None, rope="none", yarn_factor=1.0, indexer=None))
+    ours = build_mixer("M", mla_model(q_lora_rank=None, rope="none", yarn=YarnConfig(), indexer=None))
     x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(1))
     names = dict(MLA_NAMES, **{"linear_q.weight": "q_proj.weight"})
     randomize(hf)
@@ -119,7 +123,7 @@ def test_matches_ling_mla_interleaved_head_gate():
     ("qk_rope_head_dim", 3, "model.mla.qk_rope_head_dim=3"),
     ("rope", "yarn", "model.mla.rope='yarn'"),
     ("q_lora_rank", None, "model.mla.q_lora_rank=None is invalid: must be set when mla.indexer is"),
-    ("yarn_factor", 0.5, "model.mla.yarn_factor"),
+    ("yarn", YarnConfig(factor=0.5), "model.mla.yarn.factor=0.5"),
 ])
 def test_bad_config_one_line_error(field, value, needle):
     cfg = dataclasses.replace(MLAConfig(indexer=tiny_model().mla.indexer), **{field: value})
