@@ -122,6 +122,16 @@ def test_parameter_parts_freeze_and_learning_rates():
     torch.optim.AdamW(param_groups(model, lr=1e-3))  # the groups are what torch optimizers take
 
 
+def test_meta_budget_counts_the_vision_tower():
+    from megamoe.plan import budget
+
+    cfg = tiny_mm()
+    model = build(cfg)
+    parts = budget(cfg).parts
+    assert parts["vision"][0] == sum(p.numel() for n, p in model.named_parameters() if n.startswith("vision."))
+    assert sum(t for t, _ in parts.values()) == sum(p.numel() for p in model.parameters())
+
+
 def lm_sections(layout_hybrid: str = "GeAe") -> tuple[str, dict]:
     """The hybrid (Gated DeltaNet + MoE) stack when both letters are registered, else dense."""
     import megamoe.layers  # noqa: F401
