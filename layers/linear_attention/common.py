@@ -1,0 +1,70 @@
+"""Pieces the delta-rule mixers share: short causal conv with decode state, L2 norm, op dispatch.
+
+Shapes: x [b, t, channels]; conv weight [channels, kernel]; conv state [b, kernel - 1, channels]
+(the last inputs seen, oldest first).
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megamoe.layers.linear_attention.chunk_delta import chunk_delta_rule
+from megamoe.layers.linear_attention.delta_rule import recurrent_delta_rule
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None):
+    """Depthwise causal conv followed by SiLU. x [b, t, c], weight [c, K], state [b, K-1, c] or None
+    (zeros: the start of a sequence) -> (y [b, t, c], new state [b, K-1, c])."""
+    b, t, c = x.shape
+    kernel = weight.size(-1)
+    if state is None:
+        state = x.new_zeros(b, kernel - 1, c)
+    full = torch.cat([state.to(x.dtype), x], dim=1)                  # [b, K-1+t, c]
+    y = F.conv1d(full.transpose(1, 2), weight.unsqueeze(1), groups=c)  # [b, c, t]
+    return F.silu(y.transpose(1, 2)), full[:, full.size(1) - (kernel - 1):]
+
+
+def conv_init(shape, gen: torch.Generator) -> torch.Tensor:
+    """torch's Conv1d default for a depthwise kernel: U(-1/sqrt(K), 1/sqrt(K))."""
+    bound = 1.0 / math.sqrt(shape[-1])
+    return (torch.rand(shape, generator=gen) * 2 - 1) * bound
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim, in fp32 (as fla and the HF references)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def fla_usable(device: torch.device) -> bool:
+    """fla's Triton kernels only on CUDA, and only when installed; never imported otherwise."""
+    return device.type == "cuda" and importlib.util.find_spec("fla") is not None
+
+
+def fla_delta_rule(q, k, v, g, beta, initial_state, decode: bool):
+    """The same op through fla (imported lazily, CUDA only). fla wants one key head per value head."""
+    from megamoe.layers.linear_attention.delta_rule import expand_key_heads
+
+    q, k = expand_key_heads(q, k, v.size(2))
+    if g.dim() == 4:
+        from fla.ops.kda import chunk_kda as chunk, fused_recurrent_kda as recurrent
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as recurrent
+    fn = recurrent if decode else chunk
+    state = None if initial_state is None else initial_state.float()
+    return fn(q, k, v, g.float(), beta, initial_state=state, output_final_state=True)
+
+
+def delta_rule(q, k, v, g, beta, *, initial_state=None, decode: bool = False, chunk_size: int = 64,
+               use_fla: bool = True):
+    """Pick the op: fla when asked for and usable, else the recurrent step while decoding and the
+    chunked form otherwise. Shapes as in ``megamoe.layers.linear_attention.delta_rule``."""
+    if use_fla and fla_usable(q.device):
+        return fla_delta_rule(q, k, v, g, beta, initial_state, decode)
+    if decode:
+        return recurrent_delta_rule(q, k, v, g, beta, initial_state=initial_state)
+    return chunk_delta_rule(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size)

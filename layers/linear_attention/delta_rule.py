@@ -1,0 +1,91 @@
+"""The gated delta rule, token by token: the readable reference and the decoding step.
+
+One recurrence serves Gated DeltaNet (one decay per head) and KDA (one decay per key
+channel). Per head, with state ``S`` of shape [dk, dv] and ``a_t = exp(g_t)``::
+
+    S_t = (I - beta_t k_t k_t^T) diag(a_t) S_{t-1} + beta_t k_t v_t^T
+    o_t = S_t^T (scale * q_t)
+
+Shapes (all operators in this package):
+    q, k          [b, t, hk, dk]   (hk divides hv; value head j reads key head j // (hv // hk))
+    v             [b, t, hv, dv]
+    g             [b, t, hv] (per-head decay, GDN) or [b, t, hv, dk] (per-channel, KDA); log space, <= 0
+    beta          [b, t, hv]
+    initial_state [b, hv, dk, dv] or None (zeros)
+    returns       o [b, t, hv, dv] in v's dtype, final state [b, hv, dk, dv] in fp32.
+The state is always accumulated in fp32 (fp64 when the inputs are fp64, for references).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def expand_key_heads(q: torch.Tensor, k: torch.Tensor, value_heads: int):
+    """Repeat each key head for the value heads it serves: [b, t, hk, d] -> [b, t, hv, d]."""
+    hk = k.size(2)
+    if value_heads % hk:
+        raise ValueError(f"value heads ({value_heads}) must be a multiple of key heads ({hk})")
+    if value_heads == hk:
+        return q, k
+    rep = value_heads // hk
+    return q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+
+
+def prepare(q, k, v, g, beta, scale, initial_state):
+    """fp32, heads expanded, time moved next to the features: [b, h, t, d]; g as [b, h, t, dk|1]."""
+    b, t, hv, dv = v.shape
+    dk = q.size(-1)
+    q, k = expand_key_heads(q, k, hv)
+    scale = dk ** -0.5 if scale is None else scale
+    acc = torch.promote_types(v.dtype, torch.float32)  # fp32, or fp64 for references
+    q = q.to(acc).transpose(1, 2) * scale
+    k, v = (x.to(acc).transpose(1, 2) for x in (k, v))
+    g = g.to(acc).transpose(1, 2)
+    if g.dim() == 3:  # per-head decay: one value for every key channel
+        g = g.unsqueeze(-1)
+    beta = beta.to(acc).transpose(1, 2)
+    if initial_state is None:
+        state = v.new_zeros(b, hv, dk, dv)
+    else:
+        if tuple(initial_state.shape) != (b, hv, dk, dv):
+            raise ValueError(f"initial_state has shape {tuple(initial_state.shape)}, expected {(b, hv, dk, dv)}")
+        state = initial_state.to(acc)
+    return q, k, v, g, beta, state
+
+
+def naive_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None):
+    """Reference: the recurrence exactly as written above, with explicit [dk, dk] matrices.
+
+    Slow (O(t * dk^2 * dv)) and meant for tests; see the module docstring for shapes.
+    """
+    dtype = v.dtype
+    q, k, v, g, beta, state = prepare(q, k, v, g, beta, scale, initial_state)
+    eye = torch.eye(q.size(-1), dtype=state.dtype, device=state.device)
+    outs = []
+    for q_t, k_t, v_t, g_t, b_t in zip(*(x.unbind(2) for x in (q, k, v, g, beta))):
+        b_t = b_t[..., None, None]
+        decayed = g_t.exp().unsqueeze(-1) * state                                # diag(a_t) S
+        erase = eye - b_t * k_t.unsqueeze(-1) * k_t.unsqueeze(-2)                # I - beta k k^T
+        state = erase @ decayed + b_t * k_t.unsqueeze(-1) * v_t.unsqueeze(-2)   # + beta k v^T
+        outs.append((state.transpose(-1, -2) @ q_t.unsqueeze(-1)).squeeze(-1))  # S^T q
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.size(0), 0, v.size(1), v.size(3))
+    return o.to(dtype), state
+
+
+def recurrent_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None):
+    """Decoding form: the same recurrence as a read-correct-write step, O(dk * dv) per token.
+
+    ``S <- a*S; S <- S + k (beta (v - S^T k))^T`` avoids the [dk, dk] matrices of the reference.
+    Out-of-place, so it is differentiable (used for short continuations as well as one token).
+    """
+    dtype = v.dtype
+    q, k, v, g, beta, state = prepare(q, k, v, g, beta, scale, initial_state)
+    outs = []
+    for q_t, k_t, v_t, g_t, b_t in zip(*(x.unbind(2) for x in (q, k, v, g, beta))):
+        state = state * g_t.exp().unsqueeze(-1)
+        predicted = (state * k_t.unsqueeze(-1)).sum(-2)                    # S^T k   [b, h, dv]
+        delta = (v_t - predicted) * b_t.unsqueeze(-1)
+        state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append((state * q_t.unsqueeze(-1)).sum(-2))
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.size(0), 0, v.size(1), v.size(3))
+    return o.to(dtype), state

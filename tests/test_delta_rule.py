@@ -1,0 +1,134 @@
+"""The gated delta rule ops: chunked == recurrent == naive, forward and gradients, in fp32.
+
+Per-head decay (Gated DeltaNet) and per-channel decay (KDA), with more value heads than key
+heads, at awkward lengths and with an initial state; pieces with the state carried; strong
+decays; fla never imported on CPU.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megamoe.layers.linear_attention.chunk_delta import chunk_delta_rule
+from megamoe.layers.linear_attention.delta_rule import naive_delta_rule, recurrent_delta_rule
+from tests.numerics import rel_err
+
+REL = 1e-5
+
+
+def make_inputs(t: int, per_channel: bool, seed: int = 0, b: int = 2, hk: int = 1, hv: int = 2, dk: int = 16,
+                dv: int = 8, decay_scale: float = 1.0):
+    """q, k unit-norm per head (as the mixers feed them), g <= 0, beta in (0, 1), a random h0."""
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(b, t, hk, dk, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(b, t, hk, dk, generator=gen), dim=-1)
+    v = torch.randn(b, t, hv, dv, generator=gen)
+    g_shape = (b, t, hv, dk) if per_channel else (b, t, hv)
+    g = F.logsigmoid(torch.randn(g_shape, generator=gen) + 1.0) * decay_scale
+    beta = torch.rand(b, t, hv, generator=gen)
+    h0 = torch.randn(b, hv, dk, dv, generator=gen)
+    return q, k, v, g, beta, h0
+
+
+def run_with_grads(fn, inputs, use_h0: bool, **kw):
+    """Output, final state and the gradients of a fixed random projection of both."""
+    xs = [x.clone().requires_grad_(True) for x in inputs]
+    o, state = fn(*xs[:5], initial_state=xs[5] if use_h0 else None, **kw)
+    gen = torch.Generator().manual_seed(123)
+    loss = (o * torch.randn(o.shape, generator=gen)).sum() + (state * torch.randn(state.shape, generator=gen)).sum()
+    loss.backward()
+    names = ["q", "k", "v", "g", "beta", "h0"][: 6 if use_h0 else 5]
+    return o.detach(), state.detach(), {n: x.grad for n, x in zip(names, xs)}
+
+
+def compare(got, ref) -> dict:
+    errs = {"o": rel_err(got[0], ref[0]), "state": rel_err(got[1], ref[1])}
+    errs.update({f"d{n}": rel_err(got[2][n], ref[2][n]) for n in ref[2]})
+    return errs
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("t,use_h0", [(1, True), (63, False), (64, True), (65, True), (500, True)])
+def test_chunked_and_recurrent_match_naive(per_channel, t, use_h0):
+    inputs = make_inputs(t, per_channel, seed=t)
+    ref = run_with_grads(naive_delta_rule, inputs, use_h0)
+    for name, fn in (("recurrent", recurrent_delta_rule), ("chunked", chunk_delta_rule)):
+        errs = compare(run_with_grads(fn, inputs, use_h0), ref)
+        bad = {k: v for k, v in errs.items() if v > REL}
+        assert not bad, f"{name} vs naive, t={t}: relative errors over {REL}: {bad}"
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_chunk_size_does_not_change_result(per_channel):
+    inputs = make_inputs(100, per_channel, seed=5)
+    a, sa = chunk_delta_rule(*inputs[:5], initial_state=inputs[5], chunk_size=16)
+    b, sb = chunk_delta_rule(*inputs[:5], initial_state=inputs[5], chunk_size=64)
+    assert rel_err(a, b) <= REL and rel_err(sa, sb) <= REL
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_pieces_with_state_carried_equal_one_pass(per_channel):
+    q, k, v, g, beta, h0 = make_inputs(150, per_channel, seed=7)
+    full, full_state = chunk_delta_rule(q, k, v, g, beta, initial_state=h0)
+    state, outs = h0, []
+    for lo, hi in ((0, 37), (37, 101), (101, 150)):
+        piece = [x[:, lo:hi] for x in (q, k, v, g, beta)]
+        o, state = chunk_delta_rule(*piece, initial_state=state)
+        outs.append(o)
+    assert rel_err(torch.cat(outs, 1), full) <= REL
+    assert rel_err(state, full_state) <= REL
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_strong_decay_stays_finite_and_exact(per_channel):
+    """Decays of -5 per step (glm5_next's gate bound) make exp(-G) overflow across a chunk;
+    every product in the chunked form keeps a non-positive exponent, so nothing does."""
+    inputs = list(make_inputs(130, per_channel, seed=3))
+    inputs[3] = torch.full_like(inputs[3], -5.0)
+    inputs[3][:, ::7] = -0.01  # mixed with slow channels / steps
+    ref = run_with_grads(naive_delta_rule, inputs, True)
+    got = run_with_grads(chunk_delta_rule, inputs, True)
+    assert all(torch.isfinite(x).all() for x in (got[0], got[1], *got[2].values()))
+    errs = compare(got, ref)
+    assert max(errs.values()) <= REL, errs
+
+
+def test_bad_initial_state_shape_names_it():
+    q, k, v, g, beta, h0 = make_inputs(4, False)
+    with pytest.raises(ValueError, match="initial_state"):
+        chunk_delta_rule(q, k, v, g, beta, initial_state=h0[:, :1])
+
+
+def test_fla_never_imported_on_cpu(tmp_path, monkeypatch):
+    """With an importable (booby-trapped) fla on the path, CPU tensors still never import it."""
+    import importlib.util
+
+    from megamoe.layers.linear_attention.common import delta_rule, fla_usable
+
+    (tmp_path / "fla").mkdir()
+    (tmp_path / "fla" / "__init__.py").write_text("raise ImportError('fla must not be imported on CPU')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert importlib.util.find_spec("fla") is not None  # the trap is visible
+    assert not fla_usable(torch.device("cpu"))
+    q, k, v, g, beta, _ = make_inputs(5, True)
+    ref, _ = chunk_delta_rule(q, k, v, g, beta)
+    got, _ = delta_rule(q, k, v, g, beta, use_fla=True)
+    delta_rule(q, k, v, g, beta, decode=True, use_fla=True)
+    assert "fla" not in sys.modules
+    assert rel_err(got, ref) == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_fla_matches_chunked_on_cuda(per_channel):
+    from megamoe.layers.linear_attention.common import delta_rule, fla_usable
+
+    if not fla_usable(torch.device("cuda")):
+        pytest.skip("fla is not installed")
+    inputs = [x.cuda() for x in make_inputs(200, per_channel, seed=11)]
+    ref, ref_state = chunk_delta_rule(*inputs[:5], initial_state=inputs[5])
+    got, state = delta_rule(*inputs[:5], initial_state=inputs[5], use_fla=True)
+    assert rel_err(got, ref) <= 1e-3 and rel_err(state, ref_state) <= 1e-3
