@@ -327,6 +327,78 @@ class MLAConfig:
 
 
 @dataclass
+class GDNConfig:
+    """Gated DeltaNet (letter G): Qwen3-Next / Qwen3.5 linear attention.
+
+    q, k [b, t, num_key_heads, key_head_dim]; v [b, t, num_value_heads, value_head_dim]
+    (each key head serves num_value_heads / num_key_heads value heads); recurrent state
+    [b, num_value_heads, key_head_dim, value_head_dim] in fp32. HF names in brackets.
+    """
+
+    num_key_heads: int = 16  # [linear_num_key_heads]
+    num_value_heads: int = 32  # [linear_num_value_heads]
+    key_head_dim: int = 128  # [linear_key_head_dim]
+    value_head_dim: int = 128  # [linear_value_head_dim]
+    conv_kernel: int = 4  # causal depthwise conv over q|k|v [linear_conv_kernel_dim]
+    norm_eps: Optional[float] = None  # gated output RMSNorm; None: model.norm_eps
+    norm_zero_centered: bool = False  # output norm weight applied as (1 + w) (HF: plain w)
+    chunk_size: int = 64  # training chunk length (any multiple of 16 gives the same result)
+    use_fla: bool = True  # fla kernels when importable and on CUDA; the torch ops otherwise
+
+    def validate(self, hidden_size: int, path: str = "model.gdn") -> None:
+        for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+            check_positive(f"{path}.{name}", getattr(self, name))
+        check(self.num_value_heads % self.num_key_heads == 0, f"{path}.num_value_heads", self.num_value_heads,
+              f"must be a multiple of num_key_heads={self.num_key_heads}")
+        check(self.norm_eps is None or self.norm_eps > 0, f"{path}.norm_eps", self.norm_eps, "must be > 0")
+        check(isinstance(self.chunk_size, int) and self.chunk_size > 0 and self.chunk_size % 16 == 0,
+              f"{path}.chunk_size", self.chunk_size, "must be a positive multiple of 16")
+
+    def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.gdn") -> None:
+        check(self.num_key_heads % parallel.tp == 0, f"{path}.num_key_heads", self.num_key_heads,
+              f"must be divisible by parallel.tp={parallel.tp} (TP splits whole key-head groups)")
+
+
+@dataclass
+class KDAConfig:
+    """Kimi delta attention (letter K): kimi_linear, glm5_next and bailing_hybrid linear layers.
+
+    The gated delta rule with one decay per key channel. q, k, v [b, t, num_heads, head_dim];
+    state [b, num_heads, head_dim, head_dim] in fp32. Decay g = -exp(A_log) * softplus(f + dt_bias)
+    (kimi_linear), or with ``gate_lower_bound`` the safe gate
+    g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) (glm5_next, bailing_hybrid).
+    """
+
+    num_heads: int = 32  # [linear_num_heads]
+    head_dim: int = 128  # [linear_head_dim]
+    conv_kernel: int = 4  # [linear_conv_kernel_dim]
+    gate_rank: Optional[int] = None  # forget/output gates hidden -> rank -> heads*head_dim; None: head_dim
+    #                                  (kimi_linear, glm5_next); 0: one full-rank projection (bailing_hybrid)
+    gate_lower_bound: Optional[float] = None  # safe gate bound, < 0 (glm5_next: -5); None: softplus gate
+    norm_eps: Optional[float] = None  # gated output RMSNorm; None: model.norm_eps
+    chunk_size: int = 64
+    use_fla: bool = True
+
+    def rank(self) -> int:
+        return self.head_dim if self.gate_rank is None else self.gate_rank
+
+    def validate(self, hidden_size: int, path: str = "model.kda") -> None:
+        for name in ("num_heads", "head_dim", "conv_kernel"):
+            check_positive(f"{path}.{name}", getattr(self, name))
+        check(self.gate_rank is None or (isinstance(self.gate_rank, int) and self.gate_rank >= 0),
+              f"{path}.gate_rank", self.gate_rank, "must be None (head_dim), 0 (full rank) or a positive integer")
+        check(self.gate_lower_bound is None or self.gate_lower_bound < 0, f"{path}.gate_lower_bound",
+              self.gate_lower_bound, "must be < 0 (or None for the softplus gate)")
+        check(self.norm_eps is None or self.norm_eps > 0, f"{path}.norm_eps", self.norm_eps, "must be > 0")
+        check(isinstance(self.chunk_size, int) and self.chunk_size > 0 and self.chunk_size % 16 == 0,
+              f"{path}.chunk_size", self.chunk_size, "must be a positive multiple of 16")
+
+    def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.kda") -> None:
+        check(self.num_heads % parallel.tp == 0, f"{path}.num_heads", self.num_heads,
+              f"must be divisible by parallel.tp={parallel.tp}")
+
+
+@dataclass
 class ModelConfig:
     """A causal language model (plus, later, its vision encoder) described by a layout string."""
 
@@ -337,6 +409,8 @@ class ModelConfig:
     mlp: MLPConfig = field(default_factory=MLPConfig)
     lightning: Optional[LightningConfig] = None  # letter L
     mla: Optional[MLAConfig] = None  # letters M, D, I
+    gdn: Optional[GDNConfig] = None  # letter G
+    kda: Optional[KDAConfig] = None  # letter K
     norm_eps: float = 1e-6
     norm_zero_centered: bool = False  # RMSNorm weight applied as (1 + w), stored zero-initialised
     tie_embeddings: bool = False

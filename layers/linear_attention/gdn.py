@@ -1,0 +1,105 @@
+"""Gated DeltaNet mixer (layout letter ``G``): Qwen3-Next and Qwen3.5 linear attention.
+
+    x --in_proj--> q, k, v, z, b, a                      (one column-parallel GEMM, parts by head)
+    q|k|v --causal depthwise conv (kernel K) + SiLU--> q, k, v;   q, k L2-normalised per head
+    beta = sigmoid(b);   g = -exp(A_log) * softplus(a + dt_bias)   (one decay per value head)
+    o = gated delta rule(q, k, v, g, beta)                (see delta_rule.py; chunked in training)
+    out_proj( RMSNorm(o) * silu(z) )                      (norm over value_head_dim, per head)
+
+Shapes: x [b, s, hidden] (``[b, s/tp, hidden]`` under SP); q, k [b, s, hk, dk]; v, z, o
+[b, s, hv, dv]; hk, hv are this TP rank's heads. Decode state in ``cache.layer(n)``:
+``conv`` [b, K-1, 2*hk*dk + hv*dv] and ``recurrent`` [b, hv, dk, dv] (fp32).
+
+Parameters per layer: hidden * (2*Hk*dk + 2*Hv*dv + 2*Hv)   (in_proj)
+                      + (2*Hk*dk + Hv*dv) * K              (conv)
+                      + 2*Hv + dv                           (A_log, dt_bias, norm)
+                      + Hv*dv * hidden                      (out_proj)
+HF layouts (fused ``in_proj_qkvz``/``in_proj_ba`` or separate) map onto ``in_proj`` with the
+transforms in ``hf_layout.py``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megamoe.config import GDNConfig
+from megamoe.parallel.sharding import Shard, const_init, mark_init, set_sharding
+from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
+from megamoe.layers.linear_attention.common import causal_conv, conv_init, delta_rule, l2norm
+from megamoe.layers.linear_attention.hf_layout import GDNShapes
+
+
+def head_param(ctx: BuildContext, full: int, init, parts=None) -> nn.Parameter:
+    """A per-head vector split over TP like the heads it belongs to."""
+    p = nn.Parameter(torch.empty(full // ctx.groups.tp_size, dtype=ctx.dtype, device=ctx.device))
+    set_sharding(p, Shard(0, "tp", parts))
+    return mark_init(p, init)
+
+
+def conv_param(ctx: BuildContext, parts: tuple[int, ...], kernel: int) -> nn.Parameter:
+    """Depthwise conv weight [channels/tp, K], channels split part by part (q | k | v)."""
+    p = nn.Parameter(torch.empty(sum(parts) // ctx.groups.tp_size, kernel, dtype=ctx.dtype, device=ctx.device))
+    set_sharding(p, Shard(0, "tp", parts))
+    return mark_init(p, conv_init)
+
+
+def log_uniform_init(low: float, high: float):
+    """log(U(low, high)): the A_log init of Mamba-2, Qwen3-Next and fla."""
+    return lambda shape, gen: (torch.rand(shape, generator=gen) * (high - low) + low).log()
+
+
+def conv_and_state(module: nn.Module, qkv: torch.Tensor, info: ForwardInfo):
+    """Short conv over q|k|v, continuing from the decode cache when there is one.
+
+    Returns (conv output [b, s, C], cache dict or None, initial recurrent state or None)."""
+    state = None if info.cache is None else info.cache.layer(module.layer_number)
+    qkv, conv_state = causal_conv(qkv, module.conv_weight, None if state is None else state.get("conv"))
+    if state is not None:
+        state["conv"] = conv_state
+    return qkv, state, None if state is None else state.get("recurrent")
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: GDNConfig, ctx: BuildContext, layer_number: int = 0):
+        super().__init__()
+        self.layer_number, self.cfg = layer_number, cfg
+        tp = ctx.groups.tp_size
+        shapes = GDNShapes.from_config(cfg)
+        self.hk, self.hv = cfg.num_key_heads // tp, cfg.num_value_heads // tp
+        self.dk, self.dv = cfg.key_head_dim, cfg.value_head_dim
+        self.local_parts = [p // tp for p in shapes.in_proj_parts()]
+        b = ctx.backend
+        self.in_proj = b.column_linear(ctx, ctx.hidden_size, list(shapes.in_proj_parts()))
+        self.conv_weight = conv_param(ctx, shapes.conv_parts(), cfg.conv_kernel)
+        self.A_log = head_param(ctx, cfg.num_value_heads, log_uniform_init(1.0, 16.0))
+        self.dt_bias = head_param(ctx, cfg.num_value_heads, const_init(1.0))
+        eps = ctx.norm_eps if cfg.norm_eps is None else cfg.norm_eps
+        self.norm = b.norm(ctx, self.dv, head_sharded=True, eps=eps, zero_centered=cfg.norm_zero_centered)
+        self.out_proj = b.row_linear(ctx, cfg.num_value_heads * self.dv, ctx.hidden_size)
+
+    def decay_and_beta(self, b_in: torch.Tensor, a: torch.Tensor):
+        """[b, s, hv] each -> g (log decay, fp32, <= 0), beta in (0, 1)."""
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return g, torch.sigmoid(b_in)
+
+    def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
+        proj = self.in_proj(x)                                   # [b, s, sum(local parts)]
+        bsz, s = proj.shape[:2]
+        qkv_width = sum(self.local_parts[:3])
+        qkv, z, b_in, a = proj.split([qkv_width, *self.local_parts[3:]], dim=-1)
+        qkv, state, h0 = conv_and_state(self, qkv, info)
+        q, k, v = qkv.split(self.local_parts[:3], dim=-1)
+        q = l2norm(q.reshape(bsz, s, self.hk, self.dk))
+        k = l2norm(k.reshape(bsz, s, self.hk, self.dk))
+        v = v.reshape(bsz, s, self.hv, self.dv)
+        g, beta = self.decay_and_beta(b_in, a)
+        o, final = delta_rule(q, k, v, g, beta, initial_state=h0, decode=state is not None and s == 1,
+                              chunk_size=self.cfg.chunk_size, use_fla=self.cfg.use_fla)
+        if state is not None:
+            state["recurrent"] = final
+        o = self.norm(o) * F.silu(z.reshape(bsz, s, self.hv, self.dv))
+        return self.out_proj(o.reshape(bsz, s, -1))
+
+
+register_mixer("G", ModuleSpec(GatedDeltaNet))
