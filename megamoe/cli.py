@@ -20,6 +20,7 @@ def recipe_parser(description: str) -> argparse.ArgumentParser:
 def run_main(main) -> None:
     """Run ``main()``; megamoe errors become one line on stderr and exit status 2."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # its import-time notices are not ours
     try:
         main()
     except MegamoeError as e:

@@ -57,10 +57,13 @@ class Layout:
     def stages(self, num_stages: int = 1) -> list[list[int]]:
         """Layer indices per pipeline stage.
 
-        With explicit cuts the number of stages must equal ``num_stages``; without cuts the
+        With explicit cuts the number of stages must equal ``num_stages`` (a single stage
+        ignores the cuts, so one recipe runs with and without pipelining); without cuts the
         layers are split evenly, which requires divisibility.
         """
         n = self.num_layers
+        if num_stages == 1:
+            return [list(range(n))]
         if self.cuts:
             bounds = [0, *self.cuts, n]
             if len(bounds) - 1 != num_stages:

@@ -1,0 +1,317 @@
+"""Sharded, atomic, layout-independent checkpoints on ``torch.distributed.checkpoint`` (DCP).
+
+Each rank writes its own pieces. A tensor sharded over the grid is stored under
+``<kind>/<name>#<piece>`` where the piece names this rank's position in the groups the
+tensor is split over (``tp1of2.ep0of2``); replicated tensors are stored once under their
+name. ``meta.json`` records the layout, so a checkpoint resumes on a different layout:
+each rank loads the pieces it needs, reassembles full tensors with the tensors' own
+``Shard`` rules and keeps its new piece.
+
+Atomicity: everything is written under ``step_XXXXXXXX.tmp`` and renamed once every rank
+has finished; ``latest`` is replaced atomically after the rename. A crash mid-save leaves
+the previous checkpoint untouched. DCP's pickled ``.metadata`` is read with an allow-list
+unpickler, so loading a checkpoint never executes code.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from megamoe.errors import CheckpointError
+from megamoe.parallel.groups import ParallelGroups
+from megamoe.parallel.sharding import Shard, _join_one, sharding, split_full
+
+log = logging.getLogger(__name__)
+
+META = "meta.json"
+LATEST = "latest"
+GROUPS = ("tp", "pp", "dp", "cp", "ep", "etp", "edp")
+
+
+# ---- safe metadata reading ---------------------------------------------------------------
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Only the classes DCP metadata is made of; anything else is refused."""
+
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+               ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
+               ("pathlib", "PurePosixPath"), ("builtins", "set"), ("builtins", "frozenset")}
+
+    def find_class(self, module, name):
+        if module == "torch.distributed.checkpoint.metadata" or (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint may not contain")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        path = Path(self.path) / ".metadata"
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read checkpoint metadata ({e.strerror})") from None
+        try:
+            metadata = _SafeUnpickler(io.BytesIO(data)).load()
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001  (truncated or corrupted file)
+            raise CheckpointError(f"{path}: corrupted checkpoint metadata ({type(e).__name__})") from None
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+# ---- pieces ------------------------------------------------------------------------------
+
+def layout_sizes(groups: ParallelGroups) -> dict[str, int]:
+    return {g: groups.size(g) for g in GROUPS}
+
+
+def _piece(rules: tuple[Shard, ...], ranks: dict[str, int], sizes: dict[str, int]) -> str:
+    bits = [f"{r.group}{ranks[r.group]}of{sizes[r.group]}" for r in rules if sizes.get(r.group, 1) > 1]
+    return ".".join(bits)
+
+
+def piece_key(kind: str, name: str, rules, ranks: dict[str, int], sizes: dict[str, int]) -> str:
+    piece = _piece(rules, ranks, sizes)
+    return f"{kind}/{name}#{piece}" if piece else f"{kind}/{name}"
+
+
+def my_ranks(groups: ParallelGroups) -> dict[str, int]:
+    return {g: groups.rank(g) for g in GROUPS}
+
+
+def _all_pieces(rules, sizes: dict[str, int]) -> list[dict[str, int]]:
+    """Every combination of ranks over the groups a tensor is split over (old layout)."""
+    combos: list[dict[str, int]] = [{}]
+    for r in rules:
+        n = sizes.get(r.group, 1)
+        combos = [{**c, r.group: i} for c in combos for i in range(n)]
+    return combos
+
+
+def _assemble(pieces: dict[str, torch.Tensor], kind: str, name: str, rules, sizes) -> torch.Tensor:
+    """Full tensor from the pieces of an old layout (undo the rules innermost first)."""
+
+    def build(level: int, fixed: dict[str, int]) -> torch.Tensor:
+        if level == len(rules):
+            return pieces[piece_key(kind, name, rules, fixed, sizes)]
+        rule = rules[level]
+        n = sizes.get(rule.group, 1)
+        parts = [build(level + 1, {**fixed, rule.group: i}) for i in range(n)]
+        if n == 1 and rule.unpadded is None:
+            return parts[0]
+        return _join_one(parts, rule)
+
+    return build(0, {})
+
+
+# ---- state collection --------------------------------------------------------------------
+
+def model_tensors(parts) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers of this rank's model chunks, by global name."""
+    out: dict[str, torch.Tensor] = {}
+    for chunk in parts:
+        for name, t in chunk.state_dict(keep_vars=True).items():
+            out.setdefault(name, t)
+    return out
+
+
+def _targets(model_parts, optimizer, create: bool = False) -> list[tuple]:
+    """(tensor, kind, name, shard rules) for everything a checkpoint holds of this rank."""
+    out = [(t.detach(), "model", name, sharding(t)) for name, t in model_tensors(model_parts).items()]
+    if optimizer is not None:
+        for name, (param, state) in optimizer.owned_states(create=create).items():
+            for field, value in state.items():
+                # per-element states share the param's sharding; scalars (Adam's step) are replicated
+                rules = sharding(param) if value.shape == param.shape else ()
+                out.append((value, f"optim.{field}", name, rules))
+    return out
+
+
+# ---- save --------------------------------------------------------------------------------
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _is_root() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _write_json_atomic(path: Path, data) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _finalize(tmp: Path, final: Path, root: Path) -> None:
+    """Make a fully written checkpoint visible: rename, then point ``latest`` at it."""
+    os.replace(tmp, final)
+    _write_json_atomic(root / LATEST, {"step_dir": final.name})
+
+
+def save_checkpoint(root: str | Path, step: int, groups: ParallelGroups, model_parts, optimizer=None,
+                    trainer_state: dict | None = None, keep_last: int = 2) -> Path:
+    """Write ``root/step_XXXXXXXX`` atomically (a collective: every rank calls it)."""
+    root = Path(root)
+    final = root / f"step_{step:08d}"
+    tmp = root / f"step_{step:08d}.tmp"
+    if _is_root():
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier()
+    ranks, sizes = my_ranks(groups), layout_sizes(groups)
+    items = {piece_key(kind, name, rules, ranks, sizes): t for t, kind, name, rules in _targets(model_parts, optimizer)}
+    items[f"rng/rank{dist.get_rank() if dist.is_initialized() else 0}"] = torch.get_rng_state().clone()
+    dcp.save(items, checkpoint_id=str(tmp))
+    if _is_root():
+        meta = {"step": step, "layout": layout_sizes(groups),
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "trainer_state": trainer_state or {}}
+        (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
+    _barrier()
+    if _is_root():
+        _finalize(tmp, final, root)
+        _prune(root, keep_last)
+        log.info("saved checkpoint %s", final)
+    _barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in done[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob("step_*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+# ---- load --------------------------------------------------------------------------------
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under root (``latest``, else the highest step_*)."""
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        try:
+            path = root / json.loads(pointer.read_text())["step_dir"]
+            if (path / META).is_file():
+                return path
+        except (ValueError, KeyError):
+            log.warning("%s is unreadable; scanning for checkpoints", pointer)
+    done = sorted(p for p in root.glob("step_*") if (p / META).is_file() and not p.name.endswith(".tmp"))
+    return done[-1] if done else None
+
+
+def read_meta(path: str | Path) -> dict:
+    meta_file = Path(path) / META
+    if not meta_file.is_file():
+        raise CheckpointError(f"{path}: not a megamoe checkpoint ({META} missing)")
+    try:
+        return json.loads(meta_file.read_text())
+    except ValueError:
+        raise CheckpointError(f"{meta_file}: corrupted (not JSON)") from None
+
+
+def _unchanged(rules, old_sizes: dict[str, int], groups: ParallelGroups) -> bool:
+    """The tensor is split the same way now as when it was saved: read our piece directly."""
+    return all(old_sizes.get(r.group, 1) == groups.size(r.group) for r in rules)
+
+
+def _load_into(path: Path, targets: list[tuple], groups: ParallelGroups, old_sizes: dict[str, int],
+               batch_bytes: int = 256 << 20) -> None:
+    """Load ``targets`` (tensor, kind, name, rules) in place. A tensor split as before is read
+    as this rank's own piece; otherwise every old piece is read, the full tensor reassembled
+    and the new piece kept. Reads go in batches of about ``batch_bytes`` to bound memory."""
+    batch, size = [], 0
+    for target in targets:
+        batch.append(target)
+        t, rules = target[0], target[3]
+        pieces = 1 if _unchanged(rules, old_sizes, groups) else len(_all_pieces(rules, old_sizes))
+        size += t.numel() * t.element_size() * pieces
+        if size >= batch_bytes:
+            _load_batch(path, batch, groups, old_sizes)
+            batch, size = [], 0
+    if batch:
+        _load_batch(path, batch, groups, old_sizes)
+
+
+def _load_batch(path: Path, batch: list[tuple], groups: ParallelGroups, old_sizes) -> None:
+    request: dict[str, torch.Tensor] = {}
+    resharded = []
+    for dest, kind, name, rules in batch:
+        if _unchanged(rules, old_sizes, groups):
+            request[piece_key(kind, name, rules, my_ranks(groups), old_sizes)] = dest
+            continue
+        resharded.append((dest, kind, name, rules))
+        for combo in _all_pieces(rules, old_sizes):
+            request[piece_key(kind, name, rules, combo, old_sizes)] = None
+    if resharded:
+        _fill_placeholders(path, request)
+    _dcp_load(path, request)
+    for dest, kind, name, rules in resharded:
+        piece = split_full(_assemble(request, kind, name, rules, old_sizes), rules, groups)
+        if piece.shape != dest.shape:
+            raise CheckpointError(f"{path}: tensor {name} has shape {tuple(piece.shape)} after resharding, "
+                                  f"the model holds {tuple(dest.shape)}")
+        with torch.no_grad():
+            dest.copy_(piece)
+
+
+def _dcp_load(path: Path, request: dict[str, torch.Tensor]) -> None:
+    try:
+        dcp.load(request, storage_reader=SafeFileSystemReader(str(path)))
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001  (DCP reports missing keys/shape errors verbosely)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: cannot load checkpoint ({first[:300]})") from None
+
+
+def _fill_placeholders(path: Path, request: dict) -> None:
+    """Allocate the request's ``None`` entries with the shapes/dtypes the checkpoint records."""
+    meta = SafeFileSystemReader(str(path)).read_metadata()
+    for key in [k for k, v in request.items() if v is None]:
+        entry = meta.state_dict_metadata.get(key)
+        if entry is None:
+            raise CheckpointError(f"{path}: checkpoint lacks tensor {key}")
+        request[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+
+
+def load_checkpoint(path: str | Path, groups: ParallelGroups, model_parts, optimizer=None,
+                    load_rng: bool = True) -> dict:
+    """Load model (and optimizer, RNG) state saved at any layout; returns the trainer state."""
+    path = Path(path)
+    meta = read_meta(path)
+    old = meta["layout"]
+    _load_into(path, _targets(model_parts, optimizer, create=True), groups, old)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if load_rng and meta.get("world_size") == world:
+        state = {f"rng/rank{rank}": None}
+        _fill_placeholders(path, state)
+        _dcp_load(path, state)
+        torch.set_rng_state(state[f"rng/rank{rank}"].clone())
+    elif load_rng:
+        log.warning("checkpoint was written by %s ranks, now %s: RNG states are reseeded", meta.get("world_size"), world)
+    log.info("loaded checkpoint %s (step %s, layout %s)", path, meta.get("step"), old)
+    return meta.get("trainer_state", {})

@@ -1,0 +1,89 @@
+"""Configs of the training runtime: one dataclass per component (no postponed annotations:
+OmegaConf reads them)."""
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from megamoe.config import check, check_choice, check_positive
+
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with warmup + cosine decay, gradient clipping and ZeRO-1 state sharding."""
+
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 10
+    decay_steps: Optional[int] = None  # None: train.steps - warmup_steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0  # max global grad norm; 0 disables clipping
+    zero1: bool = True  # shard optimizer state over data-parallel ranks
+
+    def validate(self, path: str = "optim") -> None:
+        check(self.lr > 0, f"{path}.lr", self.lr, "must be > 0")
+        check(0 <= self.min_lr <= self.lr, f"{path}.min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
+        check(self.warmup_steps >= 0, f"{path}.warmup_steps", self.warmup_steps, "must be >= 0")
+        check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"{path}.beta1/beta2", (self.beta1, self.beta2),
+              "must be in [0, 1)")
+        check(self.clip_grad >= 0, f"{path}.clip_grad", self.clip_grad, "must be >= 0")
+        check(self.weight_decay >= 0, f"{path}.weight_decay", self.weight_decay, "must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    micro_batch_size: int = 2
+    global_batch_size: int = 8  # samples per optimizer step, over all data-parallel ranks (length: data.seq_len)
+    seed: int = 1234
+    precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    recompute: List[str] = field(default_factory=list)  # any of: layer, mixer, mlp
+    nan_max_consecutive: int = 5  # skipped non-finite steps in a row before save-and-stop
+    pipeline_schedule: str = "1f1b"  # 1f1b, or interleaved (needs parallel.vpp > 1)
+    device: str = "auto"  # auto: cuda if available, else cpu
+
+    def validate(self, path: str = "train") -> None:
+        for name in ("steps", "micro_batch_size", "global_batch_size", "nan_max_consecutive"):
+            check_positive(f"{path}.{name}", getattr(self, name))
+        check_choice(f"{path}.precision", self.precision, PRECISIONS)
+        check_choice(f"{path}.pipeline_schedule", self.pipeline_schedule, ("1f1b", "interleaved"))
+        check_choice(f"{path}.device", self.device, ("auto", "cpu", "cuda"))
+        for part in self.recompute:
+            check_choice(f"{path}.recompute", part, ("layer", "mixer", "mlp"))
+
+    def micro_batches(self, dp: int) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank."""
+        per_rank = self.micro_batch_size * dp
+        check(self.global_batch_size % per_rank == 0, "train.global_batch_size", self.global_batch_size,
+              f"must be a multiple of micro_batch_size*dp={self.micro_batch_size}*{dp}")
+        return self.global_batch_size // per_rank
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None  # where step_XXXXXXX/ folders go; None: no checkpoints
+    save_interval: int = 0  # steps between saves; 0: only at the end
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted
+    resume: bool = True  # continue from the latest complete checkpoint in dir
+    load: Optional[str] = None  # initial weights: a megamoe checkpoint dir (e.g. converted from HF)
+
+    def validate(self, path: str = "checkpoint") -> None:
+        check(self.save_interval >= 0, f"{path}.save_interval", self.save_interval, "must be >= 0")
+        check_positive(f"{path}.keep_last", self.keep_last)
+
+
+@dataclass
+class LoggingConfig:
+    dir: Optional[str] = None  # TensorBoard log dir; None: <checkpoint.dir>/tb or runs/<time>
+    interval: int = 1  # steps between scalar logs
+    heatmap_interval: int = 10  # steps between expert-load heatmaps
+    latency_histograms: bool = True  # time all-to-all / all-gather calls per layer
+    peak_tflops: Optional[float] = None  # for MFU; None: known GPUs, or a measured matmul peak on CPU
+    progress: bool = True  # console progress bar
+
+    def validate(self, path: str = "logging") -> None:
+        check_positive(f"{path}.interval", self.interval)
+        check_positive(f"{path}.heatmap_interval", self.heatmap_interval)

@@ -1,0 +1,40 @@
+"""What tools/pretrain.py and tools/finetune.py run: recipe -> data -> Trainer.fit()."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Sequence
+
+from megamoe.recipe import load_config, to_yaml
+
+log = logging.getLogger(__name__)
+
+
+def load_train_recipe(path, overrides: Sequence[str] = ()):
+    from megamoe.training.trainer import TrainRecipe
+
+    recipe = load_config(TrainRecipe, path, overrides)
+    recipe.validate()
+    return recipe
+
+
+def run_training(recipe) -> dict:
+    """Build tokenizer, dataset and trainer from ``recipe`` and train; returns a summary
+    (last metrics and where the logs and checkpoints went) on every rank."""
+    from megamoe.data import build_dataset, build_tokenizer, check_vocab
+    from megamoe.training.trainer import Trainer
+
+    tokenizer = build_tokenizer(recipe.data)
+    check_vocab(tokenizer, recipe.model.vocab_size)
+    dataset = build_dataset(recipe.data, tokenizer)
+    trainer = Trainer(recipe, dataset)
+    log_dir = recipe.logging.dir or (str(Path(recipe.checkpoint.dir) / "tb") if recipe.checkpoint.dir else "runs")
+    if trainer.rank == 0:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(log_dir) / "recipe.yaml").write_text(to_yaml(recipe))
+        log.info("training %d steps on %d ranks (%s); logs in %s", recipe.train.steps, trainer.world,
+                 trainer.groups.describe(), log_dir)
+    history = trainer.fit(log_dir)
+    last = history[-1] if history else {}
+    return {"trainer": trainer, "log_dir": log_dir, "checkpoint_dir": recipe.checkpoint.dir,
+            "first_loss": history[0]["loss"] if history else None, "last": last, "steps": trainer.step}

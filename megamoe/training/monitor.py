@@ -1,0 +1,127 @@
+"""What training shows: TensorBoard scalars, expert-load heatmaps, communication-latency
+histograms, a metrics JSONL file and a console progress bar with ETA.
+
+Only the logging rank (global rank 0) writes; values it needs from other ranks are reduced
+by the trainer before ``log_step``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megamoe.training.config import LoggingConfig
+
+log = logging.getLogger(__name__)
+
+# a perceptually ordered ramp (dark blue -> teal -> yellow) for heatmaps
+_RAMP = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]], dtype=np.float64)
+
+
+def heatmap_image(values: np.ndarray, cell: int = 8) -> np.ndarray:
+    """[rows, cols] non-negative values -> [rows*cell, cols*cell, 3] uint8 (max value = yellow)."""
+    v = np.asarray(values, dtype=np.float64)
+    top = v.max() if v.size and v.max() > 0 else 1.0
+    x = np.clip(v / top, 0, 1) * (len(_RAMP) - 1)
+    lo = np.floor(x).astype(int).clip(0, len(_RAMP) - 2)
+    frac = (x - lo)[..., None]
+    rgb = _RAMP[lo] * (1 - frac) + _RAMP[lo + 1] * frac
+    return np.repeat(np.repeat(rgb, cell, axis=0), cell, axis=1).astype(np.uint8)
+
+
+def memory_gib() -> dict[str, float]:
+    """Current and peak host RSS, and peak CUDA memory when on GPU."""
+    out = {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    try:
+        with open("/proc/self/statm") as f:
+            out["rss_gib"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        out["cuda_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+_KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+
+
+def peak_tflops(cfg: LoggingConfig, device: torch.device) -> float:
+    """Per-rank peak for MFU: configured, a known GPU's dense bf16 peak, or a measured fp32
+    matmul rate on CPU (a rough ceiling of what this machine does)."""
+    if cfg.peak_tflops:
+        return cfg.peak_tflops
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in _KNOWN_PEAK_TFLOPS.items():
+            if key in name:
+                return value
+        return 100.0
+    a = torch.randn(512, 512)
+    a @ a  # warm-up
+    start, n = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.2:
+        a @ a
+        n += 1
+    return 2 * 512**3 * n / (time.perf_counter() - start) / 1e12
+
+
+class Monitor:
+    """TensorBoard + JSONL + progress bar on the logging rank; a no-op elsewhere."""
+
+    def __init__(self, log_dir: str | Path, cfg: LoggingConfig, total_steps: int, start_step: int,
+                 enabled: bool):
+        self.cfg, self.enabled, self.total = cfg, enabled, total_steps
+        self.dir = Path(log_dir)
+        self.writer = self.bar = self.jsonl = None
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(str(self.dir), purge_step=start_step if start_step else None)
+        self.jsonl = open(self.dir / "metrics.jsonl", "a")
+        if cfg.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def log_step(self, step: int, scalars: dict[str, float], latencies: dict[str, list[float]] | None = None,
+                 expert_load: dict[int, torch.Tensor] | None = None,
+                 layer_scalars: dict[str, float] | None = None) -> None:
+        """``step`` is 1-based (the number of optimizer steps done)."""
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+        self.jsonl.flush()
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix(loss=f"{scalars.get('loss', float('nan')):.4f}",
+                                 lr=f"{scalars.get('lr', 0):.2e}")
+        if step % self.cfg.interval and step != self.total:
+            return
+        for k, v in scalars.items():
+            self.writer.add_scalar(f"train/{k}", v, step)
+        for k, v in (layer_scalars or {}).items():
+            self.writer.add_scalar(k, v, step)
+        for tag, samples in (latencies or {}).items():
+            if samples:
+                self.writer.add_histogram(f"latency_ms/{tag}", np.asarray(samples) * 1e3, step)
+        if expert_load and (step % self.cfg.heatmap_interval == 0 or step == self.total):
+            layers = sorted(expert_load)
+            grid = np.stack([expert_load[i].detach().double().cpu().numpy() for i in layers])
+            self.writer.add_image("moe/expert_load", heatmap_image(grid), step, dataformats="HWC")
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()

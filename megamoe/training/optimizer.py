@@ -1,0 +1,110 @@
+"""AdamW with optimizer state split over data-parallel ranks (ZeRO-1), and the LR schedule.
+
+Every data-parallel rank holds the full (already reduced) gradients, but only the owner of a
+parameter keeps its Adam moments and updates it; owners then broadcast the new values.
+Dense parameters are split over the data(-context)-parallel group, routed-expert parameters
+over the expert-data-parallel group (their replicas). Ownership is a deterministic greedy
+balance by size, so it depends only on the model and the group size: a checkpoint keys
+optimizer state by parameter name and resumes at any data-parallel size.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megamoe.parallel.groups import ParallelGroups, group_rank, group_size
+from megamoe.training.config import OptimConfig
+from megamoe.training.grads import is_expert_param
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Linear warmup to ``lr`` then cosine decay to ``min_lr`` (step counts from 0)."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay = cfg.decay_steps or max(1, total_steps - cfg.warmup_steps)
+    t = min(1.0, (step - cfg.warmup_steps) / decay)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * t))
+
+
+def _assign_owners(named: list[tuple[str, torch.Tensor]], n: int) -> dict[str, int]:
+    """Greedy: largest first to the least loaded rank (ties by name), deterministic."""
+    load = [0] * n
+    owners = {}
+    for name, p in sorted(named, key=lambda x: (-x[1].numel(), x[0])):
+        r = min(range(n), key=lambda i: (load[i], i))
+        owners[name] = r
+        load[r] += p.numel()
+    return owners
+
+
+class DistributedOptimizer:
+    """AdamW over named parameters; ``zero1`` shards its state over data-parallel ranks."""
+
+    def __init__(self, named_params: list[tuple[str, torch.Tensor]], groups: ParallelGroups, cfg: OptimConfig):
+        self.cfg = cfg
+        self.named = [(n, p) for n, p in named_params if p.requires_grad]
+        self.domains = []  # (group, [(name, param, owner)])
+        mine = []
+        for experts, group in ((False, groups.dp_cp), (True, groups.edp)):
+            members = [(n, p) for n, p in self.named if is_expert_param(p) == experts]
+            size = group_size(group) if cfg.zero1 else 1
+            owners = _assign_owners(members, size)
+            rank = group_rank(group) if cfg.zero1 else 0
+            entries = [(n, p, owners[n]) for n, p in members]
+            self.domains.append((group if cfg.zero1 else None, entries))
+            mine += [(n, p) for n, p, o in entries if o == rank]
+        self.owned = dict(mine)
+        decay = [p for n, p in mine if p.ndim >= 2]
+        no_decay = [p for n, p in mine if p.ndim < 2]  # norms, biases, gates: no weight decay
+        param_groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                        {"params": no_decay, "weight_decay": 0.0}]
+        self.inner = torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                       foreach=False)
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [p for _, p in self.named]
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        for g in self.inner.param_groups:
+            g["lr"] = lr
+        self.inner.step()
+        self._broadcast_updates()
+
+    def _broadcast_updates(self) -> None:
+        for group, entries in self.domains:
+            n = group_size(group)
+            if n == 1:
+                continue
+            for owner in range(n):
+                tensors = [p.data for _, p, o in entries if o == owner]
+                if not tensors:
+                    continue
+                flat = _flatten_dense_tensors(tensors)
+                dist.broadcast(flat, src=dist.get_global_rank(group, owner), group=group)
+                if owner != group_rank(group):
+                    for t, new in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+                        t.copy_(new)
+
+    def owned_states(self, create: bool = False) -> dict[str, tuple[torch.Tensor, dict]]:
+        """name -> (param, {exp_avg, exp_avg_sq, step}) for the parameters this rank owns.
+        ``create`` materialises empty states (AdamW creates them lazily) so a checkpoint
+        can be loaded into them in place."""
+        out = {}
+        for name, p in self.owned.items():
+            state = self.inner.state[p]
+            if create and not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if state:
+                out[name] = (p, state)
+        return out

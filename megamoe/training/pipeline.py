@@ -1,0 +1,64 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining`` (device-agnostic, runs on gloo).
+
+Stage cuts come from the layout string: ``layout.stages(pp * vpp)`` gives the layers of each
+virtual stage; pipeline rank r holds virtual stages r, r + pp, r + 2*pp, ... (interleaved
+1F1B when vpp > 1). Activations between stages are the hidden states ``[b, s(/tp), h]``;
+the last stage returns vocab-parallel logits and the schedule applies the loss there.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from megamoe.config import ModelConfig, ParallelConfig
+from megamoe.errors import ConfigError
+from megamoe.model import LanguageModel
+from megamoe.parallel.groups import ParallelGroups
+
+
+def stage_ids(parallel: ParallelConfig, pp_rank: int) -> list[int]:
+    """Virtual stage indices held by pipeline rank ``pp_rank``."""
+    return [pp_rank + i * parallel.pp for i in range(parallel.vpp)]
+
+
+def build_chunks(cfg: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups, device=None
+                 ) -> tuple[list[LanguageModel], list[int]]:
+    """This rank's model chunks (one per virtual stage) and their stage indices."""
+    if parallel.vpp > 1 and parallel.pp == 1:
+        raise ConfigError("parallel.vpp>1 needs parallel.pp>1 (virtual stages interleave pipeline ranks)")
+    n_stages = parallel.pp * parallel.vpp
+    stages = cfg.parsed_layout().stages(n_stages)
+    ids = stage_ids(parallel, groups.rank("pp"))
+    chunks = [LanguageModel(cfg, groups, sequence_parallel=parallel.sequence_parallel, layer_ids=stages[i],
+                            pre_process=i == 0, post_process=i == n_stages - 1, device=device)
+              for i in ids]
+    return chunks, ids
+
+
+class StageModule(nn.Module):
+    """The callable a PipelineStage runs: ids or hidden states in, hidden states or logits out."""
+
+    def __init__(self, chunk: LanguageModel):
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.chunk.forward_stage(x)
+
+
+def build_schedule(chunks: list[LanguageModel], ids: list[int], n_stages: int, groups: ParallelGroups,
+                   n_microbatches: int, loss_fn: Callable, device: torch.device):
+    """A 1F1B (one chunk per rank) or interleaved 1F1B schedule over the pp group.
+
+    Gradients are not rescaled by the schedule: ``loss_fn`` already divides by the global
+    token count.
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    stages = [PipelineStage(StageModule(c), stage_index=i, num_stages=n_stages, device=device, group=groups.pp)
+              for c, i in zip(chunks, ids)]
+    if len(stages) == 1:
+        return Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)

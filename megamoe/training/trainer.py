@@ -1,0 +1,251 @@
+"""The training loop on the megatron-core grid: DP (+ZeRO-1), TP/SP, PP (1F1B), EP.
+
+One optimizer step consumes one global batch of ``train.global_batch_size`` samples; data
+parallel rank r of D takes its slice, split into micro-batches. The loss of every
+micro-batch is divided by the global number of target tokens, so gradients are plain sums
+and any layout reproduces the single-process run.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megamoe.config import validate_model_parallel
+from megamoe.data import BatchLayout, DataConfig, TrainData
+from megamoe.errors import ConfigError
+from megamoe.plan import budget
+from megamoe.parallel import comm
+from megamoe.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from megamoe.parallel.groups import ParallelGroups, build_groups, init_distributed
+from megamoe.recipe import Recipe
+from megamoe.training import checkpoint as ckpt
+from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
+from megamoe.training.grads import clip_grads, global_grad_norm, sync_grads
+from megamoe.training.monitor import Monitor, memory_gib, peak_tflops
+from megamoe.training.optimizer import DistributedOptimizer, lr_at
+from megamoe.training.pipeline import build_chunks, build_schedule
+from megamoe.weights import initialize
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class TrainRecipe(Recipe):
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> None:
+        validate_model_parallel(self.model, self.parallel)
+        for section in (self.data, self.train, self.optim, self.checkpoint, self.logging):
+            section.validate()
+
+        if self.parallel.cp > 1:
+            raise ConfigError("parallel.cp>1: context parallelism is not implemented by the trainer yet")
+
+
+class NonFiniteStop(RuntimeError):
+    """Raised after ``train.nan_max_consecutive`` skipped steps (a checkpoint was saved)."""
+
+
+def _device(train: TrainConfig) -> torch.device:
+    if train.device == "cuda" or (train.device == "auto" and torch.cuda.is_available()):
+        import os
+
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+class Trainer:
+    def __init__(self, recipe: TrainRecipe, dataset=None, groups: ParallelGroups | None = None):
+        """``dataset``: a map-style dataset of samples {"input_ids": [s], "labels": [s], ...}
+        (see megamoe.data.build_dataset); the sample order comes from ``recipe.data``."""
+        recipe.validate()
+        self.recipe, self.dataset = recipe, dataset
+        self.train, self.optim_cfg = recipe.train, recipe.optim
+        init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.groups = groups or build_groups(recipe.parallel)
+        self.dp = self.groups.size("dp_cp")
+        self.n_micro = self.train.micro_batches(self.dp)
+        self.device = _device(self.train)
+        torch.manual_seed(self.train.seed * 1009 + self.rank)
+        self.chunks, self.stage_ids = build_chunks(recipe.model, recipe.parallel, self.groups)
+        for chunk in self.chunks:
+            initialize(chunk, self.groups, self.train.seed)
+            chunk.to(self.device)
+            chunk.set_recompute(self.train.recompute)
+            chunk.train()
+        self.n_stages = recipe.parallel.pp * recipe.parallel.vpp
+        self.first = self.stage_ids[0] == 0
+        self.last = self.stage_ids[-1] == self.n_stages - 1
+        named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
+        self.optimizer = DistributedOptimizer(named, self.groups, self.optim_cfg)
+        self.step, self.consumed, self.nan_streak, self.skipped = 0, 0, 0, 0
+        if recipe.checkpoint.load:
+            ckpt.load_checkpoint(recipe.checkpoint.load, self.groups, self.chunks, None, load_rng=False)
+        self._maybe_resume()
+        self.after_step_hooks: list[Callable[[Trainer], None]] = []
+        self.recorder = comm.LatencyRecorder()
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    def state(self) -> dict:
+        return {"step": self.step, "consumed_samples": self.consumed, "nan_streak": self.nan_streak,
+                "skipped_steps": self.skipped}
+
+    def save(self) -> Path | None:
+        root = self.recipe.checkpoint.dir
+        if not root:
+            return None
+        return ckpt.save_checkpoint(root, self.step, self.groups, self.chunks, self.optimizer, self.state(),
+                                    self.recipe.checkpoint.keep_last)
+
+    def _maybe_resume(self) -> None:
+        c = self.recipe.checkpoint
+        if not (c.dir and c.resume):
+            return
+        path = ckpt.latest_checkpoint(c.dir)
+        if path is None:
+            return
+        state = ckpt.load_checkpoint(path, self.groups, self.chunks, self.optimizer)
+        self.step, self.consumed = state["step"], state["consumed_samples"]
+        self.nan_streak, self.skipped = state.get("nan_streak", 0), state.get("skipped_steps", 0)
+        log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def _autocast(self):
+        use_bf16 = self.device.type == "cuda" and self.train.precision in ("auto", "bf16")
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
+
+    def _loss_sum(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        cfg = self.recipe.model
+        return vocab_parallel_cross_entropy(local_logits, labels, self.groups.tp, cfg.vocab_size).sum()
+
+    def _forward_backward(self, micro: list[dict], total_tokens: torch.Tensor) -> torch.Tensor:
+        """Sum of token losses of this rank's micro-batches (on the last stage, else 0)."""
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        if self.n_stages == 1:
+            chunk = self.chunks[0]
+            for mb in micro:
+                with self._autocast():
+                    logits = chunk.forward_stage(mb["input_ids"].to(self.device))
+                s = self._loss_sum(logits, mb["labels"].to(self.device))
+                (s / total_tokens).backward()
+                loss_sum += s.detach().double().cpu()
+            return loss_sum
+        losses: list = []
+
+        def loss_fn(logits, labels):
+            return self._loss_sum(logits, labels) / total_tokens
+
+        if not hasattr(self, "_schedule"):
+            self._schedule = build_schedule(self.chunks, self.stage_ids, self.n_stages, self.groups,
+                                            self.n_micro, loss_fn, self.device)
+        self._schedule._loss_fn = loss_fn  # the token count differs per step
+        args = [(mb["input_ids"].to(self.device),) for mb in micro] if self.first else None
+        targets = [mb["labels"].to(self.device) for mb in micro] if self.last else None
+        with self._autocast():
+            self._schedule.step(arg_mbs=args, target_mbs=targets, losses=losses, return_outputs=False)
+        for x in losses:
+            loss_sum += x.detach().double().cpu() * total_tokens.double().cpu()
+        return loss_sum
+
+    def train_step(self, micro: list[dict]) -> dict:
+        """Forward, backward, gradient sync, clip and update on one global batch."""
+        if len(micro) != self.n_micro:
+            raise ConfigError(f"data gave {len(micro)} micro-batches, train.global_batch_size needs {self.n_micro}")
+        start = time.perf_counter()
+        local_tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
+        total_tokens = comm.all_reduce_tensor(torch.tensor(float(local_tokens), dtype=torch.float64),
+                                              self.groups.dp_cp).to(torch.float32).clamp(min=1)
+        self.optimizer.zero_grad()
+        with self.recorder.active():
+            loss_sum = self._forward_backward(micro, total_tokens.to(self.device))
+        sync_grads(self.chunks, self.groups)
+        norm = global_grad_norm(self.chunks, self.groups)
+        lr = lr_at(self.step, self.optim_cfg, self.train.steps)
+        finite = math.isfinite(norm)
+        if finite:
+            clip_grads(self.optimizer.params, self.optim_cfg.clip_grad, norm)
+            self.optimizer.step(lr)
+            self.nan_streak = 0
+            for hook in self.after_step_hooks:
+                hook(self)
+        else:
+            self.nan_streak += 1
+            self.skipped += 1
+            log.warning("step %d: gradient norm is %s; update skipped (%d in a row)", self.step + 1, norm,
+                        self.nan_streak)
+        self.optimizer.zero_grad()
+        # the loss lives on the last stage; count it once per data-parallel replica
+        counted = loss_sum if (self.last and self.groups.tp_rank == 0) else torch.zeros_like(loss_sum)
+        total_loss = comm.all_reduce_tensor(counted, dist.group.WORLD) / total_tokens.double()
+        self.step += 1
+        self.consumed += self.train.global_batch_size
+        seconds = time.perf_counter() - start
+        tokens = self.train.global_batch_size * self.recipe.data.seq_len
+        return {"loss": total_loss.item(), "lr": lr, "grad_norm": norm, "skipped": float(not finite),
+                "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def flops_per_token(self) -> float:
+        """~6 x active matmul parameters (the embedding lookup is not a matmul)."""
+        b = budget(self.recipe.model)
+        embed = b.parts.get("embedding", (0, 0.0))[1] if not self.recipe.model.tie_embeddings else 0.0
+        return 6.0 * (b.active - embed)
+
+    def _gather_latencies(self) -> dict[str, list[float]]:
+        mine = {f"rank{self.rank}/{k}": v for k, v in self.recorder.drain().items()}
+        if not self.recipe.logging.latency_histograms:
+            return {}
+        gathered = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        out: dict[str, list[float]] = {}
+        for part in gathered or []:
+            for k, v in part.items():
+                out.setdefault(k.split("/", 1)[1], []).extend(v)
+        return out
+
+    def fit(self, log_dir: str | Path | None = None) -> list[dict]:
+        """Train until ``train.steps``; returns the per-step metrics of this run."""
+        if self.dataset is None:
+            raise ConfigError("data: the trainer has no dataset")
+        cfg = self.recipe
+        layout = BatchLayout(self.train.global_batch_size, self.train.micro_batch_size, self.dp,
+                             self.groups.rank("dp_cp"))
+        data = TrainData(self.dataset, layout, cfg.data.seed, cfg.data.shuffle, self.consumed, cfg.data.num_workers)
+        log_dir = log_dir or cfg.logging.dir or (Path(cfg.checkpoint.dir) / "tb" if cfg.checkpoint.dir else "runs")
+        monitor = Monitor(log_dir, cfg.logging, self.train.steps, self.step, enabled=self.rank == 0)
+        peak = peak_tflops(cfg.logging, self.device) if self.rank == 0 else 1.0
+        flops = self.flops_per_token()
+        history = []
+        try:
+            while self.step < self.train.steps:
+                metrics = self.train_step(data(self.consumed))
+                metrics.update(memory_gib())
+                metrics["mfu"] = flops * metrics["tokens_per_s"] / (peak * 1e12 * self.world)
+                monitor.log_step(self.step, metrics, self._gather_latencies())
+                history.append(metrics)
+                if self.nan_streak >= self.train.nan_max_consecutive:
+                    path = self.save()
+                    raise NonFiniteStop(
+                        f"{self.nan_streak} consecutive steps had a non-finite gradient norm (step {self.step}); "
+                        f"saved {path or 'nothing (checkpoint.dir unset)'}; lower optim.lr or inspect the data")
+                every = cfg.checkpoint.save_interval
+                if every and self.step % every == 0 and self.step < self.train.steps:
+                    self.save()
+            self.save()
+        finally:
+            monitor.close()
+        return history
