@@ -295,6 +295,19 @@ def test_image_caption_from_pairs():
         ImageCaptionDataset.from_pairs([pairs[0], (pairs[1][0], "")], ByteTokenizer(), 24, name="shapes")
 
 
+def test_image_caption_from_generator():
+    pytest.importorskip("megamoe.data.shapes")  # the vision issue's procedurally drawn shapes
+    from megamoe.data.shapes import shape_pairs
+
+    cfg = DataConfig(kind="image_caption", generator="megamoe.data.shapes:shape_pairs", generator_samples=3,
+                     seq_len=80, image_tokens=4, seed=5)
+    ds = build_dataset(cfg, ByteTokenizer())
+    (image, caption), = shape_pairs(1, seed=5)[:1]
+    labels = ds[0]["labels"]
+    assert len(ds) == 3 and ByteTokenizer().decode(labels[labels != -100].tolist()) == caption + "</s>"
+    assert ds[0]["image"].tobytes() == image.tobytes()
+
+
 # ---- malformed input: FILE:LINE, one line, no partial output ------------------------------------
 
 PRETRAIN_BAD = {
@@ -364,17 +377,18 @@ def test_malformed_image_records(tmp_path):
     assert "cannot read image" in one_line_error(e, f"{path}:3")
 
 
-def test_prepare_data_cli_reports_file_line(tmp_path):
-    import subprocess
-    import sys
+def test_prepare_data_cli_reports_file_line(tmp_path, monkeypatch, capsys):
+    import runpy
 
-    repo = Path(__file__).resolve().parent.parent
+    script = Path(__file__).resolve().parent.parent / "tools/prepare_data.py"
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": null}\n')
-    r = subprocess.run([sys.executable, str(repo / "tools/prepare_data.py"), "--tokenizer", "byte", "--no-progress",
-                        "--output", str(tmp_path / "o.tokens"), str(bad)], capture_output=True, text=True)
-    assert r.returncode == 2
-    assert f"error: {bad}:2: field 'text' must be a string, got NoneType None" in r.stderr.splitlines()
+    monkeypatch.setattr("sys.argv", ["prepare_data.py", "--tokenizer", "byte", "--no-progress", "--output",
+                                     str(tmp_path / "o.tokens"), str(bad)])
+    with pytest.raises(SystemExit) as e:  # in-process: a new interpreter would spend seconds importing torch
+        runpy.run_path(str(script), run_name="__main__")
+    assert e.value.code == 2
+    assert f"error: {bad}:2: field 'text' must be a string, got NoneType None" in capsys.readouterr().err.splitlines()
     assert [p.name for p in tmp_path.iterdir()] == ["bad.jsonl"]
 
 
