@@ -60,6 +60,7 @@ class MultiLatentAttention(nn.Module):
         self.layer_number = layer_number
         self.heads = cfg.num_heads // ctx.groups.tp_size
         self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora = cfg.kv_lora_rank
         self.rope, self.theta, self.yarn = cfg.rope, cfg.rope_theta, cfg.yarn
         self.tp_group = ctx.groups.tp
         h, H, b = ctx.hidden_size, cfg.num_heads, ctx.backend
@@ -100,7 +101,7 @@ class MultiLatentAttention(nn.Module):
             q = self.linear_q(q_latent)
         bsz, s = q.shape[:2]
         q_nope, q_rope = q.view(bsz, s, self.heads, -1).split([self.dn, self.dr], dim=-1)
-        c, k_rope = self.linear_kv_down(x).split([self.kv_norm.weight.numel(), self.dr], dim=-1)
+        c, k_rope = self.linear_kv_down(x).split([self.kv_lora, self.dr], dim=-1)
         k_rope = comm.copy_to(k_rope, self.tp_group)  # shared by this rank's heads: sum its grad over TP
         k_rope = self.rotate(k_rope.unsqueeze(2), info).squeeze(2)
         return q_nope, self.rotate(q_rope, info), q_latent, self.kv_norm(c), k_rope

@@ -2,6 +2,8 @@
 token by token, TP workers and copying weights from a transformers module."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megamoe.cache import InferenceCache
@@ -74,13 +76,15 @@ def full_forward(mixer, x: torch.Tensor) -> torch.Tensor:
 
 # ---- TP = 2 versus TP = 1, one mixer, run on every rank of a gloo pool ------------------------
 
-def mixer_tp_case(letter: str, sp: bool, seed: int = 0) -> dict:
-    """Outputs, input gradients and every parameter gradient of a TP=2 mixer against TP=1."""
+def mixer_tp_case(letter: str, sp: bool, seed: int = 0, mla: dict | None = None) -> dict:
+    """Outputs, input gradients and every parameter gradient of a TP=2 mixer against TP=1.
+    ``mla``: overrides of the MLA section."""
     from megamoe.parallel.groups import build_groups
     from megamoe.parallel.sharding import gather_full
     from megamoe.weights import finalize_grads
 
     cfg = tiny_model()
+    cfg.mla = dataclasses.replace(cfg.mla, **(mla or {}))
     groups = build_groups(ParallelConfig(tp=2, sequence_parallel=sp))
     ref = build_mixer(letter, cfg, seed=seed)
     state = {name: p.detach().clone() for name, p in ref.named_parameters()}
@@ -107,6 +111,19 @@ def mixer_tp_case(letter: str, sp: bool, seed: int = 0) -> dict:
 
 
 # ---- transformers references ------------------------------------------------------------------
+
+MLA_NAMES = {  # ours -> HF MLA (DeepseekV3Attention and its descendants)
+    "linear_q_down.weight": "q_a_proj.weight", "q_norm.weight": "q_a_layernorm.weight",
+    "linear_q.weight": "q_b_proj.weight", "linear_kv_down.weight": "kv_a_proj_with_mqa.weight",
+    "kv_norm.weight": "kv_a_layernorm.weight", "linear_kv_up.weight": "kv_b_proj.weight",
+    "linear_proj.weight": "o_proj.weight", "linear_gate.weight": "g_proj.weight",
+}
+TOKENS = dict(vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+HF_SHAPE = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=10, qk_nope_head_dim=6,
+                qk_rope_head_dim=4, v_head_dim=5, num_hidden_layers=1, rms_norm_eps=1e-6, **TOKENS)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32.0, "beta_slow": 1.0}
+
 
 def causal_additive_mask(b: int, s: int) -> torch.Tensor:
     """[b, 1, s, s] float mask for HF eager attention: 0 where allowed, finfo.min elsewhere."""

@@ -11,10 +11,9 @@ import torch
 from megamoe.config import DSAConfig, YarnConfig
 from megamoe.layers.rotary import apply_rotary, cached_yarn_cos_sin
 from megamoe.spec import ForwardInfo
-from tests.mixer_utils import (build_mixer, causal_additive_mask, decode_steps, full_forward, load_from_hf,
-                               randomize, tiny_model)
+from tests.mixer_utils import (HF_SHAPE, MLA_NAMES, YARN, build_mixer, causal_additive_mask, decode_steps,
+                               full_forward, load_from_hf, randomize, tiny_model)
 from tests.numerics import max_abs, rel_err
-from tests.test_mla import HF_SHAPE, MLA_NAMES, YARN
 
 REL = 1e-5
 HF_INDEXER = DSAConfig(num_heads=8, head_dim=8, topk=4, kpool=2)

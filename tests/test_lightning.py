@@ -95,7 +95,9 @@ def test_matches_minimax_lightning_attention():
                            layer_types=["linear_attention"] * 3, block_size=4, hidden_act="silu")
     hf = hf_mod.MiniMaxLightningAttention(hf_cfg, layer_idx=1)
     randomize(hf)
-    ours = build_mixer("L", tiny_model("LdLdLd"), layer_number=1)  # 3 layers: the same slopes
+    cfg = tiny_model("LdLdLd")  # 3 layers, layer 1: the slopes' layer factor is exercised
+    cfg.lightning.block_size = 5  # HF uses blocks of 4: the result must not depend on it
+    ours = build_mixer("L", cfg, layer_number=1)
     load_from_hf(ours, hf, {"linear_qkv.weight": "qkv_proj.weight", "linear_gate.weight": "output_gate.weight",
                             "norm.weight": "norm.weight", "linear_proj.weight": "out_proj.weight"})
     x = torch.randn(2, 13, 32, generator=torch.Generator().manual_seed(2))

@@ -12,22 +12,12 @@ from megamoe.config import MLAConfig, YarnConfig
 from megamoe.errors import ConfigError
 from megamoe.layers.rotary import (apply_rotary, apply_rotary_interleaved, rope_cos_sin, yarn_cos_sin_scale,
                                    yarn_softmax_scale)
-from tests.mixer_utils import (build_mixer, causal_additive_mask, decode_steps, full_forward, load_from_hf,
-                               randomize, tiny_model)
+from tests.mixer_utils import (HF_SHAPE, MLA_NAMES, YARN, build_mixer, causal_additive_mask, decode_steps,
+                               full_forward, load_from_hf, randomize, tiny_model)
 from tests.numerics import max_abs, rel_err
 
 REL = 1e-5
-MLA_NAMES = {  # ours -> HF (DeepseekV3Attention and its descendants)
-    "linear_q_down.weight": "q_a_proj.weight", "q_norm.weight": "q_a_layernorm.weight",
-    "linear_q.weight": "q_b_proj.weight", "linear_kv_down.weight": "kv_a_proj_with_mqa.weight",
-    "kv_norm.weight": "kv_a_layernorm.weight", "linear_kv_up.weight": "kv_b_proj.weight",
-    "linear_proj.weight": "o_proj.weight", "linear_gate.weight": "g_proj.weight",
-}
-TOKENS = dict(vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-HF_SHAPE = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=10, qk_nope_head_dim=6,
-                qk_rope_head_dim=4, v_head_dim=5, num_hidden_layers=1, rms_norm_eps=1e-6, **TOKENS)
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
-        "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32.0, "beta_slow": 1.0}
+
 
 
 def mla_model(**mla):
