@@ -179,8 +179,6 @@ class Trainer:
             clip_grads(self.optimizer.params, self.optim_cfg.clip_grad, norm)
             self.optimizer.step(lr)
             self.nan_streak = 0
-            for hook in self.after_step_hooks:
-                hook(self)
         else:
             self.nan_streak += 1
             self.skipped += 1
@@ -192,6 +190,9 @@ class Trainer:
         total_loss = comm.all_reduce_tensor(counted, dist.group.WORLD) / total_tokens.double()
         self.step += 1
         self.consumed += self.train.global_batch_size
+        if finite:
+            for hook in self.after_step_hooks:  # e.g. the MoE expert-bias update
+                hook(self)
         seconds = time.perf_counter() - start
         tokens = self.train.global_batch_size * self.recipe.data.seq_len
         return {"loss": total_loss.item(), "lr": lr, "grad_norm": norm, "skipped": float(not finite),
