@@ -10,11 +10,13 @@ from megamoe.recipe import load_config, to_yaml
 log = logging.getLogger(__name__)
 
 
-def load_train_recipe(path, overrides: Sequence[str] = ()):
+def load_train_recipe(path, overrides: Sequence[str] = (), validate: bool = True):
+    """A training recipe; ``validate=False`` leaves the runtime sections unchecked (planning)."""
     from megamoe.training.trainer import TrainRecipe
 
     recipe = load_config(TrainRecipe, path, overrides)
-    recipe.validate()
+    if validate:
+        recipe.validate()
     return recipe
 
 

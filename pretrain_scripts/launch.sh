@@ -1,0 +1,30 @@
+# Sourced by the training scripts: turns env knobs into torchrun arguments and recipe overrides.
+#   NGPU     processes per node (default 1)       NNODES     nodes (default 1)
+#   NODE_RANK, MASTER_ADDR, MASTER_PORT            rendezvous (defaults: 0, 127.0.0.1, 29500)
+#   TP PP VPP CP EP ETP                            parallel degrees (unset: the recipe's)
+#   SP=1                                           sequence parallelism
+#   DRY_RUN=1                                      print the plan and the command, run nothing
+NGPU="${NGPU:-1}"; NNODES="${NNODES:-1}"; NODE_RANK="${NODE_RANK:-0}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"; MASTER_PORT="${MASTER_PORT:-29500}"
+WORLD_SIZE=$((NGPU * NNODES))
+PARALLEL_OVERRIDES=()
+for knob in tp:TP pp:PP vpp:VPP cp:CP ep:EP etp:ETP; do
+  key="${knob%%:*}"; var="${knob##*:}"
+  if [ -n "${!var:-}" ]; then PARALLEL_OVERRIDES+=("parallel.$key=${!var}"); fi
+done
+if [ -n "${SP:-}" ]; then PARALLEL_OVERRIDES+=("parallel.sequence_parallel=$([ "$SP" = 1 ] && echo true || echo false)"); fi
+
+# run_torchrun TOOL CONFIG [key=value ...]: plan (DRY_RUN=1) or launch on this node
+run_torchrun() {
+  local tool="$1" config="$2"; shift 2
+  local cmd=(torchrun --nnodes "$NNODES" --nproc-per-node "$NGPU" --node-rank "$NODE_RANK"
+             --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+             "$tool" --config "$config" "${PARALLEL_OVERRIDES[@]}" "$@")
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    python tools/plan.py --config "$config" --world-size "$WORLD_SIZE" "${PARALLEL_OVERRIDES[@]}" "$@"
+    echo "command: ${cmd[*]}"
+    return 0
+  fi
+  echo "[launch] ${cmd[*]}"
+  "${cmd[@]}"
+}
