@@ -149,3 +149,75 @@ def test_mrope_angles_match_hf_rotary():
     ref_cos, ref_sin = rot(torch.zeros(1, dtype=torch.float32), pos)
     cos, sin = mrope_cos_sin(pos, 8, 10000.0, [2, 1, 1])
     assert max_abs(cos, ref_cos) <= 1e-6 and max_abs(sin, ref_sin) <= 1e-6
+
+
+def qwen3_5_dense_lm_state(hf, layers: int, heads: int, kv_heads: int, d: int) -> dict:
+    """megamoe names <- HF Qwen3.5 (dense, full attention) text weights; q_proj rows are per head
+    [q | gate], megamoe fuses them per KV group as [q|gate of the group's heads, k_g, v_g]."""
+    sd = {k: v.detach() for k, v in hf.state_dict().items()}
+    lm = "model.language_model."
+    out = {"embedding.weight": sd[lm + "embed_tokens.weight"], "final_norm.weight": sd[lm + "norm.weight"],
+           "output_layer.weight": sd["lm_head.weight"]}
+    for i in range(layers):
+        src, dst = f"{lm}layers.{i}.", f"layers.{i}."
+        q = sd[src + "self_attn.q_proj.weight"].view(kv_heads, heads // kv_heads * 2 * d, -1)
+        k, v = (sd[src + f"self_attn.{n}_proj.weight"].view(kv_heads, d, -1) for n in "kv")
+        out.update({
+            dst + "mixer.linear_qkv.weight": torch.cat([q, k, v], dim=1).reshape(-1, q.size(-1)),
+            dst + "mixer.q_norm.weight": sd[src + "self_attn.q_norm.weight"],
+            dst + "mixer.k_norm.weight": sd[src + "self_attn.k_norm.weight"],
+            dst + "mixer.linear_proj.weight": sd[src + "self_attn.o_proj.weight"],
+            dst + "input_norm.weight": sd[src + "input_layernorm.weight"],
+            dst + "pre_mlp_norm.weight": sd[src + "post_attention_layernorm.weight"],
+            dst + "mlp.linear_fc1.weight": torch.cat([sd[src + "mlp.gate_proj.weight"], sd[src + "mlp.up_proj.weight"]]),
+            dst + "mlp.linear_fc2.weight": sd[src + "mlp.down_proj.weight"],
+        })
+    return out
+
+
+def test_multimodal_logits_match_hf_qwen3_5_dense(tmp_path):
+    """Full forward with images (Qwen3.5 tower + merger, placeholder merge, interleaved M-RoPE,
+    gated attention) against transformers' Qwen3_5ForConditionalGeneration (full-attention
+    layers, dense MLP): the hybrid GDN + MoE variant is the conversion issue's test."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from megamoe.config import AttentionConfig, MLPConfig, ModelConfig
+    from megamoe.multimodal import MultimodalModel
+    from megamoe.vision.hf_qwen import images_to_pixel_values, qwen_vision_config
+
+    text = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=96, layer_types=["full_attention"] * 2,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                     mrope_section=[2, 1, 1], mrope_interleaved=True))
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, out_hidden_size=64,
+                  num_position_embeddings=64)
+    torch.manual_seed(0)
+    hf = Qwen3_5ForConditionalGeneration(Qwen3_5Config(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=101,
+        vision_start_token_id=102, vision_end_token_id=103)).eval()
+    with torch.no_grad():  # zero-initialised (1 + w) norms would hide a missing weight: perturb them
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight") and "visual" not in name:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, layout="AdAd", norm_zero_centered=True,
+                      attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
+                                                output_gate=True, partial_rotary_factor=0.5, mrope_section=[2, 1, 1]),
+                      mlp=MLPConfig(ffn_hidden_size=96), vision=qwen_vision_config(hf.config, weights=str(tmp_path)))
+    ours = MultimodalModel(cfg).eval()
+    state = qwen3_5_dense_lm_state(hf, 2, 4, 2, 16)
+    missing = ours.load_state_dict(state, strict=False).missing_keys
+    assert all(k.startswith("vision.") for k in missing)  # the tower came from the checkpoint file
+
+    gen = torch.Generator().manual_seed(4)
+    images = [torch.randn(3, h, w, generator=gen) for h, w in ((16, 40), (24, 8), (32, 32))]
+    ids = torch.randint(0, 90, (2, 32), generator=gen)
+    ids[0, 2:12] = IMAGE_TOKEN   # 16x40: 2x5 tokens
+    ids[0, 15:18] = IMAGE_TOKEN  # 24x8: 3x1
+    ids[1, 5:21] = IMAGE_TOKEN   # 32x32: 4x4
+    pv, thw = zip(*(images_to_pixel_values(img[None], patch_size=4, merge_size=2) for img in images))
+    with torch.no_grad():
+        want = hf(input_ids=ids, pixel_values=torch.cat(pv), image_grid_thw=torch.cat(thw),
+                  mm_token_type_ids=(ids == IMAGE_TOKEN).int()).logits
+        got = ours(ids, images)
+    assert max_abs(got, want) <= 1e-5, max_abs(got, want)

@@ -41,6 +41,8 @@ def _create(cfg: VisionConfig, path: str):
             model = timm.create_model(cfg.encoder, **kwargs)
         except TypeError as e:
             raise ConfigError(f"{path}.encoder_args={cfg.encoder_args} rejected by {cfg.encoder}: {e}") from None
+    if "dynamic_img_size" in cfg.encoder_args:  # the user's own choice
+        return model, bool(cfg.encoder_args["dynamic_img_size"])
     return model, not model.pretrained_cfg.get("fixed_input_size", False)
 
 
