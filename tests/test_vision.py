@@ -105,6 +105,7 @@ def test_vit_features_drop_prefix_tokens_and_follow_image_size():
     full = tower.encoder.model.forward_features(img)
     assert grid == (6, 4) and feats.shape == (2, 24, 32) and torch.equal(feats, full[:, 1:])
     assert tower.preprocessor().mode == "dynamic" and tower.num_tokens(48, 32) == 24
+    assert tower.image_tokens(pil(100, 50)) == (48 // 8) * (96 // 8)  # after the bounded resize
 
 
 def test_convnet_nchw_features_are_row_major_patches():

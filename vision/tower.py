@@ -100,6 +100,13 @@ class VisionTower(nn.Module):
         gh, gw = self.lm_grid(height, width)
         return gh * gw
 
+    def image_tokens(self, image) -> int:
+        """Placeholders a raw image (anything with ``height``/``width``, e.g. a PIL image) needs
+        once preprocessed: the ``image_tokens`` callable of ``megamoe.data.ImageCaptionDataset``."""
+        if getattr(self, "_prep", None) is None:
+            self._prep = self.preprocessor()
+        return self.num_tokens(*self._prep.target_size(image.height, image.width))
+
     def preprocessor(self) -> ImagePreprocessor:
         """Bounded preprocessing matching this encoder (timm data config) and projector."""
         dc = self.encoder.data_config
