@@ -158,19 +158,26 @@ class MultimodalModel(LanguageModel):
         """Logits [b, s, V] (labels None), the mean loss (labels given) or, on a stage without the
         output layer, hidden states. Later pipeline stages take ``hidden`` and the ``positions``
         the first stage used."""
+        out = self.forward_stage(input_ids if self.pre_process else hidden, positions=positions, cache=cache,
+                                 images=images)
+        if not self.post_process:
+            return out
+        return self.gather_logits(out) if labels is None else self.loss(out, labels)
+
+    def forward_stage(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
+                      images=None) -> torch.Tensor:
+        """One pipeline stage (see ``LanguageModel.forward_stage``); the first stage also takes
+        the batch's ``images``. Placeholders without images are an error, never ignored."""
         if self.pre_process:
-            hidden, positions = self.embed_multimodal(input_ids, images, positions, cache)
-        elif positions is None:
-            positions = self.default_positions(None, hidden, cache)
+            hidden, positions = self.embed_multimodal(x, images, positions, cache)
+        else:
+            hidden = x
+            if positions is None:
+                positions = self.default_positions(None, hidden, cache)
         hidden = self.run_layers(hidden, ForwardInfo(positions=positions, cache=cache))
         if cache is not None and self.post_process:
             cache.advance(positions.size(-1))
-        if not self.post_process:
-            return hidden
-        local_logits = self.head(hidden)
-        if labels is None:
-            return self.gather_logits(local_logits)
-        return self.loss(local_logits, labels)
+        return self.head(hidden) if self.post_process else hidden
 
 
 # ---- addressing vision and language parameters separately -----------------------------------

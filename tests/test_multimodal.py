@@ -76,6 +76,8 @@ def test_image_placeholder_mismatches_are_one_line_errors():
         with pytest.raises(ImageError, match=message) as err:
             model(bad_ids, imgs)
         assert "\n" not in str(err.value)
+    with pytest.raises(ImageError, match=r"beyond the 0 image\(s\) given"):
+        model.forward_stage(ids)  # a pipeline stage called without the batch's images
 
 
 def test_several_images_per_sample_train_and_text_only_batches_keep_vision_grads():
