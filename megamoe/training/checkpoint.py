@@ -29,13 +29,14 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from megamoe.errors import CheckpointError
 from megamoe.parallel.groups import ParallelGroups
-from megamoe.parallel.sharding import Shard, _join_one, sharding, split_full
+from megamoe.parallel.pieces import (all_pieces, assemble, layout_sizes, my_ranks, piece_key,
+                                     unchanged)
+from megamoe.parallel.sharding import sharding, split_full
 
 log = logging.getLogger(__name__)
 
 META = "meta.json"
 LATEST = "latest"
-GROUPS = ("tp", "pp", "dp", "cp", "ep", "etp", "edp")
 
 
 # ---- safe metadata reading ---------------------------------------------------------------
@@ -74,51 +75,6 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
-
-
-# ---- pieces ------------------------------------------------------------------------------
-
-def layout_sizes(groups: ParallelGroups) -> dict[str, int]:
-    return {g: groups.size(g) for g in GROUPS}
-
-
-def _piece(rules: tuple[Shard, ...], ranks: dict[str, int], sizes: dict[str, int]) -> str:
-    bits = [f"{r.group}{ranks[r.group]}of{sizes[r.group]}" for r in rules if sizes.get(r.group, 1) > 1]
-    return ".".join(bits)
-
-
-def piece_key(kind: str, name: str, rules, ranks: dict[str, int], sizes: dict[str, int]) -> str:
-    piece = _piece(rules, ranks, sizes)
-    return f"{kind}/{name}#{piece}" if piece else f"{kind}/{name}"
-
-
-def my_ranks(groups: ParallelGroups) -> dict[str, int]:
-    return {g: groups.rank(g) for g in GROUPS}
-
-
-def _all_pieces(rules, sizes: dict[str, int]) -> list[dict[str, int]]:
-    """Every combination of ranks over the groups a tensor is split over (old layout)."""
-    combos: list[dict[str, int]] = [{}]
-    for r in rules:
-        n = sizes.get(r.group, 1)
-        combos = [{**c, r.group: i} for c in combos for i in range(n)]
-    return combos
-
-
-def _assemble(pieces: dict[str, torch.Tensor], kind: str, name: str, rules, sizes) -> torch.Tensor:
-    """Full tensor from the pieces of an old layout (undo the rules innermost first)."""
-
-    def build(level: int, fixed: dict[str, int]) -> torch.Tensor:
-        if level == len(rules):
-            return pieces[piece_key(kind, name, rules, fixed, sizes)]
-        rule = rules[level]
-        n = sizes.get(rule.group, 1)
-        parts = [build(level + 1, {**fixed, rule.group: i}) for i in range(n)]
-        if n == 1 and rule.unpadded is None:
-            return parts[0]
-        return _join_one(parts, rule)
-
-    return build(0, {})
 
 
 # ---- state collection --------------------------------------------------------------------
@@ -232,11 +188,6 @@ def read_meta(path: str | Path) -> dict:
         raise CheckpointError(f"{meta_file}: corrupted (not JSON)") from None
 
 
-def _unchanged(rules, old_sizes: dict[str, int], groups: ParallelGroups) -> bool:
-    """The tensor is split the same way now as when it was saved: read our piece directly."""
-    return all(old_sizes.get(r.group, 1) == groups.size(r.group) for r in rules)
-
-
 def _load_into(path: Path, targets: list[tuple], groups: ParallelGroups, old_sizes: dict[str, int],
                batch_bytes: int = 256 << 20) -> None:
     """Load ``targets`` (tensor, kind, name, rules) in place. A tensor split as before is read
@@ -246,7 +197,7 @@ def _load_into(path: Path, targets: list[tuple], groups: ParallelGroups, old_siz
     for target in targets:
         batch.append(target)
         t, rules = target[0], target[3]
-        pieces = 1 if _unchanged(rules, old_sizes, groups) else len(_all_pieces(rules, old_sizes))
+        pieces = 1 if unchanged(rules, old_sizes, groups) else len(all_pieces(rules, old_sizes))
         size += t.numel() * t.element_size() * pieces
         if size >= batch_bytes:
             _load_batch(path, batch, groups, old_sizes)
@@ -259,17 +210,17 @@ def _load_batch(path: Path, batch: list[tuple], groups: ParallelGroups, old_size
     request: dict[str, torch.Tensor] = {}
     resharded = []
     for dest, kind, name, rules in batch:
-        if _unchanged(rules, old_sizes, groups):
+        if unchanged(rules, old_sizes, groups):
             request[piece_key(kind, name, rules, my_ranks(groups), old_sizes)] = dest
             continue
         resharded.append((dest, kind, name, rules))
-        for combo in _all_pieces(rules, old_sizes):
+        for combo in all_pieces(rules, old_sizes):
             request[piece_key(kind, name, rules, combo, old_sizes)] = None
     if resharded:
         _fill_placeholders(path, request)
     _dcp_load(path, request)
     for dest, kind, name, rules in resharded:
-        piece = split_full(_assemble(request, kind, name, rules, old_sizes), rules, groups)
+        piece = split_full(assemble(request.__getitem__, kind, name, rules, old_sizes), rules, groups)
         if piece.shape != dest.shape:
             raise CheckpointError(f"{path}: tensor {name} has shape {tuple(piece.shape)} after resharding, "
                                   f"the model holds {tuple(dest.shape)}")
