@@ -15,6 +15,7 @@ from torch import nn
 from megamoe.errors import ConfigError
 from megamoe.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from megamoe.spec import BuildContext
+from megamoe.layers.experts import GroupedExperts
 from megamoe.layers.norm import RMSNorm, ShardedRMSNorm
 
 
@@ -99,6 +100,11 @@ class LocalBackend:
 
     def core_attention(self, ctx: BuildContext, *, softmax_scale: float, window: int = 0) -> nn.Module:
         return CoreAttention(softmax_scale, window)
+
+    def grouped_experts(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str = "auto",
+                        active_fraction: float = 1.0) -> nn.Module:
+        """Stacked SwiGLU experts sharded over ep/etp (``megamoe.layers.experts.GroupedExperts``)."""
+        return GroupedExperts(ctx, num_experts, ffn_hidden_size, kernel=kernel, active_fraction=active_fraction)
 
 
 BACKENDS = {"local": LocalBackend}

@@ -399,6 +399,85 @@ class KDAConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Routed experts (letter e): router, SwiGLU experts, optional shared experts.
+
+    Scores are computed in fp32 from ``[tokens, num_experts]`` router logits; each token goes
+    to ``top_k`` experts. Placement of MoE layers is the layout string's business only.
+    """
+
+    num_experts: int = 8
+    top_k: int = 2
+    moe_ffn_hidden_size: int = 1024  # per routed expert
+    num_shared_experts: int = 0  # shared experts, fused into one SwiGLU of num * size
+    shared_expert_ffn_hidden_size: Optional[int] = None  # None: moe_ffn_hidden_size (per shared expert)
+    shared_expert_gate: bool = False  # sigmoid(x W_g) scales the shared output (Qwen); off for DeepSeek
+    score_function: str = "softmax"  # softmax (over all experts) | sigmoid (per expert)
+    n_group: int = 1  # expert groups for group-limited routing (DeepSeek-V3)
+    topk_group: int = 1  # groups a token may use; 1 group = no limit
+    group_score_topk: int = 2  # a group's score: sum of its best this-many scores (1 = max)
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to one
+    routed_scaling_factor: float = 1.0  # multiplies the routed weights (after renormalisation)
+    expert_bias: bool = False  # aux-loss-free balancing: a bias added to scores for selection only
+    expert_bias_update_rate: float = 1e-3  # bias += rate * sign(mean_load - load) per optimizer step
+    aux_loss_coeff: float = 0.0  # load-balancing loss over the whole micro-batch (Switch/GShard)
+    seq_aux_loss_coeff: float = 0.0  # the same loss per sequence, averaged (DeepSeek-V3)
+    z_loss_coeff: float = 0.0  # router z-loss: mean(logsumexp(logits)^2) (ST-MoE)
+    capacity_factor: Optional[float] = None  # None: dropless; else tokens per expert per rank cap
+    drop_policy: str = "probs"  # with a capacity: keep the highest-weight (probs) or earliest (position)
+    dispatcher: str = "alltoall"  # token exchange over the expert grid: alltoall | allgather
+    expert_kernel: str = "auto"  # auto | grouped_mm | loop | reference (see megamoe.layers.grouped_gemm)
+
+    def shared_ffn(self) -> int:
+        """Width of the fused shared-expert SwiGLU (0 without shared experts)."""
+        per = self.shared_expert_ffn_hidden_size or self.moe_ffn_hidden_size
+        return per * self.num_shared_experts
+
+    def validate(self, hidden_size: int, path: str = "model.moe") -> None:
+        for name in ("num_experts", "top_k", "moe_ffn_hidden_size", "n_group", "topk_group",
+                     "group_score_topk"):
+            check_positive(f"{path}.{name}", getattr(self, name))
+        check(self.top_k <= self.num_experts, f"{path}.top_k", self.top_k,
+              f"must be <= num_experts={self.num_experts}")
+        check(isinstance(self.num_shared_experts, int) and self.num_shared_experts >= 0,
+              f"{path}.num_shared_experts", self.num_shared_experts, "must be an integer >= 0")
+        if self.shared_expert_ffn_hidden_size is not None:
+            check_positive(f"{path}.shared_expert_ffn_hidden_size", self.shared_expert_ffn_hidden_size)
+        check(not self.shared_expert_gate or self.num_shared_experts > 0, f"{path}.shared_expert_gate",
+              self.shared_expert_gate, "needs num_shared_experts > 0")
+        check_choice(f"{path}.score_function", self.score_function, ("softmax", "sigmoid"))
+        check(self.num_experts % self.n_group == 0, f"{path}.n_group", self.n_group,
+              f"must divide num_experts={self.num_experts}")
+        check(self.topk_group <= self.n_group, f"{path}.topk_group", self.topk_group,
+              f"must be <= n_group={self.n_group}")
+        per_group = self.num_experts // self.n_group
+        check(self.n_group == 1 or self.group_score_topk <= per_group, f"{path}.group_score_topk",
+              self.group_score_topk, f"must be <= experts per group={per_group}")
+        check(self.top_k <= self.topk_group * per_group, f"{path}.top_k", self.top_k,
+              f"must be <= topk_group*experts per group={self.topk_group * per_group}")
+        check(self.routed_scaling_factor > 0, f"{path}.routed_scaling_factor", self.routed_scaling_factor,
+              "must be > 0")
+        check(self.expert_bias_update_rate >= 0, f"{path}.expert_bias_update_rate",
+              self.expert_bias_update_rate, "must be >= 0")
+        for name in ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff"):
+            check(getattr(self, name) >= 0, f"{path}.{name}", getattr(self, name), "must be >= 0")
+        if self.capacity_factor is not None:
+            check(self.capacity_factor > 0, f"{path}.capacity_factor", self.capacity_factor,
+                  "must be > 0 (or null for dropless)")
+        check_choice(f"{path}.drop_policy", self.drop_policy, ("probs", "position"))
+        check_choice(f"{path}.dispatcher", self.dispatcher, ("alltoall", "allgather"))
+        check_choice(f"{path}.expert_kernel", self.expert_kernel, ("auto", "grouped_mm", "loop", "reference"))
+
+    def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.moe") -> None:
+        check(self.num_experts % parallel.ep == 0, f"{path}.num_experts", self.num_experts,
+              f"must be divisible by parallel.ep={parallel.ep}")
+        check(self.moe_ffn_hidden_size % parallel.etp == 0, f"{path}.moe_ffn_hidden_size",
+              self.moe_ffn_hidden_size, f"must be divisible by parallel.etp={parallel.etp}")
+        check(self.shared_ffn() % parallel.tp == 0, f"{path}.shared_expert_ffn_hidden_size",
+              self.shared_ffn(), f"(times num_shared_experts) must be divisible by parallel.tp={parallel.tp}")
+
+
+@dataclass
 class ModelConfig:
     """A causal language model (plus, later, its vision encoder) described by a layout string."""
 
@@ -407,6 +486,7 @@ class ModelConfig:
     layout: str = "AdAd"
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     mlp: MLPConfig = field(default_factory=MLPConfig)
+    moe: Optional[MoEConfig] = None  # routed experts (layout letter e)
     lightning: Optional[LightningConfig] = None  # letter L
     mla: Optional[MLAConfig] = None  # letters M, D, I
     gdn: Optional[GDNConfig] = None  # letter G

@@ -1,0 +1,75 @@
+"""Routed SwiGLU experts with stacked weights, sharded over expert (ep) and expert-tensor (etp)
+parallelism. The ``grouped_experts`` role of the local backend.
+
+Full shapes (what initialisation, checkpoints and conversion see, whatever the layout)::
+
+    gate_up_weight [E, 2f, h]   gate | up, nn.Linear layout (HF's ``experts.gate_up_proj``)
+    down_weight    [E, h, f]    (HF's ``experts.down_proj``)
+
+Rank (ep=r, etp=q) holds experts r*E/ep .. (r+1)*E/ep-1 and slice q of f (of both gate and
+up), so its down projection yields a partial sum over etp ranks.
+
+Parameters: 3 * E * h * f, of which top_k / E are active per token (``mark_active_fraction``).
+Expert parameters carry ``_megamoe_expert = True``: their gradients are reduced over the
+expert-data-parallel group (``groups.edp``), not the data-parallel one.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from megamoe.params import mark_active_fraction
+from megamoe.parallel.sharding import Shard, mark_init, normal_init, set_sharding
+from megamoe.spec import BuildContext
+from megamoe.layers.grouped_gemm import resolve_kernel, swiglu_experts
+
+
+def mark_expert_param(param: torch.Tensor) -> torch.Tensor:
+    param._megamoe_expert = True
+    return param
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    return getattr(param, "_megamoe_expert", False)
+
+
+class GroupedExperts(nn.Module):
+    """``forward(x, idx, counts, probs, out_rows)``: see ``megamoe.layers.grouped_gemm``.
+
+    x: [N, h] rows; idx: [S] row indices grouped by local expert with ``counts`` [E/ep]
+    (python ints); probs: [S]; returns [out_rows, h] (a partial sum over etp ranks).
+    """
+
+    def __init__(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str = "auto",
+                 active_fraction: float = 1.0):
+        super().__init__()
+        ep, etp = ctx.groups.size("ep"), ctx.groups.size("etp")
+        h, f = ctx.hidden_size, ffn_hidden_size
+        if num_experts % ep or f % etp:
+            raise ValueError(f"{num_experts} experts / ffn {f} do not split over ep={ep} / etp={etp}")
+        self.num_experts, self.num_local = num_experts, num_experts // ep
+        self.local_start = ctx.groups.rank("ep") * self.num_local
+        self.kernel = kernel
+        kw = dict(dtype=ctx.dtype, device=ctx.device)
+        self.gate_up_weight = nn.Parameter(torch.empty(self.num_local, 2 * f // etp, h, **kw))
+        set_sharding(self.gate_up_weight, Shard(0, "ep"), Shard(1, "etp", parts=(f, f)))
+        mark_init(self.gate_up_weight, normal_init(ctx.init_std))
+        self.down_weight = nn.Parameter(torch.empty(self.num_local, h, f // etp, **kw))
+        set_sharding(self.down_weight, Shard(0, "ep"), Shard(2, "etp"))
+        mark_init(self.down_weight, normal_init(ctx.init_std / (2.0 * ctx.num_layers) ** 0.5))
+        for p in (self.gate_up_weight, self.down_weight):
+            mark_active_fraction(p, active_fraction)
+            mark_expert_param(p)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, counts: Sequence[int], probs: torch.Tensor | None,
+                out_rows: int) -> torch.Tensor:
+        return swiglu_experts(self.kernel, x, idx, counts, probs, self.gate_up_weight, self.down_weight, out_rows)
+
+    def resolved_kernel(self) -> str:
+        return resolve_kernel(self.kernel, self.gate_up_weight.device, self.gate_up_weight.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts} (local {self.num_local} from {self.local_start}), "
+                f"local gate_up={tuple(self.gate_up_weight.shape)}, kernel={self.kernel}")

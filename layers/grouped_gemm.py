@@ -1,0 +1,214 @@
+"""Grouped SwiGLU expert kernels: one weight pair per expert, rows grouped by expert.
+
+Every kernel computes the same thing (``reference`` is the readable definition)::
+
+    out = kernel(x, idx, counts, probs, w1, w2, out_rows)
+
+    x      [N, h]      input rows
+    idx    [S]         grouped row j reads x[idx[j]] and is added to out[idx[j]]
+    counts [E]         python ints: rows 0..counts[0]-1 go to expert 0, the next counts[1] to 1, ...
+    probs  [S] | None  weight of row j, applied to its intermediate activation
+    w1     [E, 2f, h]  gate | up (nn.Linear layout: out x in)
+    w2     [E, h, f]   down
+    out    [out_rows, h] = sum over rows j of  probs[j] * down_e(silu(gate_e x) * up_e x)
+
+Applying ``probs`` to the intermediate instead of the output is exact (down is linear) and
+keeps it valid when f is split over expert-tensor-parallel ranks (the output is then a
+partial sum). ``idx`` lets the single-process path read tokens in place and accumulate
+straight into the token output, without materialising a permuted copy.
+
+Kernels:
+- ``reference``: per-expert loop of plain autograd ops.
+- ``grouped_mm``: torch's grouped GEMM (``F.grouped_mm`` / ``torch._grouped_mm``) over the
+  whole permuted batch; availability and dtype support are probed at run time, and widths
+  whose rows are not multiples of 16 bytes (which it rejects) run the loop instead.
+- ``loop``: per-expert ``mm`` with a hand-written backward; each expert's rows stay in
+  cache through gather, both GEMMs, the SwiGLU and the scatter, which on CPU is faster
+  than whole-batch passes (see docs/performance.md).
+``auto`` picks ``grouped_mm`` on accelerators where the probe passes, ``loop`` otherwise.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megamoe.errors import ConfigError
+
+KERNELS = ("reference", "grouped_mm", "loop")
+
+
+def swiglu_experts_reference(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: int) -> torch.Tensor:
+    """The definition: a loop over experts with plain autograd ops."""
+    out = x.new_zeros(out_rows, x.size(-1))
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = idx[start:start + n]
+        gate, up = F.linear(x[rows], w1[e]).chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        if probs is not None:
+            act = act * probs[start:start + n, None].to(act.dtype)
+        out = out.index_add(0, rows, F.linear(act, w2[e]))
+        start += n
+    return out
+
+
+# ---- torch grouped GEMM ------------------------------------------------------------------
+
+def _grouped_mm_op():
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+_PROBED: dict[tuple, str | None] = {}
+
+
+def grouped_mm_support(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None if torch's grouped GEMM runs forward+backward for (device, dtype), else why not."""
+    key = (device.type, dtype)
+    if key not in _PROBED:
+        op = _grouped_mm_op()
+        if op is None:
+            _PROBED[key] = f"torch {torch.__version__} has no grouped_mm"
+        else:
+            try:
+                a = torch.randn(5, 16, device=device, dtype=dtype, requires_grad=True)
+                b = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                y = op(a, b, offs=torch.tensor([2, 5], device=device, dtype=torch.int32))
+                y.backward(torch.ones_like(y))
+                _PROBED[key] = None
+            except (RuntimeError, NotImplementedError, TypeError) as e:
+                _PROBED[key] = f"grouped_mm failed on {device.type}/{dtype}: {str(e).splitlines()[0]}"
+    return _PROBED[key]
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: the CPU grouped_mm
+    backward rejects expanded (stride-0) gradients such as those of ``y.sum()``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def _rows_aligned(t: torch.Tensor, *widths: int) -> bool:
+    """torch's grouped GEMM wants every row stride to be a multiple of 16 bytes."""
+    return all(w * t.element_size() % 16 == 0 for w in widths)
+
+
+def swiglu_experts_grouped_mm(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: int) -> torch.Tensor:
+    if not _rows_aligned(x, x.size(-1), w2.size(-1)):  # h or f not a multiple of 16 bytes
+        return swiglu_experts_loop(x, idx, counts, probs, w1, w2, out_rows)
+    op = _grouped_mm_op()
+    offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    rows = x.index_select(0, idx)
+    gate, up = op(rows, w1.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    if probs is not None:
+        act = act * probs[:, None].to(act.dtype)
+    y = _ContiguousGrad.apply(op(act, w2.transpose(1, 2), offs=offs))
+    return x.new_zeros(out_rows, x.size(-1)).index_add(0, idx, y)
+
+
+# ---- per-expert loop with a fused backward -----------------------------------------------
+
+class _LoopExperts(torch.autograd.Function):
+    """Saves only the gate|up pre-activations [S, 2f]; recomputes the SwiGLU in backward."""
+
+    @staticmethod
+    def forward(ctx, x, idx, probs, w1, w2, counts, out_rows):
+        out = x.new_zeros(out_rows, x.size(-1))
+        pre = x.new_empty(idx.numel(), w1.size(1))  # gate|up pre-activations, grouped rows
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sl = slice(start, start + n)
+            rows = idx[sl]
+            gu = torch.mm(x.index_select(0, rows), w1[e].t(), out=pre[sl])
+            gate, up = gu.chunk(2, dim=-1)
+            act = F.silu(gate).mul_(up)
+            if probs is not None:
+                act.mul_(probs[sl, None])
+            out.index_add_(0, rows, torch.mm(act, w2[e].t()))
+            start += n
+        ctx.counts = counts
+        ctx.save_for_backward(x, idx, probs, w1, w2, pre)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, idx, probs, w1, w2, pre = ctx.saved_tensors
+        dout = dout.contiguous()
+        dx = torch.zeros_like(x)
+        dw1, dw2 = torch.zeros_like(w1), torch.zeros_like(w2)
+        dprobs = None if probs is None else torch.zeros_like(probs)
+        start = 0
+        for e, n in enumerate(ctx.counts):
+            if n == 0:
+                continue
+            sl = slice(start, start + n)
+            rows = idx[sl]
+            gate, up = pre[sl].chunk(2, dim=-1)
+            silu = F.silu(gate)
+            act = silu * up
+            dy = dout.index_select(0, rows)
+            d_act = torch.mm(dy, w2[e])  # gradient wrt the (weighted) activation
+            if probs is not None:
+                p = probs[sl, None]
+                dprobs[sl] = (d_act * act).sum(-1)
+                torch.mm(dy.t(), act * p, out=dw2[e])
+                d_act.mul_(p)
+            else:
+                torch.mm(dy.t(), act, out=dw2[e])
+            d_pre = torch.empty_like(pre[sl])
+            d_gate, d_up = d_pre.chunk(2, dim=-1)
+            torch.mul(d_act, silu, out=d_up)
+            d_gate.copy_(torch.ops.aten.silu_backward(d_act.mul_(up), gate))
+            torch.mm(d_pre.t(), x.index_select(0, rows), out=dw1[e])
+            dx.index_add_(0, rows, torch.mm(d_pre, w1[e]))
+            start += n
+        return dx, None, dprobs, dw1, dw2, None, None
+
+
+def swiglu_experts_loop(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: int) -> torch.Tensor:
+    if probs is not None:
+        probs = probs.to(x.dtype)
+    return _LoopExperts.apply(x, idx, probs, w1, w2, list(counts), out_rows)
+
+
+_FUNCS = {"reference": swiglu_experts_reference, "grouped_mm": swiglu_experts_grouped_mm,
+          "loop": swiglu_experts_loop}
+
+
+def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel to run for a configured name (``auto`` or one of KERNELS)."""
+    if name == "auto":
+        if device.type != "cpu" and grouped_mm_support(device, dtype) is None:
+            return "grouped_mm"
+        return "loop"
+    if name == "grouped_mm":
+        why = grouped_mm_support(device, dtype)
+        if why is not None:
+            raise ConfigError(f"model.moe.expert_kernel='grouped_mm' is unavailable here ({why}); "
+                              f"allowed: auto, loop, reference")
+    elif name not in _FUNCS:
+        raise ConfigError(f"model.moe.expert_kernel={name!r} is invalid: allowed: auto, {', '.join(KERNELS)}")
+    return name
+
+
+def swiglu_experts(kernel: str, x, idx, counts, probs, w1, w2, out_rows: int) -> torch.Tensor:
+    """Dispatch to a kernel by name (see the module docstring for the contract)."""
+    if len(counts) != w1.size(0):
+        raise ValueError(f"counts has {len(counts)} entries for {w1.size(0)} experts")
+    if sum(counts) != idx.numel():
+        raise ValueError(f"counts sum to {sum(counts)} but {idx.numel()} rows were given")
+    return _FUNCS[resolve_kernel(kernel, x.device, x.dtype)](x, idx, counts, probs, w1, w2, out_rows)
+
+

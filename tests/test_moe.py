@@ -1,0 +1,281 @@
+"""MoE units: expert kernels against the reference, routing maths, capacity, balancing losses and
+their gradient injection, metrics, config errors, placement by layout, the 1T preset's budget."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from megamoe.config import ModelConfig, MoEConfig, ParallelConfig, validate_model_parallel
+from megamoe.errors import ConfigError
+from tests.numerics import rel_err
+
+H = 16
+
+
+def moe_layer(**kw):
+    from megamoe.layers.moe import MoELayer
+    from megamoe.model import build_context
+    from megamoe.parallel.groups import ParallelGroups
+    from megamoe.weights import initialize
+
+    base = dict(num_experts=6, top_k=2, moe_ffn_hidden_size=8)
+    cfg = ModelConfig(hidden_size=H, layout="Ae", moe=MoEConfig(**{**base, **kw}))
+    layer = MoELayer(cfg.moe, build_context(cfg), 0)
+    initialize(layer, ParallelGroups(), seed=0)
+    return layer
+
+
+# ---- kernels -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kernel", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_expert_kernels_match_reference(kernel, with_probs):
+    from megamoe.layers.grouped_gemm import grouped_mm_support, swiglu_experts
+
+    if kernel == "grouped_mm" and grouped_mm_support(torch.device("cpu"), torch.float32):
+        pytest.skip(grouped_mm_support(torch.device("cpu"), torch.float32))
+    gen = torch.Generator().manual_seed(0)
+    counts = [3, 0, 5, 0, 4]  # empty experts in the middle and a token used by several experts
+    x = torch.randn(11, H, generator=gen)
+    idx = torch.randint(0, 11, (sum(counts),), generator=gen)
+    probs = torch.rand(sum(counts), generator=gen) if with_probs else None
+    w1 = torch.randn(5, 2 * 8, H, generator=gen) * 0.3
+    w2 = torch.randn(5, H, 8, generator=gen) * 0.3
+    g = torch.randn(11, H, generator=gen)
+    results = {}
+    for name in ("reference", kernel):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w1, w2)]
+        p = None if probs is None else probs.clone().requires_grad_(True)
+        out = swiglu_experts(name, leaves[0], idx, counts, p, leaves[1], leaves[2], 11)
+        (out * g).sum().backward()
+        results[name] = [out] + [t.grad for t in leaves] + ([] if p is None else [p.grad])
+    for ours, ref in zip(results[kernel], results["reference"]):
+        assert rel_err(ours, ref) <= 1e-6
+    assert results["reference"][2][1].abs().max() == 0  # an empty expert gets no gradient
+
+
+def test_auto_kernel_on_cpu_is_the_loop():
+    from megamoe.layers.grouped_gemm import resolve_kernel
+
+    assert resolve_kernel("auto", torch.device("cpu"), torch.float32) == "loop"
+    with pytest.raises(ConfigError, match="expert_kernel"):
+        resolve_kernel("fast", torch.device("cpu"), torch.float32)
+
+
+# ---- routing maths -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("score_topk,expected", [(2, [2, 3]), (1, [0, 1])])
+def test_group_limited_routing_by_hand(score_topk, expected):
+    """Groups {0,1} {2,3} {4,5}; one group allowed. Sum of the best two picks group 1
+    (0.5+0.45 > 0.6+0.0); the max picks group 0 (0.6 > 0.5), even though expert 2 beats expert 1."""
+    from megamoe.layers.router import select_experts
+
+    cfg = MoEConfig(num_experts=6, top_k=2, n_group=3, topk_group=1, group_score_topk=score_topk,
+                    norm_topk_prob=False, routed_scaling_factor=2.0)
+    scores = torch.tensor([[0.6, 0.0, 0.5, 0.45, 0.1, 0.1]])
+    weights, idx = select_experts(scores, cfg)
+    assert sorted(idx[0].tolist()) == expected
+    assert torch.allclose(weights, scores.gather(1, idx) * 2.0)
+
+
+def test_expert_bias_changes_the_choice_not_the_weight():
+    from megamoe.layers.router import select_experts
+
+    cfg = MoEConfig(num_experts=4, top_k=1, norm_topk_prob=False)
+    scores = torch.tensor([[0.5, 0.4, 0.3, 0.2]])
+    weights, idx = select_experts(scores, cfg, bias=torch.tensor([0.0, 0.0, 0.5, 0.0]))
+    assert idx.item() == 2 and weights.item() == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("policy,kept", [("probs", [1, 3]), ("position", [0, 1])])
+def test_capacity_drop_policies(policy, kept):
+    from megamoe.layers.router import capacity_keep
+
+    weights = torch.tensor([[0.1], [0.9], [0.5], [0.7], [0.2]])
+    idx = torch.tensor([[0], [0], [0], [0], [1]])
+    keep = capacity_keep(weights, idx, num_experts=2, capacity=2, policy=policy)
+    assert keep[:4, 0].nonzero().flatten().tolist() == kept and keep[4, 0]
+
+
+def test_capacity_drops_reach_the_output_and_metrics():
+    from megamoe.moe import moe_metrics
+
+    dropless, capped = moe_layer(), moe_layer(capacity_factor=0.5)
+    x = torch.randn(2, 6, H, generator=torch.Generator().manual_seed(0))
+    y0, y1 = dropless(x), capped(x)
+    m = moe_metrics(capped)[0]
+    assert m["dropped_tokens"] > 0 and 0 < m["dropped_fraction"] < 1
+    assert rel_err(y1, y0) > 1e-3  # dropped pairs lose their expert output
+
+
+# ---- balancing losses --------------------------------------------------------------------
+
+def hand_losses(logits, idx, score_function, e, k, batch):
+    """Independent formulas: Switch/GShard load balancing (load normalised by T*k), the same
+    per sequence averaged over sequences, and the z-loss."""
+    scores = torch.softmax(logits, -1) if score_function == "softmax" else torch.sigmoid(logits)
+    p = scores / scores.sum(-1, keepdim=True)
+    t = logits.size(0)
+    onehot = torch.zeros(t, e).scatter_(1, idx, 1.0)
+    aux = e * (onehot.sum(0) / (t * k) * p.mean(0)).sum()
+    s = t // batch
+    seq = torch.stack([e * (onehot[i * s:(i + 1) * s].sum(0) / (s * k) * p[i * s:(i + 1) * s].mean(0)).sum()
+                       for i in range(batch)]).mean()
+    z = torch.logsumexp(logits, -1).square().mean()
+    return {"aux_loss": aux, "seq_aux_loss": seq, "z_loss": z}
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_balancing_losses_reach_the_gradient_without_the_caller(score_function):
+    from megamoe.layers.router import select_experts
+    from megamoe.moe import moe_metrics, set_aux_loss_scale
+
+    coeffs = dict(aux_loss_coeff=0.1, seq_aux_loss_coeff=0.2, z_loss_coeff=0.01)
+    with_aux, plain = moe_layer(score_function=score_function, **coeffs), moe_layer(score_function=score_function)
+    gen = torch.Generator().manual_seed(1)
+    x, g = torch.randn(2, 5, H, generator=gen), torch.randn(2, 5, H, generator=gen)
+    (with_aux(x) * g).sum().backward()
+    # the same by hand: the main loss plus the weighted losses, added explicitly
+    logits = plain.router.logits(x.reshape(-1, H))
+    scores = torch.softmax(logits, -1) if score_function == "softmax" else torch.sigmoid(logits)
+    _, idx = select_experts(scores, plain.router.cfg)
+    hand = hand_losses(logits, idx, score_function, 6, 2, batch=2)
+    loss = (plain(x) * g).sum() + sum(coeffs[f"{n}_coeff"] * v for n, v in hand.items())
+    loss.backward()
+    assert rel_err(with_aux.router.weight.grad, plain.router.weight.grad) <= 1e-6
+    metrics = moe_metrics(with_aux)[0]
+    for name, value in hand.items():
+        assert metrics[name] == pytest.approx(value.item(), rel=1e-6), name
+    # scale 0 (e.g. a frozen router) removes exactly the injected part
+    no_aux = moe_layer(score_function=score_function)
+    (no_aux(x) * g).sum().backward()
+    set_aux_loss_scale(with_aux, 0.0)
+    with_aux.zero_grad()
+    (with_aux(x) * g).sum().backward()
+    assert rel_err(with_aux.router.weight.grad, no_aux.router.weight.grad) <= 1e-7
+    assert rel_err(plain.router.weight.grad, no_aux.router.weight.grad) > 1e-3
+
+
+def test_eval_mode_adds_no_loss_and_no_load():
+    layer = moe_layer(aux_loss_coeff=0.1, expert_bias=True)
+    x = torch.randn(1, 4, H, generator=torch.Generator().manual_seed(2))
+    y_train = layer(x)
+    layer.router.load, layer.router.stats = None, {}
+    layer.eval()
+    with torch.no_grad():
+        y_eval = layer(x)
+    assert torch.equal(y_train, y_eval)
+    assert layer.router.load is None and "aux_loss" not in layer.router.stats
+
+
+def test_metrics_count_tokens_per_expert():
+    from megamoe.moe import moe_metrics
+
+    layer = moe_layer()
+    x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(3))
+    layer(x)
+    layer(x)
+    _, idx = torch.topk(torch.softmax(layer.router.logits(x.reshape(-1, H)), -1), 2)
+    m = moe_metrics(layer)[0]
+    counts = torch.bincount(idx.flatten(), minlength=6).float() * 2
+    assert m["tokens_per_expert"] == counts.tolist()
+    assert m["imbalance"] == pytest.approx((counts.max() / counts.mean()).item())
+    assert 0 < m["router_entropy"] <= math.log(6)
+    assert moe_metrics(layer) == {}  # read resets
+
+
+# ---- config ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw,parallel,message", [
+    (dict(num_experts=6, top_k=8), {}, "model.moe.top_k=8 is invalid"),
+    (dict(num_experts=6, n_group=4), {}, "model.moe.n_group=4 is invalid: must divide num_experts=6"),
+    (dict(num_experts=8, n_group=4, topk_group=5), {}, "model.moe.topk_group=5"),
+    (dict(score_function="relu"), {}, "model.moe.score_function='relu' is invalid: allowed: softmax, sigmoid"),
+    (dict(dispatcher="nccl"), {}, "model.moe.dispatcher"),
+    (dict(capacity_factor=0.0), {}, "model.moe.capacity_factor"),
+    (dict(shared_expert_gate=True), {}, "model.moe.shared_expert_gate"),
+    (dict(num_experts=6), dict(ep=4), "model.moe.num_experts=6 is invalid: must be divisible by parallel.ep=4"),
+    (dict(moe_ffn_hidden_size=10), dict(etp=4), "model.moe.moe_ffn_hidden_size=10 is invalid"),
+])
+def test_config_errors_are_one_line(kw, parallel, message):
+    cfg = ModelConfig(hidden_size=H, layout="Ad Ae", moe=MoEConfig(**kw))
+    with pytest.raises(ConfigError) as err:
+        validate_model_parallel(cfg, ParallelConfig(**parallel))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_layout_using_e_needs_the_moe_section():
+    with pytest.raises(ConfigError, match="model.moe is not set but model.layout uses 'e'"):
+        ModelConfig(layout="Ad Ae").validate()
+
+
+# ---- models and budgets ------------------------------------------------------------------
+
+def test_dense_first_layers_and_active_budget():
+    """'Ad (Ae)*2': the first layer dense, then MoE; a training step runs; only routed experts
+    count fractionally towards the active budget."""
+    from megamoe.config import AttentionConfig, MLPConfig
+    from megamoe.model import LanguageModel, shift_labels
+    from megamoe.params import count_parameters
+    from megamoe.weights import initialize
+
+    moe = MoEConfig(num_experts=6, top_k=2, moe_ffn_hidden_size=8, num_shared_experts=1, aux_loss_coeff=0.01)
+    cfg = ModelConfig(vocab_size=50, hidden_size=H, layout="Ad (Ae)*2", attention=AttentionConfig(num_heads=2),
+                      mlp=MLPConfig(ffn_hidden_size=24), moe=moe)
+    model = LanguageModel(cfg)
+    initialize(model, model.groups, seed=0)
+    assert [type(layer.mlp).__name__ for layer in model.layers.values()] == ["SwiGLUMLP", "MoELayer", "MoELayer"]
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(0))
+    loss = model(ids, labels=shift_labels(ids))
+    loss.backward()
+    assert torch.isfinite(loss) and model.layers["1"].mlp.router.weight.grad.abs().sum() > 0
+    b = count_parameters(model)
+    routed = 2 * 3 * 6 * H * 8
+    assert b.total - b.active == pytest.approx(routed * (1 - 2 / 6))
+
+
+def hand_count_moe_1t(m) -> tuple[int, float]:
+    """(total, active) of a Kimi-K2-style recipe: MLA everywhere, dense 'd' and MoE 'e' MLPs."""
+    h, a, e = m.hidden_size, m.mla, m.moe
+    H, dn, dr, dv, rq, r = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.q_lora_rank, a.kv_lora_rank
+    mla = h * rq + rq + rq * H * (dn + dr) + h * (r + dr) + r + r * H * (dn + dv) + H * dv * h
+    dense = 3 * h * m.mlp.ffn_hidden_size
+    routed = 3 * e.num_experts * h * e.moe_ffn_hidden_size
+    moe_fixed = e.num_experts * h + e.num_experts + 3 * h * e.shared_ffn()  # router, expert bias, shared
+    counts = m.parsed_layout().counts()
+    layers = counts["M"] * (mla + 2 * h) + counts["d"] * dense + counts["e"] * (routed + moe_fixed)
+    embed = 2 * m.vocab_size * h + h
+    total = layers + embed
+    active = total - counts["e"] * routed * (1 - e.top_k / e.num_experts)
+    return total, active
+
+
+def test_1t_preset_builds_on_meta_fast_and_small():
+    """A fresh process (so the RSS is the build's own): < 30 s, < 2 GiB, counts = hand count."""
+    from megamoe.recipe import load_recipe
+
+    code = textwrap.dedent("""
+        import json, resource, time
+        from megamoe.plan import budget
+        from megamoe.recipe import load_recipe
+        cfg = load_recipe("moe_1t").model
+        t = time.time()
+        b = budget(cfg)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps({"total": b.total, "active": b.active, "seconds": time.time() - t, "rss_mib": rss}))
+    """)
+    out = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                    text=True).stdout.strip().splitlines()[-1])
+    recipe = load_recipe("moe_1t")
+    validate_model_parallel(recipe.model, recipe.parallel)
+    total, active = hand_count_moe_1t(recipe.model)
+    assert out["total"] == total and total > 1.0e12
+    assert out["active"] == pytest.approx(active, rel=1e-12) and 30e9 < active < 35e9
+    assert out["seconds"] < 30, out
+    assert out["rss_mib"] < 2048, out
