@@ -101,6 +101,19 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = (),
     return recipe
 
 
+def config_to_dict(config: Any) -> dict:
+    """A dataclass config as plain data (JSON/YAML-able)."""
+    return OmegaConf.to_container(OmegaConf.structured(config))
+
+
+def config_from_dict(data: dict, schema: type = ModelConfig) -> Any:
+    """The inverse of ``config_to_dict``, type-checked against ``schema``."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), data))
+    except OmegaConfBaseException as e:
+        raise _one_line(e, schema.__name__) from None
+
+
 def to_yaml(config: Any) -> str:
     """The YAML record of a config (dataclass or OmegaConf)."""
     if dataclasses.is_dataclass(config):

@@ -124,7 +124,7 @@ def _finalize(tmp: Path, final: Path, root: Path) -> None:
 
 
 def save_checkpoint(root: str | Path, step: int, groups: ParallelGroups, model_parts, optimizer=None,
-                    trainer_state: dict | None = None, keep_last: int = 2) -> Path:
+                    trainer_state: dict | None = None, keep_last: int = 2, extra_meta: dict | None = None) -> Path:
     """Write ``root/step_XXXXXXXX`` atomically (a collective: every rank calls it)."""
     root = Path(root)
     final = root / f"step_{step:08d}"
@@ -140,7 +140,7 @@ def save_checkpoint(root: str | Path, step: int, groups: ParallelGroups, model_p
     items[f"rng/rank{dist.get_rank() if dist.is_initialized() else 0}"] = torch.get_rng_state().clone()
     dcp.save(items, checkpoint_id=str(tmp))
     if _is_root():
-        meta = {"step": step, "layout": layout_sizes(groups),
+        meta = {**(extra_meta or {}), "step": step, "layout": layout_sizes(groups),
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "trainer_state": trainer_state or {}}
         (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
@@ -248,11 +248,29 @@ def _fill_placeholders(path: Path, request: dict) -> None:
         request[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
 
 
+def read_full_tensor(path: str | Path, meta: dict, name: str, rules) -> torch.Tensor:
+    """One model tensor of a training checkpoint, reassembled from its pieces (for export)."""
+    request = {piece_key("model", name, rules, combo, meta["layout"]): None
+               for combo in all_pieces(rules, meta["layout"])}
+    _fill_placeholders(Path(path), request)
+    _dcp_load(Path(path), request)
+    return assemble(request.__getitem__, "model", name, rules, meta["layout"])
+
+
 def load_checkpoint(path: str | Path, groups: ParallelGroups, model_parts, optimizer=None,
                     load_rng: bool = True) -> dict:
-    """Load model (and optimizer, RNG) state saved at any layout; returns the trainer state."""
+    """Load model (and optimizer, RNG) state saved at any layout; returns the checkpoint's
+    meta.json (its ``trainer_state`` holds step and data position). Converted checkpoints
+    (``tools/convert.py import-hf``) hold weights only."""
     path = Path(path)
     meta = read_meta(path)
+    if meta.get("format") == "megamoe-safetensors":
+        from megamoe.convert.mm_format import ConvertedCheckpoint
+
+        targets = [(t, name, rules) for t, kind, name, rules in _targets(model_parts, None)]
+        ConvertedCheckpoint(path, meta).load_into(targets, groups)
+        log.info("loaded converted checkpoint %s (layout %s)", path, meta["layout"])
+        return meta
     old = meta["layout"]
     _load_into(path, _targets(model_parts, optimizer, create=True), groups, old)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -265,4 +283,4 @@ def load_checkpoint(path: str | Path, groups: ParallelGroups, model_parts, optim
     elif load_rng:
         log.warning("checkpoint was written by %s ranks, now %s: RNG states are reseeded", meta.get("world_size"), world)
     log.info("loaded checkpoint %s (step %s, layout %s)", path, meta.get("step"), old)
-    return meta.get("trainer_state", {})
+    return meta

@@ -24,7 +24,7 @@ from megamoe.plan import budget
 from megamoe.parallel import comm
 from megamoe.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 from megamoe.parallel.groups import ParallelGroups, build_groups, init_distributed
-from megamoe.recipe import Recipe
+from megamoe.recipe import Recipe, config_to_dict
 from megamoe.training import checkpoint as ckpt
 from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
 from megamoe.training.grads import clip_grads, global_grad_norm, sync_grads
@@ -90,8 +90,10 @@ class Trainer:
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.optimizer = DistributedOptimizer(named, self.groups, self.optim_cfg)
         self.step, self.consumed, self.nan_streak, self.skipped = 0, 0, 0, 0
+        self.hf_origin = None  # the HF family/config the weights came from, kept for export
         if recipe.checkpoint.load:
-            ckpt.load_checkpoint(recipe.checkpoint.load, self.groups, self.chunks, None, load_rng=False)
+            meta = ckpt.load_checkpoint(recipe.checkpoint.load, self.groups, self.chunks, None, load_rng=False)
+            self.hf_origin = meta.get("hf")
         self._maybe_resume()
         self.after_step_hooks: list[Callable[[Trainer], None]] = []
         self.recorder = comm.LatencyRecorder()
@@ -106,8 +108,9 @@ class Trainer:
         root = self.recipe.checkpoint.dir
         if not root:
             return None
+        extra = {"model": config_to_dict(self.recipe.model), "hf": self.hf_origin}
         return ckpt.save_checkpoint(root, self.step, self.groups, self.chunks, self.optimizer, self.state(),
-                                    self.recipe.checkpoint.keep_last)
+                                    self.recipe.checkpoint.keep_last, extra)
 
     def _maybe_resume(self) -> None:
         c = self.recipe.checkpoint
@@ -116,7 +119,9 @@ class Trainer:
         path = ckpt.latest_checkpoint(c.dir)
         if path is None:
             return
-        state = ckpt.load_checkpoint(path, self.groups, self.chunks, self.optimizer)
+        meta = ckpt.load_checkpoint(path, self.groups, self.chunks, self.optimizer)
+        state = meta["trainer_state"]
+        self.hf_origin = meta.get("hf", self.hf_origin)
         self.step, self.consumed = state["step"], state["consumed_samples"]
         self.nan_streak, self.skipped = state.get("nan_streak", 0), state.get("skipped_steps", 0)
         log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed)

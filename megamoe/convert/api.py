@@ -1,0 +1,198 @@
+"""HF <-> megamoe conversion: in memory (``from_hf``, ``to_hf``) and between directories
+(``import_hf``, ``export_hf``), streaming one tensor at a time."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from megamoe.config import ModelConfig, ParallelConfig, validate_model_parallel
+from megamoe.convert.family import Family, get_family
+from megamoe.convert.hf_io import AtomicDir, HFCheckpoint, write_hf_dir
+from megamoe.convert.mm_format import FORMAT, ConvertedCheckpoint, write_checkpoint
+from megamoe.convert.st_io import DTYPE_CODES
+from megamoe.convert.table import Entry, check_plan, expand
+from megamoe.errors import CheckpointError
+from megamoe.recipe import config_from_dict, config_to_dict
+from megamoe.parallel.groups import ParallelGroups
+from megamoe.parallel.pieces import GROUPS
+from megamoe.parallel.sharding import full_shape, gather_full, shard_full, sharding
+
+log = logging.getLogger(__name__)
+TORCH_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+# ---- configs and models --------------------------------------------------------------------
+
+def build_model(cfg: ModelConfig, groups: ParallelGroups | None = None, *, sequence_parallel: bool = False,
+                device=None, **kw):
+    """The model ``cfg`` describes: multimodal when it has a vision section."""
+    if cfg.vision is not None:
+        from megamoe.multimodal import MultimodalModel
+
+        return MultimodalModel(cfg, groups, sequence_parallel=sequence_parallel, device=device, **kw)
+    from megamoe.model import LanguageModel
+
+    return LanguageModel(cfg, groups, sequence_parallel=sequence_parallel, device=device, **kw)
+
+
+def model_tensors(model) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers by name (what a checkpoint holds)."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def _plan(family: Family, cfg: ModelConfig, hf_config: dict, available: set[str] | None) -> list[Entry]:
+    return expand(family.rules(cfg, hf_config), cfg, hf_config, available)
+
+
+# ---- HF -> megamoe -------------------------------------------------------------------------
+
+def _open_hf(hf_dir) -> tuple[HFCheckpoint, Family, ModelConfig]:
+    ck = HFCheckpoint(hf_dir)
+    family = get_family(ck.config.get("model_type"), str(Path(hf_dir) / "config.json"))
+    cfg = family.config_from_hf(ck.config)
+    cfg.validate()
+    return ck, family, cfg
+
+
+def _checked_plan(ck: HFCheckpoint, family: Family, cfg: ModelConfig, shapes: dict) -> list[Entry]:
+    entries = _plan(family, cfg, ck.config, ck.names)
+    check_plan(entries, shapes, ck.shapes, str(ck.path))
+    return entries
+
+
+def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequence_parallel: bool = False,
+            device=None, progress: bool = False):
+    """A megamoe model holding an HF checkpoint's weights (this rank's shards under ``groups``).
+
+    ``model(input_ids)`` returns logits [b, t, V]. The HF origin is kept on ``model.hf_origin``
+    so ``to_hf`` can write the same family back.
+    """
+    ck, family, cfg = _open_hf(hf_dir)
+    groups = groups or ParallelGroups()
+    with torch.device("meta"):
+        shapes = {n: tuple(t.shape) for n, t in model_tensors(build_model(cfg, device="meta")).items()}
+    entries = _checked_plan(ck, family, cfg, shapes)
+    model = build_model(cfg, groups, sequence_parallel=sequence_parallel, device=device)
+    tensors = model_tensors(model)
+    for e in tqdm(entries, desc="load HF", disable=not progress, unit="tensor"):
+        full = e.to_mm([ck.tensor(n) for n in e.hf])
+        dest = tensors[e.mm]
+        with torch.no_grad():
+            dest.copy_(shard_full(full.to(dest.dtype), dest, groups))
+    model.hf_origin = {"model_type": family.model_type, "config": ck.config}
+    return model.eval()
+
+
+def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
+              shard_bytes: int = 2 << 30, overwrite: bool = False, progress: bool = True) -> Path:
+    """Convert an HF directory into a megamoe checkpoint (optionally split for a TP/PP/EP layout)."""
+    start = time.time()
+    ck, family, cfg = _open_hf(hf_dir)
+    parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp)
+    layout = validate_model_parallel(cfg, parallel)
+    with torch.device("meta"):
+        meta_tensors = model_tensors(build_model(cfg, device="meta"))
+    entries = _checked_plan(ck, family, cfg, {n: tuple(t.shape) for n, t in meta_tensors.items()})
+    by_name = {e.mm: e for e in entries}
+    planned = []
+    for name, t in meta_tensors.items():
+        src_dtype = TORCH_DTYPES[ck.dtypes[by_name[name].hf[0]]]
+        dtype = src_dtype if src_dtype.is_floating_point and t.dtype.is_floating_point else t.dtype
+        planned.append((name, dtype, tuple(t.shape), sharding(t)))
+    sizes = {g: 1 for g in GROUPS} | {"tp": tp, "pp": pp, "ep": ep, "etp": etp}
+    meta = {"step": 0, "model": config_to_dict(cfg), "hf": {"model_type": family.model_type, "config": ck.config},
+            "trainer_state": {}}
+    bar = tqdm(total=len(planned), desc=f"import {family.model_type}", unit="tensor", disable=not progress)
+
+    def produce(name: str) -> torch.Tensor:
+        e = by_name[name]
+        return e.to_mm([ck.tensor(n) for n in e.hf])
+
+    with AtomicDir(out_dir, overwrite) as tmp:
+        write_checkpoint(tmp, meta, planned, produce, sizes, layout.stages(pp), shard_bytes, bar)
+    bar.close()
+    log.info("imported %s (%s) into %s in %.1fs", hf_dir, family.model_type, out_dir, time.time() - start)
+    return Path(out_dir)
+
+
+# ---- megamoe -> HF -------------------------------------------------------------------------
+
+def _hf_plan(entries: list[Entry], dtype_of) -> list[tuple[str, torch.dtype, tuple]]:
+    planned = []
+    for e in entries:
+        shape, dtype = dtype_of(e.mm)
+        outs = e.to_hf(torch.empty(shape, dtype=dtype, device="meta"))
+        if len(outs) != len(e.hf):
+            raise CheckpointError(f"mapping table: {e.mm} gives {len(outs)} HF tensors for {len(e.hf)} names")
+        planned += [(n, t.dtype, tuple(t.shape)) for n, t in zip(e.hf, outs)]
+    return planned
+
+
+def _write_hf(out_dir, family: Family, cfg: ModelConfig, hf_config: dict | None, shapes_dtypes,
+              read_full, overwrite: bool, progress: bool) -> Path:
+    config = family.config_to_hf(cfg, hf_config)
+    entries = _plan(family, cfg, config, None)
+    check_plan(entries, {n: s for n, (s, _) in shapes_dtypes.items()}, None, "export")
+    planned = _hf_plan(entries, shapes_dtypes.__getitem__)
+    bar = tqdm(total=len(entries), desc=f"export {family.model_type}", unit="tensor", disable=not progress)
+
+    def stream():
+        for e in entries:
+            outs = e.to_hf(read_full(e.mm))
+            yield from zip(e.hf, (o.contiguous() for o in outs))
+            bar.update(1)
+
+    path = write_hf_dir(out_dir, config, planned, stream(), overwrite=overwrite)
+    bar.close()
+    return path
+
+
+def to_hf(model, out_dir: str | Path, *, family: str | None = None, hf_config: dict | None = None,
+          groups: ParallelGroups | None = None, overwrite: bool = False, progress: bool = False) -> Path:
+    """Write ``model`` as an HF checkpoint that ``transformers`` loads with its Auto classes.
+
+    The family comes from ``family``, else from the model's HF origin (``from_hf``). Under a
+    parallel layout every rank must call it (tensors are gathered); rank 0 writes.
+    """
+    origin = getattr(model, "hf_origin", None) or {}
+    fam = get_family(family or origin.get("model_type"), "to_hf")
+    hf_config = hf_config if hf_config is not None else origin.get("config")
+    groups = groups or ParallelGroups()
+    tensors = model_tensors(model)
+    shapes = {n: (tuple(full_shape(t, groups)), t.dtype) for n, t in tensors.items()}
+    return _write_hf(out_dir, fam, model.config, hf_config, shapes,
+                     lambda n: gather_full(tensors[n], groups), overwrite, progress)
+
+
+def open_megamoe_checkpoint(path: str | Path):
+    """(meta, full-tensor reader) for a converted checkpoint or a training (DCP) checkpoint."""
+    from megamoe.training.checkpoint import read_meta
+
+    meta = read_meta(path)
+    if "model" not in meta:
+        raise CheckpointError(f"{path}: meta.json has no model config (written by an older megamoe?)")
+    cfg = config_from_dict(meta["model"])
+    with torch.device("meta"):
+        tensors = model_tensors(build_model(cfg, device="meta"))
+    if meta.get("format") == FORMAT:
+        ck = ConvertedCheckpoint(path, meta)
+        return meta, cfg, tensors, lambda n: ck.full(n, sharding(tensors[n]))
+    from megamoe.training.checkpoint import read_full_tensor
+
+    return meta, cfg, tensors, lambda n: read_full_tensor(path, meta, n, sharding(tensors[n]))
+
+
+def export_hf(ckpt_dir: str | Path, out_dir: str | Path, *, family: str | None = None,
+              overwrite: bool = False, progress: bool = True) -> Path:
+    """A megamoe checkpoint (converted or from training) -> an HF directory."""
+    meta, cfg, tensors, read_full = open_megamoe_checkpoint(ckpt_dir)
+    origin = meta.get("hf") or {}
+    fam = get_family(family or origin.get("model_type"), f"{ckpt_dir}/meta.json")
+    # tensors are exported in the model's parameter dtype (model.params_dtype)
+    shapes = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+    return _write_hf(out_dir, fam, cfg, origin.get("config"), shapes,
+                     lambda n: read_full(n).to(shapes[n][1]), overwrite, progress)

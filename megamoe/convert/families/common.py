@@ -1,0 +1,109 @@
+"""Building blocks shared by the family tables: HF config readers and rule groups for the
+parts most families have in common (embeddings, norms, GQA attention, SwiGLU MLP)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from megamoe.config import ModelConfig
+from megamoe.convert.family import hf_get
+from megamoe.convert.table import Cat, Ctx, Fn, Rule, Same
+
+# ---- HF config readers -------------------------------------------------------------------
+
+
+def rope_theta(hf: dict, default: float = 10000.0) -> float:
+    params = hf.get("rope_parameters") or {}
+    return float(params.get("rope_theta") or hf.get("rope_theta") or default)
+
+
+def partial_rotary(hf: dict) -> float:
+    params = hf.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0)
+
+
+def dtype_name(hf: dict) -> str:
+    name = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").replace("torch.", "")
+    return name if name in ("float32", "bfloat16", "float16") else "float32"
+
+
+def base_hf_config(cfg: ModelConfig, original: dict | None, model_type: str, architecture: str) -> dict:
+    """Start of an exported config.json: the original one when there is one."""
+    out = copy.deepcopy(original) if original else {}
+    out["model_type"] = model_type
+    out["architectures"] = [architecture]
+    out.setdefault("dtype", cfg.params_dtype)
+    return out
+
+
+def layer_types_layout(types: list[str], letters: dict[str, str], mlp_letters: list[str]) -> str:
+    """A layout string from HF per-layer types (``letters`` maps an HF type to a mixer letter)."""
+    return "".join(letters[t] + m for t, m in zip(types, mlp_letters))
+
+
+def text_config(hf: dict) -> dict:
+    """The text part of an HF config (multimodal configs nest it under text_config)."""
+    return hf.get("text_config") or hf
+
+
+# ---- rule groups ---------------------------------------------------------------------------
+
+def embedding_rules(cfg: ModelConfig, prefix: str = "model.", head: str = "lm_head.weight",
+                    norm: str = "norm.weight") -> list[Rule]:
+    rules = [Same("embedding.weight", f"{prefix}embed_tokens.weight"), Same("final_norm.weight", f"{prefix}{norm}")]
+    if not cfg.tie_embeddings:
+        rules.append(Same("output_layer.weight", head))
+    return rules
+
+
+def norm_rules(prefix: str, letters: str, input_norm: str = "input_layernorm",
+               post_norm: str = "post_attention_layernorm", mlp_letters: str = "de") -> list[Rule]:
+    return [Same("layers.{L}.input_norm.weight", f"{prefix}.{input_norm}.weight", when=letters),
+            Same("layers.{L}.pre_mlp_norm.weight", f"{prefix}.{post_norm}.weight", when=mlp_letters)]
+
+
+def _qkv_dims(ctx: Ctx):
+    a = ctx.cfg.attention
+    d = a.dim(ctx.cfg.hidden_size)
+    kv = a.kv_heads()
+    return kv, a.num_heads // kv, d, d * (2 if a.output_gate else 1)
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+    """HF q (heads*[q|gate]), k, v rows -> megamoe's per-KV-group [q... | k | v] rows."""
+    kv, rep, d, qw = _qkv_dims(ctx)
+    tail = q.shape[1:]
+    return torch.cat([q.reshape(kv, rep * qw, *tail), k.reshape(kv, d, *tail), v.reshape(kv, d, *tail)],
+                     dim=1).reshape(-1, *tail)
+
+
+def split_qkv(w: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, ...]:
+    kv, rep, d, qw = _qkv_dims(ctx)
+    tail = w.shape[1:]
+    q, k, v = w.reshape(kv, rep * qw + 2 * d, *tail).split([rep * qw, d, d], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def attention_rules(prefix: str, letters: str = "AS", q_norm: str | None = "q_norm",
+                    k_norm: str | None = "k_norm", bias: bool = False) -> list[Rule]:
+    """GQA attention (layers/attention.py) from HF q/k/v/o projections (+ QK-norm)."""
+    rules: list[Rule] = [
+        Fn("layers.{L}.mixer.linear_qkv.weight", tuple(f"{prefix}.{x}_proj.weight" for x in "qkv"), when=letters,
+           forward=lambda t, ctx: fuse_qkv(*t, ctx), backward=split_qkv),
+        Same("layers.{L}.mixer.linear_proj.weight", f"{prefix}.o_proj.weight", when=letters),
+    ]
+    if bias:
+        rules.append(Fn("layers.{L}.mixer.linear_qkv.bias", tuple(f"{prefix}.{x}_proj.bias" for x in "qkv"),
+                        when=letters, forward=lambda t, ctx: fuse_qkv(*t, ctx), backward=split_qkv))
+    if q_norm:
+        rules += [Same("layers.{L}.mixer.q_norm.weight", f"{prefix}.{q_norm}.weight", when=letters),
+                  Same("layers.{L}.mixer.k_norm.weight", f"{prefix}.{k_norm}.weight", when=letters)]
+    return rules
+
+
+def dense_mlp_rules(prefix: str, letters: str = "d") -> list[Rule]:
+    """SwiGLU MLP (layers/mlp.py): gate|up fused as linear_fc1, down as linear_fc2."""
+    return [Cat("layers.{L}.mlp.linear_fc1.weight", (f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"),
+                when=letters),
+            Same("layers.{L}.mlp.linear_fc2.weight", f"{prefix}.down_proj.weight", when=letters)]

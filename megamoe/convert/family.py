@@ -1,0 +1,48 @@
+"""A model family: how an HF config maps to a ``ModelConfig`` and back, and its mapping table.
+
+Families register under their HF ``model_type``; ``get_family`` finds one for a config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from megamoe.config import ModelConfig
+from megamoe.convert.table import Rule
+from megamoe.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str  # HF class written to config.json "architectures"
+    config_from_hf: Callable[[dict], ModelConfig]
+    config_to_hf: Callable[[ModelConfig, dict | None], dict]  # (cfg, original HF config or None)
+    rules: Callable[[ModelConfig, dict], list[Rule]]
+    notes: str = ""
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    FAMILIES[family.model_type] = family
+    return family
+
+
+def get_family(model_type: str | None, source: str = "config.json") -> Family:
+    import megamoe.convert.families  # noqa: F401  (registers every family)
+
+    if model_type not in FAMILIES:
+        known = ", ".join(sorted(FAMILIES))
+        raise CheckpointError(f"{source}: model_type={model_type!r} is not supported (known: {known})")
+    return FAMILIES[model_type]
+
+
+def hf_get(hf: dict, key: str, default=None, required: bool = True):
+    """A field of an HF config; a missing required one is a one-line error naming it."""
+    if key in hf and hf[key] is not None:
+        return hf[key]
+    if required and default is None:
+        raise CheckpointError(f"config.json: field {key!r} is missing for model_type={hf.get('model_type')!r}")
+    return default

@@ -1,0 +1,224 @@
+"""Declarative mapping tables between HF checkpoints and megamoe models.
+
+A family's table is a list of rules. Each rule names one megamoe tensor pattern and the HF
+tensor pattern(s) it is made of, with a typed transform both ways:
+
+    Same("embedding.weight", "model.embed_tokens.weight")
+    Cat("layers.{L}.mlp.linear_fc1.weight", ("model.layers.{L}.mlp.gate_proj.weight",
+                                             "model.layers.{L}.mlp.up_proj.weight"), when="d")
+    Fn(...)        any pair of functions (fused QKV, GDN interleaves, conv layouts)
+    Experts(...)   per-expert HF tensors ({E}) or HF's stacked tensors <-> megamoe's [E, ...]
+
+``{L}`` is a layer index, ``when`` restricts a rule to layers whose mixer or MLP letter is in
+it (``""``: not a layer tensor). ``expand`` turns a table into concrete entries for one
+model; ``check_plan`` proves it covers the model exactly and consumes every HF tensor.
+Transforms are plain torch, so they also run on meta tensors: shapes are checked before a
+byte is read.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from megamoe.config import ModelConfig
+from megamoe.errors import CheckpointError
+
+
+@dataclass
+class Ctx:
+    """What a transform may look at: the model config, the HF config, the layer index."""
+
+    cfg: ModelConfig
+    hf: dict
+    layer: int | None = None
+    stacked: bool = False  # experts: the HF checkpoint holds stacked (not per-expert) tensors
+
+
+@dataclass(frozen=True)
+class Rule(ABC):
+    mm: str
+    hf: tuple[str, ...]
+    when: str = ""
+
+    def hf_names(self, ctx: Ctx, available: set[str]) -> list[str]:
+        return [fmt(p, ctx) for p in self.hf]
+
+    @abstractmethod
+    def to_mm(self, tensors: list[torch.Tensor], ctx: Ctx) -> torch.Tensor:
+        """HF tensors (in ``hf_names`` order) -> the megamoe tensor."""
+
+    @abstractmethod
+    def to_hf(self, tensor: torch.Tensor, ctx: Ctx) -> list[torch.Tensor]:
+        """The megamoe tensor -> HF tensors (in ``hf_names`` order, per-expert for experts)."""
+
+
+def fmt(pattern: str, ctx: Ctx, expert: int | None = None) -> str:
+    out = pattern.replace("{L}", str(ctx.layer)) if ctx.layer is not None else pattern
+    return out.replace("{E}", str(expert)) if expert is not None else out
+
+
+def Same(mm: str, hf: str, when: str = "") -> Rule:  # noqa: N802  (reads like a table row)
+    return _Same(mm, (hf,), when)
+
+
+@dataclass(frozen=True)
+class _Same(Rule):
+    def to_mm(self, tensors, ctx):
+        return tensors[0]
+
+    def to_hf(self, tensor, ctx):
+        return [tensor]
+
+
+@dataclass(frozen=True)
+class Cat(Rule):
+    """megamoe tensor = HF tensors concatenated along ``dim`` (gate|up, q|k|v parts).
+
+    ``sizes(ctx)`` gives the parts' sizes for the way back (defaults to equal parts)."""
+
+    dim: int = 0
+    sizes: Callable[[Ctx], Sequence[int]] | None = None
+
+    def to_mm(self, tensors, ctx):
+        return torch.cat(tensors, dim=self.dim)
+
+    def to_hf(self, tensor, ctx):
+        n = len(self.hf)
+        sizes = list(self.sizes(ctx)) if self.sizes else [tensor.size(self.dim) // n] * n
+        return list(tensor.split(sizes, dim=self.dim))
+
+
+@dataclass(frozen=True)
+class Fn(Rule):
+    """Arbitrary typed transform: ``forward(hf_tensors, ctx) -> mm``, ``backward(mm, ctx) -> hf list``."""
+
+    forward: Callable = None
+    backward: Callable = None
+
+    def to_mm(self, tensors, ctx):
+        return self.forward(tensors, ctx)
+
+    def to_hf(self, tensor, ctx):
+        out = self.backward(tensor, ctx)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+@dataclass(frozen=True)
+class Experts(Rule):
+    """Stacked routed-expert weights ``[E, ...]`` from HF per-expert tensors (``hf`` patterns
+    with ``{E}``, the format ``save_pretrained`` writes by default) or from HF's stacked tensors
+    (``stacked`` patterns, written with ``save_original_format=False``). Both load; exports
+    use the per-expert format.
+
+    ``per_expert(tensors, ctx) -> [...]`` combines one expert's HF tensors (e.g. cat gate, up),
+    ``split_expert(t, ctx) -> list`` is its inverse; ``from_stacked``/``to_stacked`` likewise
+    for the stacked HF tensors (default: identity on a single tensor).
+    """
+
+    stacked: tuple[str, ...] = ()
+    per_expert: Callable = None
+    split_expert: Callable = None
+    from_stacked: Callable | None = None
+    to_stacked: Callable | None = None
+    num_experts: Callable[[Ctx], int] = lambda ctx: ctx.cfg.moe.num_experts
+
+    def hf_names(self, ctx, available):
+        ctx.stacked = bool(self.stacked) and all(fmt(p, ctx) in available for p in self.stacked)
+        if ctx.stacked:
+            return [fmt(p, ctx) for p in self.stacked]
+        return [fmt(p, ctx, e) for e in range(self.num_experts(ctx)) for p in self.hf]
+
+    def to_mm(self, tensors, ctx):
+        if ctx.stacked:
+            return self.from_stacked(tensors, ctx) if self.from_stacked else tensors[0]
+        n, k = self.num_experts(ctx), len(self.hf)
+        return torch.stack([self.per_expert(tensors[e * k:(e + 1) * k], ctx) for e in range(n)])
+
+    def to_hf(self, tensor, ctx):
+        out = []
+        for e in range(tensor.size(0)):
+            out += list(self.split_expert(tensor[e], ctx))
+        return out
+
+    def to_hf_stacked(self, tensor, ctx):
+        return list(self.to_stacked(tensor, ctx)) if self.to_stacked else [tensor]
+
+
+# ---- expansion and checks ----------------------------------------------------------------
+
+@dataclass
+class Entry:
+    """One megamoe tensor and the HF tensors it is made of."""
+
+    mm: str
+    hf: list[str]
+    rule: Rule
+    ctx: Ctx = field(repr=False)
+
+    def to_mm(self, tensors):
+        return self.rule.to_mm(tensors, self.ctx)
+
+    def to_hf(self, tensor):
+        return self.rule.to_hf(tensor, self.ctx)
+
+
+def layer_matches(rule: Rule, kind) -> bool:
+    return kind.mixer in rule.when or kind.mlp in rule.when
+
+
+def expand(rules: list[Rule], cfg: ModelConfig, hf: dict, available: set[str] | None = None,
+           num_layers: int | None = None) -> list[Entry]:
+    """Concrete entries for every layer of ``cfg`` (HF names as found in ``available``)."""
+    layout = cfg.parsed_layout()
+    available = available or set()
+    out: list[Entry] = []
+    for rule in rules:
+        if "{L}" not in rule.mm:
+            ctx = Ctx(cfg, hf)
+            out.append(Entry(rule.mm, rule.hf_names(ctx, available), rule, ctx))
+            continue
+        for i, kind in enumerate(layout.layers):
+            if layer_matches(rule, kind):
+                ctx = Ctx(cfg, hf, i)
+                out.append(Entry(fmt(rule.mm, ctx), rule.hf_names(ctx, available), rule, ctx))
+    return out
+
+
+def check_plan(entries: list[Entry], model_shapes: dict[str, tuple], hf_shapes: dict[str, tuple] | None,
+               source: str) -> None:
+    """The plan covers every model tensor once; every HF tensor it needs exists with a shape
+    that transforms into the model's; nothing in the HF checkpoint is left unmapped."""
+    by_mm: dict[str, Entry] = {}
+    for e in entries:
+        if e.mm in by_mm:
+            raise CheckpointError(f"mapping table: megamoe tensor {e.mm} is produced by two rules")
+        if e.mm not in model_shapes:
+            raise CheckpointError(f"mapping table: rule for {e.mm} matches no tensor of the model")
+        by_mm[e.mm] = e
+    missing = [n for n in model_shapes if n not in by_mm]
+    if missing:
+        raise CheckpointError(f"mapping table: model tensor {missing[0]} has no rule ({len(missing)} unmapped)")
+    if hf_shapes is None:
+        return
+    used = set()
+    for e in entries:
+        for name in e.hf:
+            if name not in hf_shapes:
+                raise CheckpointError(f"{source}: tensor {name} (for {e.mm}) is missing")
+        used.update(e.hf)
+        metas = [torch.empty(hf_shapes[n], device="meta") for n in e.hf]
+        try:
+            got = tuple(e.to_mm(metas).shape)
+        except Exception as err:  # noqa: BLE001  (a transform that cannot apply is a shape error)
+            shapes = ", ".join(f"{n} {list(hf_shapes[n])}" for n in e.hf)
+            raise CheckpointError(f"{source}: shapes {shapes} do not fit {e.mm} ({err})") from None
+        if got != tuple(model_shapes[e.mm]):
+            raise CheckpointError(f"{source}: {e.hf[0]} gives {e.mm} of shape {list(got)}, "
+                                  f"the model expects {list(model_shapes[e.mm])}")
+    extra = sorted(set(hf_shapes) - used)
+    if extra:
+        raise CheckpointError(f"{source}: tensor {extra[0]} is not mapped to the model "
+                              f"({len(extra)} unmapped; config and weights disagree?)")
