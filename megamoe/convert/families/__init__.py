@@ -1,2 +1,7 @@
-"""Importing this package registers every family (megamoe.convert.family.FAMILIES)."""
-from megamoe.convert.families import qwen3  # noqa: F401
+"""Importing this package registers every family module in it (megamoe.convert.family.FAMILIES)."""
+import importlib
+import pkgutil
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "common":
+        importlib.import_module(f"{__name__}.{_module.name}")
