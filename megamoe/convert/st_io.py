@@ -3,7 +3,7 @@
 The safetensors library writes a whole dict at once; conversion must hold only the tensor
 at hand, so the writer lays out the header from the planned (name, dtype, shape) entries
 first and then appends each tensor's bytes in that order. Files are read back with the
-safetensors library, opened per tensor so no mapping outlives its read.
+safetensors library, one tensor at a time.
 """
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ class StreamWriter:
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise CheckpointError(f"tensor {name} is {tensor.dtype} {tuple(tensor.shape)}, expected {dtype} {shape}")
         data = tensor.detach().contiguous().cpu()
-        self.file.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        if data.numel():  # the tensor's own buffer, no bytes copy
+            self.file.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
         self.next += 1
 
     def close(self) -> None:
@@ -96,9 +97,10 @@ def read_header(path: str | Path) -> dict:
 
 
 def read_tensor(path: str | Path, name: str) -> torch.Tensor:
-    """One tensor, copied out of the file (the mapping is closed before returning)."""
+    """One tensor backed by a private mapping of the file: pages load as they are read and the
+    mapping goes away with the tensor, so memory follows the tensors alive, not the file."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            return f.get_tensor(name).clone()
+            return f.get_tensor(name)
     except Exception as e:  # noqa: BLE001  (safetensors raises its own error types)
         raise CheckpointError(f"{path}: cannot read tensor {name} ({str(e).splitlines()[0][:200]})") from None
