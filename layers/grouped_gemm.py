@@ -147,11 +147,14 @@ class _LoopExperts(torch.autograd.Function):
         x, idx, probs, w1, w2, pre = ctx.saved_tensors
         dout = dout.contiguous()
         dx = torch.zeros_like(x)
-        dw1, dw2 = torch.zeros_like(w1), torch.zeros_like(w2)
-        dprobs = None if probs is None else torch.zeros_like(probs)
+        # every expert with rows writes its whole weight gradient; only empty ones need zeros
+        dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+        dprobs = None if probs is None else torch.empty_like(probs)
         start = 0
         for e, n in enumerate(ctx.counts):
             if n == 0:
+                dw1[e].zero_()
+                dw2[e].zero_()
                 continue
             sl = slice(start, start + n)
             rows = idx[sl]
@@ -162,15 +165,15 @@ class _LoopExperts(torch.autograd.Function):
             d_act = torch.mm(dy, w2[e])  # gradient wrt the (weighted) activation
             if probs is not None:
                 p = probs[sl, None]
-                dprobs[sl] = (d_act * act).sum(-1)
-                torch.mm(dy.t(), act * p, out=dw2[e])
+                torch.linalg.vecdot(d_act, act, out=dprobs[sl])
+                torch.mm(dy.t(), act.mul_(p), out=dw2[e])
                 d_act.mul_(p)
             else:
                 torch.mm(dy.t(), act, out=dw2[e])
             d_pre = torch.empty_like(pre[sl])
             d_gate, d_up = d_pre.chunk(2, dim=-1)
             torch.mul(d_act, silu, out=d_up)
-            d_gate.copy_(torch.ops.aten.silu_backward(d_act.mul_(up), gate))
+            torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
             torch.mm(d_pre.t(), x.index_select(0, rows), out=dw1[e])
             dx.index_add_(0, rows, torch.mm(d_pre, w1[e]))
             start += n

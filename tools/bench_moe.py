@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Time megamoe's MoE layer against transformers' sparse MoE block (experts on grouped_mm).
+
+Peer (docs/performance.md, /work/shared/BENCHMARKS.md): 64 experts, top-8, 4096 tokens,
+hidden 256, expert intermediate 256, fp32, forward+backward, the same weights and inputs,
+2 threads; median of several alternating runs after warm-up.
+
+    python tools/bench_moe.py                  # last line: moe_speedup_vs_hf=X
+    python tools/bench_moe.py --kernels        # also megamoe's other expert kernels
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+from megamoe.config import ModelConfig, MoEConfig
+
+
+def hf_block(args):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(hidden_size=args.hidden, moe_intermediate_size=args.ffn, num_experts=args.experts,
+                         num_experts_per_tok=args.top_k, norm_topk_prob=True)
+    cfg._experts_implementation = "grouped_mm"  # transformers' default for its models
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return block
+
+
+def megamoe_layer(args, hf, kernel: str):
+    from megamoe.layers.moe import MoELayer
+    from megamoe.model import build_context
+
+    moe = MoEConfig(num_experts=args.experts, top_k=args.top_k, moe_ffn_hidden_size=args.ffn, expert_kernel=kernel)
+    cfg = ModelConfig(hidden_size=args.hidden, layout="Ae", moe=moe)
+    layer = MoELayer(moe, build_context(cfg), 0)
+    with torch.no_grad():  # the same weights
+        layer.router.weight.copy_(hf.gate.weight)
+        layer.experts.gate_up_weight.copy_(hf.experts.gate_up_proj)
+        layer.experts.down_weight.copy_(hf.experts.down_proj)
+    return layer
+
+
+def step(module, x, g):
+    """One forward+backward; returns the output (detached)."""
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    y = module(x)
+    y = y[0] if isinstance(y, tuple) else y
+    (y * g).sum().backward()
+    return y.detach()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=256)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--runs", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kernels", action="store_true", help="also time megamoe's grouped_mm and reference kernels")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    hf = hf_block(args)
+    contenders = {"megamoe": megamoe_layer(args, hf, "auto"), "hf": hf}
+    if args.kernels:
+        for kernel in ("grouped_mm", "reference"):
+            contenders[f"megamoe[{kernel}]"] = megamoe_layer(args, hf, kernel)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, args.tokens, args.hidden, generator=gen).requires_grad_(True)
+    g = torch.randn(1, args.tokens, args.hidden, generator=gen)
+
+    outs = {name: step(m, x, g) for name, m in contenders.items()}
+    err = ((outs["megamoe"] - outs["hf"]).norm() / outs["hf"].norm()).item()
+    print(f"same weights and inputs: output relative difference {err:.2e}; "
+          f"megamoe kernel: {contenders['megamoe'].experts.resolved_kernel()}")
+    for _ in range(args.warmup - 1):
+        for m in contenders.values():
+            step(m, x, g)
+    times = {name: [] for name in contenders}
+    for _ in range(args.runs):  # alternate, so load changes hit every contender alike
+        for name, m in contenders.items():
+            t = time.perf_counter()
+            step(m, x, g)
+            times[name].append(time.perf_counter() - t)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    for name, t in med.items():
+        print(f"{name:<22} forward+backward median {t * 1e3:8.1f} ms  (min {min(times[name]) * 1e3:.1f})")
+    print(f"moe_speedup_vs_hf={med['hf'] / med['megamoe']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
