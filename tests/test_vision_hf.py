@@ -151,63 +151,64 @@ def test_mrope_angles_match_hf_rotary():
     assert max_abs(cos, ref_cos) <= 1e-6 and max_abs(sin, ref_sin) <= 1e-6
 
 
-def qwen3_5_dense_lm_state(hf, layers: int, heads: int, kv_heads: int, d: int) -> dict:
-    """megamoe names <- HF Qwen3.5 (dense, full attention) text weights; q_proj rows are per head
-    [q | gate], megamoe fuses them per KV group as [q|gate of the group's heads, k_g, v_g]."""
+def qwen3_5_lm_state(hf, layer_types, heads: int, kv_heads: int, d: int, gdn=None) -> dict:
+    """megamoe names <- HF Qwen3.5 / Qwen3.5-MoE text weights (test-local; the converter owns the
+    real table). q_proj rows are per head [q | gate]; megamoe fuses them per KV group as
+    [q|gate of the group's heads, k_g, v_g]. GDN projections fuse into one in_proj; routed
+    experts are already stacked [E, 2f, h] / [E, h, f] like megamoe's."""
+    from megamoe.layers.linear_attention import hf_layout as L
+
     sd = {k: v.detach() for k, v in hf.state_dict().items()}
     lm = "model.language_model."
     out = {"embedding.weight": sd[lm + "embed_tokens.weight"], "final_norm.weight": sd[lm + "norm.weight"],
            "output_layer.weight": sd["lm_head.weight"]}
-    for i in range(layers):
+    for i, kind in enumerate(layer_types):
         src, dst = f"{lm}layers.{i}.", f"layers.{i}."
-        q = sd[src + "self_attn.q_proj.weight"].view(kv_heads, heads // kv_heads * 2 * d, -1)
-        k, v = (sd[src + f"self_attn.{n}_proj.weight"].view(kv_heads, d, -1) for n in "kv")
-        out.update({
-            dst + "mixer.linear_qkv.weight": torch.cat([q, k, v], dim=1).reshape(-1, q.size(-1)),
-            dst + "mixer.q_norm.weight": sd[src + "self_attn.q_norm.weight"],
-            dst + "mixer.k_norm.weight": sd[src + "self_attn.k_norm.weight"],
-            dst + "mixer.linear_proj.weight": sd[src + "self_attn.o_proj.weight"],
-            dst + "input_norm.weight": sd[src + "input_layernorm.weight"],
-            dst + "pre_mlp_norm.weight": sd[src + "post_attention_layernorm.weight"],
-            dst + "mlp.linear_fc1.weight": torch.cat([sd[src + "mlp.gate_proj.weight"], sd[src + "mlp.up_proj.weight"]]),
-            dst + "mlp.linear_fc2.weight": sd[src + "mlp.down_proj.weight"],
-        })
+        out[dst + "input_norm.weight"] = sd[src + "input_layernorm.weight"]
+        out[dst + "pre_mlp_norm.weight"] = sd[src + "post_attention_layernorm.weight"]
+        if kind == "full_attention":
+            q = sd[src + "self_attn.q_proj.weight"].view(kv_heads, heads // kv_heads * 2 * d, -1)
+            k, v = (sd[src + f"self_attn.{n}_proj.weight"].view(kv_heads, d, -1) for n in "kv")
+            out[dst + "mixer.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, q.size(-1))
+            for ours, theirs in (("q_norm", "q_norm"), ("k_norm", "k_norm"), ("linear_proj", "o_proj")):
+                out[dst + f"mixer.{ours}.weight"] = sd[src + f"self_attn.{theirs}.weight"]
+        else:
+            a = src + "linear_attn."
+            out[dst + "mixer.in_proj.weight"] = L.qwen3_5_to_in_proj(
+                *(sd[a + f"in_proj_{n}.weight"] for n in ("qkv", "z", "b", "a")), L.GDNShapes.from_config(gdn))
+            out[dst + "mixer.conv_weight"] = L.conv_from_hf(sd[a + "conv1d.weight"])
+            for name in ("A_log", "dt_bias", "norm.weight", "out_proj.weight"):
+                out[dst + "mixer." + name] = sd[a + name]
+        m = src + "mlp."
+        if m + "gate_proj.weight" in sd:  # dense
+            out[dst + "mlp.linear_fc1.weight"] = torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])
+            out[dst + "mlp.linear_fc2.weight"] = sd[m + "down_proj.weight"]
+        else:
+            out.update({dst + "mlp.router.weight": sd[m + "gate.weight"],
+                        dst + "mlp.experts.gate_up_weight": sd[m + "experts.gate_up_proj"],
+                        dst + "mlp.experts.down_weight": sd[m + "experts.down_proj"],
+                        dst + "mlp.shared_experts.linear_fc1.weight": torch.cat(
+                            [sd[m + "shared_expert.gate_proj.weight"], sd[m + "shared_expert.up_proj.weight"]]),
+                        dst + "mlp.shared_experts.linear_fc2.weight": sd[m + "shared_expert.down_proj.weight"],
+                        dst + "mlp.shared_gate": sd[m + "shared_expert_gate.weight"]})
     return out
 
 
-def test_multimodal_logits_match_hf_qwen3_5_dense(tmp_path):
-    """Full forward with images (Qwen3.5 tower + merger, placeholder merge, interleaved M-RoPE,
-    gated attention) against transformers' Qwen3_5ForConditionalGeneration (full-attention
-    layers, dense MLP): the hybrid GDN + MoE variant is the conversion issue's test."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-
-    from megamoe.config import AttentionConfig, MLPConfig, ModelConfig
-    from megamoe.multimodal import MultimodalModel
-    from megamoe.vision.hf_qwen import images_to_pixel_values, qwen_vision_config
-
-    text = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, intermediate_size=96, layer_types=["full_attention"] * 2,
-                rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
-                                     mrope_section=[2, 1, 1], mrope_interleaved=True))
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, out_hidden_size=64,
-                  num_position_embeddings=64)
-    torch.manual_seed(0)
-    hf = Qwen3_5ForConditionalGeneration(Qwen3_5Config(
-        text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=101,
-        vision_start_token_id=102, vision_end_token_id=103)).eval()
-    with torch.no_grad():  # zero-initialised (1 + w) norms would hide a missing weight: perturb them
+def perturbed_and_saved(hf, path):
+    """Perturb the LM's (zero-initialised, (1 + w)) norms and routers so a missing or misplaced
+    weight shows, then save the checkpoint the tower is read from."""
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
         for name, p in hf.named_parameters():
-            if name.endswith("norm.weight") and "visual" not in name:
-                p.add_(0.1 * torch.randn_like(p))
-    hf.save_pretrained(tmp_path)
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, layout="AdAd", norm_zero_centered=True,
-                      attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
-                                                output_gate=True, partial_rotary_factor=0.5, mrope_section=[2, 1, 1]),
-                      mlp=MLPConfig(ffn_hidden_size=96), vision=qwen_vision_config(hf.config, weights=str(tmp_path)))
-    ours = MultimodalModel(cfg).eval()
-    state = qwen3_5_dense_lm_state(hf, 2, 4, 2, 16)
-    missing = ours.load_state_dict(state, strict=False).missing_keys
-    assert all(k.startswith("vision.") for k in missing)  # the tower came from the checkpoint file
+            if "visual" not in name and (name.endswith("norm.weight") or name.endswith("mlp.gate.weight")):
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    hf.save_pretrained(path)
+    return hf
+
+
+def prompt_with_images():
+    """(input_ids [2, 32], images, pixel_values, image_grid_thw): three images, two in sample 0."""
+    from megamoe.vision.hf_qwen import images_to_pixel_values
 
     gen = torch.Generator().manual_seed(4)
     images = [torch.randn(3, h, w, generator=gen) for h, w in ((16, 40), (24, 8), (32, 32))]
@@ -216,8 +217,67 @@ def test_multimodal_logits_match_hf_qwen3_5_dense(tmp_path):
     ids[0, 15:18] = IMAGE_TOKEN  # 24x8: 3x1
     ids[1, 5:21] = IMAGE_TOKEN   # 32x32: 4x4
     pv, thw = zip(*(images_to_pixel_values(img[None], patch_size=4, merge_size=2) for img in images))
+    return ids, images, torch.cat(pv), torch.cat(thw)
+
+
+def logits_error(hf, cfg, layer_types, gdn=None) -> float:
+    from megamoe.multimodal import MultimodalModel
+
+    ours = MultimodalModel(cfg).eval()
+    state = qwen3_5_lm_state(hf, layer_types, 4, 2, 16, gdn)
+    result = ours.load_state_dict(state, strict=False)
+    assert not result.unexpected_keys and all(k.startswith("vision.") for k in result.missing_keys)
+    ids, images, pv, thw = prompt_with_images()
     with torch.no_grad():
-        want = hf(input_ids=ids, pixel_values=torch.cat(pv), image_grid_thw=torch.cat(thw),
-                  mm_token_type_ids=(ids == IMAGE_TOKEN).int()).logits
+        want = hf(input_ids=ids, pixel_values=pv, image_grid_thw=thw, mm_token_type_ids=(ids == IMAGE_TOKEN).int()).logits
         got = ours(ids, images)
-    assert max_abs(got, want) <= 1e-5, max_abs(got, want)
+    assert want.abs().max() > 0.1
+    return max_abs(got, want)
+
+
+def megamoe_text_config(layout: str, vision, **sections):
+    from megamoe.config import AttentionConfig, ModelConfig
+
+    return ModelConfig(vocab_size=128, hidden_size=64, layout=layout, norm_zero_centered=True, vision=vision,
+                       attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
+                                                 output_gate=True, partial_rotary_factor=0.5, mrope_section=[2, 1, 1]),
+                       **sections)
+
+
+def test_multimodal_logits_match_hf_qwen3_5_moe(tmp_path):
+    """The Qwen3.5-MoE stack (Gated DeltaNet x3 + gated attention, routed + shared experts) with
+    images: megamoe's forward equals transformers' Qwen3_5MoeForConditionalGeneration."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    from megamoe.config import GDNConfig, MoEConfig
+    from megamoe.vision.hf_qwen import qwen_vision_config
+
+    torch.manual_seed(0)
+    hf = perturbed_and_saved(Qwen3_5MoeForConditionalGeneration(hf_config()).eval(), tmp_path)
+    gdn = GDNConfig(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8, conv_kernel=4)
+    moe = MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=32, num_shared_experts=1,
+                    shared_expert_ffn_hidden_size=32, shared_expert_gate=True)
+    cfg = megamoe_text_config("GeGeGeAe", qwen_vision_config(hf.config, weights=str(tmp_path)), gdn=gdn, moe=moe)
+    assert logits_error(hf, cfg, hf.config.text_config.layer_types, gdn) <= 1e-5
+
+
+def test_multimodal_logits_match_hf_qwen3_5_dense(tmp_path):
+    """Full forward with images (Qwen3.5 tower + merger, placeholder merge, interleaved M-RoPE,
+    gated attention) against transformers' dense Qwen3_5ForConditionalGeneration."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from megamoe.config import MLPConfig
+    from megamoe.vision.hf_qwen import qwen_vision_config
+
+    text = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=96, layer_types=["full_attention"] * 2,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                     mrope_section=[2, 1, 1], mrope_interleaved=True))
+    vision = hf_config().vision_config.to_dict()
+    torch.manual_seed(0)
+    hf = perturbed_and_saved(Qwen3_5ForConditionalGeneration(Qwen3_5Config(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=101,
+        vision_start_token_id=102, vision_end_token_id=103)).eval(), tmp_path)
+    cfg = megamoe_text_config("AdAd", qwen_vision_config(hf.config, weights=str(tmp_path)),
+                              mlp=MLPConfig(ffn_hidden_size=96))
+    assert logits_error(hf, cfg, ["full_attention"] * 2) <= 1e-5
