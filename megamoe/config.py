@@ -326,6 +326,11 @@ class MLAConfig:
               f"must be divisible by parallel.tp={parallel.tp}")
 
 
+def check_power_of_two(path: str, value) -> None:
+    check(isinstance(value, int) and value > 0 and value & (value - 1) == 0, path, value,
+          "must be a power of two, e.g. 64")
+
+
 @dataclass
 class GDNConfig:
     """Gated DeltaNet (letter G): Qwen3-Next / Qwen3.5 linear attention.
@@ -342,7 +347,7 @@ class GDNConfig:
     conv_kernel: int = 4  # causal depthwise conv over q|k|v [linear_conv_kernel_dim]
     norm_eps: Optional[float] = None  # gated output RMSNorm; None: model.norm_eps
     norm_zero_centered: bool = False  # output norm weight applied as (1 + w) (HF: plain w)
-    chunk_size: int = 64  # training chunk length (any multiple of 16 gives the same result)
+    chunk_size: int = 64  # training chunk length, a power of two (all give the same result)
     use_fla: bool = True  # fla kernels when importable and on CUDA; the torch ops otherwise
 
     def validate(self, hidden_size: int, path: str = "model.gdn") -> None:
@@ -351,8 +356,7 @@ class GDNConfig:
         check(self.num_value_heads % self.num_key_heads == 0, f"{path}.num_value_heads", self.num_value_heads,
               f"must be a multiple of num_key_heads={self.num_key_heads}")
         check(self.norm_eps is None or self.norm_eps > 0, f"{path}.norm_eps", self.norm_eps, "must be > 0")
-        check(isinstance(self.chunk_size, int) and self.chunk_size > 0 and self.chunk_size % 16 == 0,
-              f"{path}.chunk_size", self.chunk_size, "must be a positive multiple of 16")
+        check_power_of_two(f"{path}.chunk_size", self.chunk_size)
 
     def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.gdn") -> None:
         check(self.num_key_heads % parallel.tp == 0, f"{path}.num_key_heads", self.num_key_heads,
@@ -390,8 +394,7 @@ class KDAConfig:
         check(self.gate_lower_bound is None or self.gate_lower_bound < 0, f"{path}.gate_lower_bound",
               self.gate_lower_bound, "must be < 0 (or None for the softplus gate)")
         check(self.norm_eps is None or self.norm_eps > 0, f"{path}.norm_eps", self.norm_eps, "must be > 0")
-        check(isinstance(self.chunk_size, int) and self.chunk_size > 0 and self.chunk_size % 16 == 0,
-              f"{path}.chunk_size", self.chunk_size, "must be a positive multiple of 16")
+        check_power_of_two(f"{path}.chunk_size", self.chunk_size)
 
     def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.kda") -> None:
         check(self.num_heads % parallel.tp == 0, f"{path}.num_heads", self.num_heads,

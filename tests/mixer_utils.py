@@ -1,4 +1,4 @@
-"""Helpers for mixer tests (A, S, L, M, D, I): tiny configs, building one mixer, decoding it
+"""Helpers for mixer tests (A, S, L, M, D, I, G, K): tiny configs, building one mixer, decoding it
 token by token, TP workers and copying weights from a transformers module."""
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ import dataclasses
 import torch
 
 from megamoe.cache import InferenceCache
-from megamoe.config import (AttentionConfig, DSAConfig, LightningConfig, MLAConfig, MLPConfig, ModelConfig,
-                            ParallelConfig, YarnConfig)
+from megamoe.config import (AttentionConfig, DSAConfig, GDNConfig, KDAConfig, LightningConfig, MLAConfig,
+                            MLPConfig, ModelConfig, ParallelConfig, YarnConfig)
 from megamoe.layout import MIXERS
 from megamoe.spec import ForwardInfo
 from tests.numerics import rel_err
 
 
 def tiny_model(layout: str = "AdSdLdMdDdId", **kw) -> ModelConfig:
-    """Every section the letters A, S, L, M, D, I read, at test sizes (hidden 32, 4 heads)."""
+    """Every section the letters A, S, L, M, D, I, G, K read, at test sizes (hidden 32, 4 heads;
+    linear mixers in chunks of 8 so that short sequences cross chunks)."""
     base = dict(
         vocab_size=61, hidden_size=32, layout=layout, norm_zero_centered=True,
         attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, output_gate=True,
@@ -25,6 +26,8 @@ def tiny_model(layout: str = "AdSdLdMdDdId", **kw) -> ModelConfig:
         mla=MLAConfig(num_heads=4, q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4,
                       v_head_dim=5, yarn=YarnConfig(factor=4.0, original_max_position=8, mscale_all_dim=0.8),
                       indexer=DSAConfig(num_heads=3, head_dim=8, topk=4, kpool=2)),
+        gdn=GDNConfig(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=12, chunk_size=8),
+        kda=KDAConfig(num_heads=2, head_dim=8, conv_kernel=3, chunk_size=8),
     )
     base.update(kw)
     return ModelConfig(**base)
@@ -76,14 +79,15 @@ def full_forward(mixer, x: torch.Tensor) -> torch.Tensor:
 
 # ---- TP = 2 versus TP = 1, one mixer, run on every rank of a gloo pool ------------------------
 
-def mixer_tp_case(letter: str, sp: bool, seed: int = 0, mla: dict | None = None) -> dict:
+def mixer_tp_case(letter: str, sp: bool, seed: int = 0, mla: dict | None = None,
+                  model: dict | None = None) -> dict:
     """Outputs, input gradients and every parameter gradient of a TP=2 mixer against TP=1.
-    ``mla``: overrides of the MLA section."""
+    ``mla``: overrides of the MLA section; ``model``: sections replacing tiny_model's."""
     from megamoe.parallel.groups import build_groups
     from megamoe.parallel.sharding import gather_full
     from megamoe.weights import finalize_grads
 
-    cfg = tiny_model()
+    cfg = tiny_model(**(model or {}))
     cfg.mla = dataclasses.replace(cfg.mla, **(mla or {}))
     groups = build_groups(ParallelConfig(tp=2, sequence_parallel=sp))
     ref = build_mixer(letter, cfg, seed=seed)

@@ -12,26 +12,20 @@ import warnings
 import pytest
 import torch
 
-from megamoe.config import GDNConfig, KDAConfig
 from tests.numerics import max_abs
 
 HIDDEN, T, TOL = 32, 37, 1e-5
 
 
-def megamoe_mixer(cfg, seed: int = 0):
-    import megamoe.layers  # noqa: F401
-    from megamoe.layers.backend import LocalBackend
-    from megamoe.parallel.groups import ParallelGroups
-    from megamoe.spec import BuildContext, build_module, mixer_spec
-    from megamoe.weights import initialize
+def megamoe_mixer(letter: str, **section):
+    """A G or K mixer of tests.mixer_utils.tiny_model with ``section`` overrides, weights drawn
+    with std 0.1 (outputs of order one) and norm weights and A_log randomised."""
+    from tests.mixer_utils import build_mixer, tiny_model
 
-    letter = "G" if isinstance(cfg, GDNConfig) else "K"
-    ctx = BuildContext(hidden_size=HIDDEN, backend=LocalBackend(), init_std=0.1)  # outputs O(1)
-    mixer = build_module(mixer_spec(letter), cfg, ctx, 0)
-    initialize(mixer, ParallelGroups(), seed)
-    with torch.no_grad():  # a norm weight away from its init, so the mapping is checked
-        mixer.norm.weight.copy_(1 + 0.2 * torch.randn(mixer.norm.weight.shape, generator=torch.Generator().manual_seed(9)))
-    return mixer
+    name = "gdn" if letter == "G" else "kda"
+    base = tiny_model(f"{letter}d", init_std=0.1)
+    setattr(base, name, dataclasses.replace(getattr(base, name), **section))
+    return build_mixer(letter, base, layer_number=0)
 
 
 def compare(mixer, hf_module) -> float:
@@ -55,7 +49,6 @@ def gdn_parts(mixer):
             "out_proj.weight": mixer.out_proj.weight.data}
 
 
-GDN = GDNConfig(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=12, chunk_size=16)
 HF_GDN = dict(hidden_size=HIDDEN, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
               linear_value_head_dim=12, linear_conv_kernel_dim=4, num_hidden_layers=1,
               layer_types=["linear_attention"], num_attention_heads=2, num_key_value_heads=1)
@@ -68,9 +61,9 @@ def test_qwen3_next_gated_deltanet():
     from megamoe.layers.linear_attention import hf_layout as L
 
     hf_cfg = Qwen3NextConfig(**HF_GDN)
-    mixer = megamoe_mixer(dataclasses.replace(GDN, norm_eps=hf_cfg.rms_norm_eps))
+    mixer = megamoe_mixer("G", norm_eps=hf_cfg.rms_norm_eps)
     hf = Qwen3NextGatedDeltaNet(hf_cfg, 0)
-    qkvz, ba = L.in_proj_to_qwen3_next(mixer.in_proj.weight.data, L.GDNShapes.from_config(GDN))
+    qkvz, ba = L.in_proj_to_qwen3_next(mixer.in_proj.weight.data, L.GDNShapes.from_config(mixer.cfg))
     hf.load_state_dict({"in_proj_qkvz.weight": qkvz, "in_proj_ba.weight": ba, **gdn_parts(mixer)}, strict=True)
     assert compare(mixer, hf) <= TOL
 
@@ -82,9 +75,9 @@ def test_qwen3_5_gated_deltanet():
     from megamoe.layers.linear_attention import hf_layout as L
 
     hf_cfg = Qwen3_5TextConfig(**HF_GDN)
-    mixer = megamoe_mixer(dataclasses.replace(GDN, norm_eps=hf_cfg.rms_norm_eps))
+    mixer = megamoe_mixer("G", norm_eps=hf_cfg.rms_norm_eps)
     hf = Qwen3_5GatedDeltaNet(hf_cfg, 0)
-    qkv, z, b, a = L.in_proj_to_qwen3_5(mixer.in_proj.weight.data, L.GDNShapes.from_config(GDN))
+    qkv, z, b, a = L.in_proj_to_qwen3_5(mixer.in_proj.weight.data, L.GDNShapes.from_config(mixer.cfg))
     hf.load_state_dict({"in_proj_qkv.weight": qkv, "in_proj_z.weight": z, "in_proj_b.weight": b,
                         "in_proj_a.weight": a, **gdn_parts(mixer)}, strict=True)
     assert compare(mixer, hf) <= TOL
@@ -127,16 +120,13 @@ def kda_state_dict(mixer, full_rank: bool, a_log_shape) -> dict:
     return sd
 
 
-KDA = KDAConfig(num_heads=2, head_dim=8, chunk_size=16)
-
-
 def test_kimi_linear_kda():
     from transformers import KimiLinearConfig
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
 
     hf_cfg = KimiLinearConfig(hidden_size=HIDDEN, num_hidden_layers=1, linear_attn_config={
         "num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 4, "kda_layers": [1], "full_attn_layers": []})
-    mixer = megamoe_mixer(dataclasses.replace(KDA, norm_eps=hf_cfg.rms_norm_eps))
+    mixer = megamoe_mixer("K", conv_kernel=4, norm_eps=hf_cfg.rms_norm_eps)
     hf = KimiLinearDeltaAttention(hf_cfg, 0)
     hf.load_state_dict(kda_state_dict(mixer, False, (1, 1, -1, 1)), strict=True)
     assert compare(mixer, hf) <= TOL
@@ -150,8 +140,8 @@ def test_glm5_next_linear_attention():
                                 layer_types=["linear_attention", "indexed_attention"], num_attention_heads=2,
                                 num_key_value_heads=2, qk_rope_head_dim=0, index_topk=4, index_kpool=2,
                                 vocab_size=64, pad_token_id=0)
-    cfg = dataclasses.replace(KDA, norm_eps=hf_cfg.rms_norm_eps, gate_lower_bound=hf_cfg.linear_lower_bound)
-    mixer = megamoe_mixer(cfg)
+    mixer = megamoe_mixer("K", conv_kernel=4, norm_eps=hf_cfg.rms_norm_eps,
+                          gate_lower_bound=hf_cfg.linear_lower_bound)
     hf = Glm5NextTextLinearAttention(hf_cfg, 0)
     hf.load_state_dict(kda_state_dict(mixer, False, (-1,)), strict=True)
     assert compare(mixer, hf) <= TOL
@@ -164,8 +154,8 @@ def test_bailing_hybrid_linear_attention():
     hf_cfg = BailingHybridConfig(hidden_size=HIDDEN, num_attention_heads=2, head_dim=8, num_hidden_layers=1,
                                  layer_types=["linear_attention"], mlp_layer_types=["dense"])
     assert hf_cfg.kda_safe_gate
-    cfg = dataclasses.replace(KDA, norm_eps=hf_cfg.rms_norm_eps, gate_rank=0, gate_lower_bound=hf_cfg.kda_lower_bound)
-    mixer = megamoe_mixer(cfg)
+    mixer = megamoe_mixer("K", conv_kernel=4, norm_eps=hf_cfg.rms_norm_eps, gate_rank=0,
+                          gate_lower_bound=hf_cfg.kda_lower_bound)
     hf = BailingHybridDeltaAttention(hf_cfg, 0)
     hf.load_state_dict(kda_state_dict(mixer, True, (-1,)), strict=True)
     assert compare(mixer, hf) <= TOL

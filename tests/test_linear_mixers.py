@@ -1,158 +1,134 @@
-"""Gated DeltaNet (G) and KDA (K) mixers: decoding, pieces, TP=2 == TP=1, budgets, hybrid stacks."""
+"""Gated DeltaNet (G) and KDA (K) mixers: decoding, pieces, TP=2 == TP=1, budgets, hybrid stacks.
+
+Configs come from ``tests.mixer_utils.tiny_model`` (chunks of 8 tokens, so short sequences
+cross chunk boundaries); ``VARIANTS`` adds KDA with full-rank gates and the safe gate.
+"""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
-from megamoe.config import (AttentionConfig, GDNConfig, KDAConfig, MLPConfig, ModelConfig, ParallelConfig,
-                            validate_model_parallel)
+from megamoe.config import ParallelConfig, validate_model_parallel
 from megamoe.errors import ConfigError
+from tests.mixer_utils import build_mixer, decode_steps, full_forward, mixer_tp_case, tiny_model
 from tests.numerics import rel_err
 
 REL = 1e-5
-HIDDEN = 32
-
-# chunk_size 16 so that short sequences still cross chunk boundaries
-KINDS = {
-    "gdn": ("G", GDNConfig(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=12, chunk_size=16)),
-    "kda": ("K", KDAConfig(num_heads=2, head_dim=8, conv_kernel=3, chunk_size=16)),
-    "kda_full_rank_safe_gate": ("K", KDAConfig(num_heads=2, head_dim=8, gate_rank=0, gate_lower_bound=-5.0,
-                                               chunk_size=16)),
-}
 
 
-def make_mixer(kind: str, groups=None, sp: bool = False, seed: int = 0):
-    import megamoe.layers  # noqa: F401
-    from megamoe.layers.backend import LocalBackend
-    from megamoe.parallel.groups import ParallelGroups
-    from megamoe.spec import BuildContext, build_module, mixer_spec
-    from megamoe.weights import initialize
-
-    letter, cfg = KINDS[kind]
-    groups = groups or ParallelGroups()
-    ctx = BuildContext(hidden_size=HIDDEN, groups=groups, backend=LocalBackend(), sequence_parallel=sp,
-                       init_std=0.2)
-    mixer = build_module(mixer_spec(letter), cfg, ctx, 3)
-    initialize(mixer, groups, seed)
-    return mixer
+def variant(name: str) -> tuple[str, dict]:
+    """(letter, ModelConfig sections replacing tiny_model's)."""
+    base = tiny_model()
+    return {
+        "gdn": ("G", {}),
+        "kda": ("K", {}),
+        "kda_full_rank_safe_gate": ("K", {"kda": dataclasses.replace(base.kda, gate_rank=0, gate_lower_bound=-5.0)}),
+    }[name]
 
 
-def info(x: torch.Tensor, cache=None, tp: int = 1):
-    from megamoe.spec import ForwardInfo
+VARIANTS = ["gdn", "kda", "kda_full_rank_safe_gate"]
 
-    start = 0 if cache is None else cache.seen
-    s = x.size(1) * tp
-    return ForwardInfo(positions=torch.arange(start, start + s).expand(x.size(0), -1), cache=cache)
+
+def mixer_of(name: str, **kw):
+    letter, sections = variant(name)
+    cfg = tiny_model(f"{letter}d", **sections)
+    return build_mixer(letter, cfg, **kw), getattr(cfg, "gdn" if letter == "G" else "kda")
 
 
 def random_x(b: int, s: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(b, s, HIDDEN, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(b, s, 32, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_token_by_token_decoding_equals_full_forward(kind):
-    from megamoe.cache import InferenceCache
-
-    mixer = make_mixer(kind)
+@pytest.mark.parametrize("name", VARIANTS)
+def test_token_by_token_decoding_equals_full_forward(name):
+    mixer, _ = mixer_of(name)
     x = random_x(2, 21)
     with torch.no_grad():
-        full = mixer(x, info(x))
-        cache, outs = InferenceCache(2), []
-        for t in range(x.size(1)):
-            outs.append(mixer(x[:, t:t + 1], info(x[:, t:t + 1], cache)))
-            cache.advance(1)
-    assert rel_err(torch.cat(outs, 1), full) <= REL
-    state = cache.layer(3)
-    assert state["recurrent"].dtype == torch.float32 and state["conv"].size(1) == KINDS[kind][1].conv_kernel - 1
+        full = full_forward(mixer, x)
+        assert rel_err(decode_steps(mixer, x), full) <= REL
+        assert rel_err(decode_steps(mixer, x, prefill=11), full) <= REL
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_pieces_with_state_carried_equal_one_pass(kind):
+@pytest.mark.parametrize("name", VARIANTS)
+def test_pieces_with_state_carried_equal_one_pass(name):
+    """Pieces shorter than the conv window and longer than a chunk, with gradients."""
     from megamoe.cache import InferenceCache
+    from megamoe.spec import ForwardInfo
 
-    mixer = make_mixer(kind)
+    mixer, cfg = mixer_of(name)
     x = random_x(2, 40)
-    full = mixer(x, info(x))
+    x_full, x_pieces = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    full = full_forward(mixer, x_full)
     cache, outs = InferenceCache(2), []
-    for lo, hi in ((0, 2), (2, 19), (19, 20), (20, 40)):  # conv window longer than a piece, too
-        outs.append(mixer(x[:, lo:hi], info(x[:, lo:hi], cache)))
+    for lo, hi in ((0, 2), (2, 19), (19, 20), (20, 40)):
+        outs.append(mixer(x_pieces[:, lo:hi], ForwardInfo(positions=cache.positions(hi - lo), cache=cache)))
         cache.advance(hi - lo)
-    assert rel_err(torch.cat(outs, 1), full) <= REL
-
-
-def tp_mixer_case(kind: str, sp: bool, seed: int = 0) -> dict:
-    """One rank of a TP=2 mixer vs a TP=1 mixer with the same weights: output, input and
-    parameter gradients (gathered to full tensors)."""
-    from megamoe.parallel import comm
-    from megamoe.parallel.groups import ParallelGroups, build_groups
-    from megamoe.parallel.sharding import gather_full
-    from megamoe.weights import finalize_grads
-
-    groups = build_groups(ParallelConfig(tp=2, sequence_parallel=sp))
-    ref = make_mixer(kind, ParallelGroups(), seed=seed)
-    model = make_mixer(kind, groups, sp, seed=seed)
-    x = random_x(2, 24, seed=seed + 1)
-    w = random_x(2, 24, seed=seed + 2)
-    x_ref = x.clone().requires_grad_(True)
-    y_ref = ref(x_ref, info(x))
-    (y_ref * w).sum().backward()
-    rank = groups.tp_rank
-    x_local = (x.chunk(2, 1)[rank] if sp else x).clone().requires_grad_(True)
-    y = model(x_local, info(x_local, tp=2 if sp else 1))
-    (y * (w.chunk(2, 1)[rank] if sp else w)).sum().backward()
-    finalize_grads(model, groups)
-    y_full = comm.all_gather_tensor(y, 1, groups.tp) if sp else y
-    grad_x_ref = x_ref.grad.chunk(2, 1)[rank] if sp else x_ref.grad
-    errs = {"output": rel_err(y_full, y_ref), "grad x": rel_err(x_local.grad, grad_x_ref)}
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        errs[f"grad {name}"] = rel_err(gather_full(p, groups, p.grad), ref_params[name].grad)
-    return errs
+    pieces = torch.cat(outs, 1)
+    assert rel_err(pieces, full) <= REL
+    w = random_x(2, 40, seed=2)
+    (full * w).sum().backward()
+    (pieces * w).sum().backward()
+    assert rel_err(x_pieces.grad, x_full.grad) <= REL
+    state = cache.layer(1)
+    assert state["recurrent"].dtype == torch.float32 and state["conv"].size(1) == cfg.conv_kernel - 1
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_tp2_equals_tp1(pool, kind, sp):
-    results = pool(2).run(tp_mixer_case, kind, sp)
+@pytest.mark.parametrize("name", VARIANTS)
+def test_tp2_equals_tp1(pool, name, sp):
+    letter, sections = variant(name)
+    results = pool(2).run(mixer_tp_case, letter, sp, model=sections)
     for rank, errs in enumerate(results):
         bad = {k: v for k, v in errs.items() if v > REL}
         assert not bad, f"rank {rank}: relative errors over {REL}: {bad}"
-    assert len(results[0]) >= 8  # output, input and every parameter gradient compared
+    n_params = len(list(mixer_of(name)[0].parameters()))
+    assert sum(k.startswith("grad ") for k in results[0]) == n_params + 1  # x and every parameter
 
 
-def expected_budget(kind: str) -> int:
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_hybrid_linear_model_tp2_equals_tp1(pool, sp):
+    """A whole LM with G, K and A layers: logits, loss and all gradients after finalize_grads."""
+    from tests.test_tensor_parallel import tp_parity_case
+
+    for rank, errs in enumerate(pool(2).run(tp_parity_case, tiny_model("GdKdAd", tie_embeddings=True), 2, sp)):
+        bad = {k: v for k, v in errs.items() if v > REL}
+        assert not bad, f"rank {rank}: relative errors over {REL}: {bad}"
+
+
+def expected_budget(name: str) -> int:
     """The per-layer formulas of docs/mixers.md."""
-    _, c = KINDS[kind]
-    h = HIDDEN
-    if kind == "gdn":
+    letter, sections = variant(name)
+    cfg = tiny_model(**sections)
+    h = cfg.hidden_size
+    if letter == "G":
+        c = cfg.gdn
         kd, vd, hv = c.num_key_heads * c.key_head_dim, c.num_value_heads * c.value_head_dim, c.num_value_heads
         return h * (2 * kd + 2 * vd + 2 * hv) + (2 * kd + vd) * c.conv_kernel + 2 * hv + c.value_head_dim + vd * h
+    c = cfg.kda
     W, H, r = c.num_heads * c.head_dim, c.num_heads, c.rank()
     gates = 2 * (h * r + r * W) if r else 2 * h * W
     return h * (3 * W + H) + 3 * W * c.conv_kernel + gates + H + W + c.head_dim + W * h
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_parameter_budget_formula(kind):
-    mixer = make_mixer(kind)
-    assert sum(p.numel() for p in mixer.parameters()) == expected_budget(kind)
+@pytest.mark.parametrize("name", VARIANTS)
+def test_parameter_budget_formula(name):
+    from megamoe.plan import budget
+
+    letter, sections = variant(name)
+    cfg = tiny_model(f"{letter}n", **sections)
+    assert budget(cfg).parts["layers.0"][0] - cfg.hidden_size == expected_budget(name)  # minus the input norm
 
 
-def hybrid_config(layout: str = "GdGdKdAd") -> ModelConfig:
-    return ModelConfig(vocab_size=64, hidden_size=HIDDEN, layout=layout,
-                       attention=AttentionConfig(num_heads=4, num_kv_heads=2, qk_norm=True, output_gate=True),
-                       mlp=MLPConfig(ffn_hidden_size=48), gdn=KINDS["gdn"][1], kda=KINDS["kda"][1],
-                       norm_zero_centered=True)
-
-
-def test_hybrid_stack_builds_trains_and_decodes():
+def test_hybrid_stack_trains_and_decodes():
     from megamoe.cache import InferenceCache
     from megamoe.model import LanguageModel, shift_labels
     from megamoe.params import count_parameters
     from megamoe.plan import budget, describe
     from megamoe.weights import initialize
 
-    cfg = hybrid_config()
+    cfg = tiny_model("GdGdKdAd")
     model = LanguageModel(cfg)
     initialize(model, model.groups, 0)
     ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
@@ -168,7 +144,6 @@ def test_hybrid_stack_builds_trains_and_decodes():
     assert "G=gated DeltaNet x2" in text and "K=Kimi delta attention (KDA) x1" in text
     total = count_parameters(model).total
     assert budget(cfg).total == total and f"total parameters: {total:,}" in text
-    assert count_parameters(model).parts["layers.0"][0] - count_parameters(model).parts["layers.3"][0] != 0
 
 
 def test_tiny_hybrid_recipe_plans():
@@ -182,14 +157,12 @@ def test_tiny_hybrid_recipe_plans():
 
 @pytest.mark.parametrize("section,field,value,match", [
     ("gdn", "num_value_heads", 3, "model.gdn.num_value_heads=3 is invalid: must be a multiple of num_key_heads"),
-    ("gdn", "chunk_size", 24, "model.gdn.chunk_size=24 is invalid"),
+    ("gdn", "chunk_size", 24, "model.gdn.chunk_size=24 is invalid: must be a power of two"),
     ("kda", "gate_lower_bound", 2.0, "model.kda.gate_lower_bound=2.0 is invalid: must be < 0"),
     ("kda", "gate_rank", -1, "model.kda.gate_rank=-1 is invalid"),
 ])
 def test_config_errors_name_the_field(section, field, value, match):
-    import dataclasses
-
-    cfg = hybrid_config()
+    cfg = tiny_model("GdKd")
     setattr(cfg, section, dataclasses.replace(getattr(cfg, section), **{field: value}))
     with pytest.raises(ConfigError, match=match):
         cfg.validate()
@@ -197,8 +170,8 @@ def test_config_errors_name_the_field(section, field, value, match):
 
 def test_parallel_errors_name_the_field():
     with pytest.raises(ConfigError, match="model.gdn.num_key_heads=2 is invalid: must be divisible by parallel.tp=4"):
-        validate_model_parallel(hybrid_config("GdGd"), ParallelConfig(tp=4))
+        validate_model_parallel(tiny_model("GdGd"), ParallelConfig(tp=4))
     with pytest.raises(ConfigError, match="model.kda.num_heads=2 is invalid"):
-        validate_model_parallel(hybrid_config("KdKd"), ParallelConfig(tp=4))
+        validate_model_parallel(tiny_model("KdKd"), ParallelConfig(tp=4))
     with pytest.raises(ConfigError, match="model.gdn is not set"):
-        validate_model_parallel(ModelConfig(layout="GdAd"), ParallelConfig())
+        validate_model_parallel(tiny_model("GdAd", gdn=None), ParallelConfig())

@@ -5,7 +5,7 @@ start, per key channel; Gamma_t = exp(G_t)), the delta rule unrolls to (WY form)
 
     A[i, j] = beta_i sum_d k_id k_jd exp(G_id - G_jd)        j < i     (strictly lower)
     M[i, j] =        sum_d q_id k_jd exp(G_id - G_jd)        j <= i
-    (I + A) [W | U0] = [beta Gamma k | beta v]                         (one triangular solve)
+    T = (I + A)^-1;  W = T (beta Gamma k),  U0 = T (beta v)            (one triangular solve)
     corrections U = U0 - W S;   o = (q Gamma) S + M U
     S' = diag(Gamma_C) S + K~^T U,   K~_j = k_j exp(G_C - G_j)
 
@@ -13,13 +13,13 @@ Everything that does not depend on S is computed for all chunks at once, and the
 chunks collapses to one affine map per chunk, ``S' = P S + R`` with
 ``P = diag(Gamma_C) - K~^T W`` and ``R = K~^T U0``; the outputs follow from the stacked
 chunk-start states as ``o = (q Gamma - M W) S + M U0``. The scan is the only sequential part:
-one [dk, dk] x [dk, dv] product per chunk forward and backward (``StateScan``). Autograd
-handles the rest, which is batched.
+one [dk, dk] x [dk, dv] product per chunk forward and backward (``StateScan``). ``T`` has a
+matmul backward too (``UnitLowerInverse``); autograd handles the rest, which is batched.
 
 Exponents are never positive (decays are <= 0 and the reference point of every product is
-between the two positions), so nothing overflows: per-channel decay (KDA) is split into
-sub-blocks of ``SUB`` tokens whose off-diagonal products factor through the sub-block start,
-and whose diagonal blocks are computed elementwise.
+between the two positions), so nothing overflows, whatever the decay: with per-channel decay
+(KDA) the [C, C] matrices are built by halving, each off-diagonal quadrant one matmul through
+the midpoint (``intra_per_channel``), only [LEAF, LEAF] blocks elementwise.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from megamoe.layers.linear_attention.delta_rule import prepare
 
-SUB = 16  # sub-block for per-channel decay inside a chunk
+LEAF = 4  # per-channel decay: tokens per elementwise block inside a chunk
 
 
 class StateScan(torch.autograd.Function):
@@ -58,43 +58,70 @@ class StateScan(torch.autograd.Function):
         return dP, dS[1:], dS[0]
 
 
+class UnitLowerInverse(torch.autograd.Function):
+    """T = (I + A)^-1 for A strictly lower triangular (what is on and above A's diagonal is
+    ignored). A [..., C, C] -> T [..., C, C]. Backward: dA = -tril(T^T dT T^T, -1).
+
+    One triangular solve against the identity, then matmuls: solving against the wide
+    right-hand side [beta k | beta v] directly, and differentiating through the solve, is
+    several times slower on CPU."""
+
+    @staticmethod
+    def forward(ctx, A):
+        eye = torch.eye(A.size(-1), dtype=A.dtype, device=A.device).expand(A.shape)
+        T = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
+        ctx.save_for_backward(T)
+        return T
+
+    @staticmethod
+    def backward(ctx, dT):
+        (T,) = ctx.saved_tensors
+        Tt = T.transpose(-1, -2)
+        return -(Tt @ dT @ Tt).tril(-1)
+
+
 def intra_per_head(q, k, beta, G):
-    """A and M for one decay per head. q, k [..., C, dk]; beta [..., C]; G [..., C, 1]."""
+    """A (strictly lower part used) and M for one decay per head.
+    q, k [..., C, dk]; beta [..., C]; G [..., C, 1] -> [..., C, C] each."""
     C = q.size(-2)
     upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
     decay = (G - G.transpose(-1, -2)).masked_fill(upper, float("-inf")).exp()  # [.., C, C]
-    kk_qk = torch.cat([k * beta.unsqueeze(-1), q], dim=-2) @ k.transpose(-1, -2)  # [.., 2C, C]
-    A, M = (kk_qk.unflatten(-2, (2, C)) * decay.unsqueeze(-3)).unbind(-3)
-    return A.tril(-1), M
+    kT = k.transpose(-1, -2)
+    return (k @ kT) * (decay * beta.unsqueeze(-1)), (q @ kT) * decay
 
 
-def intra_per_channel(q, k, beta, G, sub: int = SUB):
-    """A and M for one decay per key channel. q, k, G [..., C, dk]; beta [..., C].
+def intra_per_channel(q, k, beta, G, leaf: int = LEAF):
+    """A (strictly lower part used) and M for one decay per key channel, by halving. q, k, G [..., C, dk]; beta [..., C].
 
-    Rows of sub-block I meet columns before it through the sub-block start s_I:
-    exp(G_i - G_j) = exp(G_i - G_s) exp(G_s - G_j), both factors <= 1. Columns inside the
-    sub-block (the diagonal blocks) are computed elementwise, [sub, sub, dk] per block.
+    Every block of B tokens is [[top, 0], [quad, bottom]]: ``quad`` (rows in the second half,
+    columns in the first) factors through the first position r of the second half,
+    exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both exponents <= 0, so it is one matmul;
+    ``top`` and ``bottom`` are the blocks of the level below. Blocks of ``leaf`` tokens are
+    computed elementwise ([leaf, leaf, dk] each). Needs C / leaf to be a power of two.
     """
     *lead, C, dk = q.shape
-    nb = C // sub
-    blocks = lambda x: x.reshape(*lead, nb, sub, x.size(-1))  # noqa: E731
-    Gb = blocks(G)
-    ref = Gb[..., :1, :]                                          # [.., nb, 1, dk] sub-block starts
-    rows = torch.stack([blocks(k * beta.unsqueeze(-1)), blocks(q)])  # [2, .., nb, sub, dk]
-    rows_scaled = rows * (Gb - ref).exp()
-    # columns j < s_I decayed to s_I: [.., nb, C, dk]; later columns get -inf, i.e. zero
-    later = torch.arange(C, device=q.device) >= (torch.arange(nb, device=q.device) * sub).unsqueeze(-1)
-    expo = (ref - G.unsqueeze(-3)).masked_fill(later.unsqueeze(-1), float("-inf"))
-    cols = k.unsqueeze(-3) * expo.exp()
-    off = rows_scaled @ cols.transpose(-1, -2)                     # [2, .., nb, sub, C]
-    # diagonal blocks, elementwise: [.., nb, sub, sub, dk]
-    upper = torch.ones(sub, sub, dtype=torch.bool, device=q.device).triu(1)
-    pair = (Gb.unsqueeze(-2) - Gb.unsqueeze(-3)).masked_fill(upper.unsqueeze(-1), float("-inf")).exp()
-    diag = (rows.unsqueeze(-2) * (blocks(k).unsqueeze(-3) * pair)).sum(-1)  # [2, .., nb, sub, sub]
-    both = off.reshape(2, *lead, nb, sub, nb, sub)
-    both.diagonal(dim1=-4, dim2=-2).add_(diag.movedim(-3, -1))   # the (I, I) blocks
-    A, M = both.reshape(2, *lead, C, C)
-    return A.tril(-1), M
+    rows = torch.stack([k * beta.unsqueeze(-1), q])                    # [2, .., C, dk]: A rows, M rows
+    leaf = min(leaf, C)
+    blocks = lambda x, n: x.reshape(*x.shape[:-2], n, C // n, x.size(-1))  # noqa: E731
+    n = C // leaf
+    G_l, k_l, rows_l = blocks(G, n), blocks(k, n), blocks(rows, n)
+    upper = torch.ones(leaf, leaf, dtype=torch.bool, device=q.device).triu(1)
+    pair = (G_l.unsqueeze(-2) - G_l.unsqueeze(-3)).masked_fill(upper.unsqueeze(-1), float("-inf")).exp()
+    D = (rows_l.unsqueeze(-2) * (k_l.unsqueeze(-3) * pair)).sum(-1)     # [2, .., n, leaf, leaf]
+    size = 2 * leaf
+    while size <= C:
+        n, half = C // size, size // 2
+        G_b, k_b, rows_b = blocks(G, n), blocks(k, n), blocks(rows, n)
+        ref = G_b[..., half:half + 1, :]
+        rows_r = rows_b[..., half:, :] * (G_b[..., half:, :] - ref).exp()  # [2, .., n, half, dk]
+        cols_r = k_b[..., :half, :] * (ref - G_b[..., :half, :]).exp()     # [.., n, half, dk]
+        quad = rows_r @ cols_r.transpose(-1, -2)                          # [2, .., n, half, half]
+        D = D.reshape(*D.shape[:-3], n, 2, half, half)
+        top = torch.cat([D[..., 0, :, :], torch.zeros_like(quad)], dim=-1)
+        D = torch.cat([top, torch.cat([quad, D[..., 1, :, :]], dim=-1)], dim=-2)  # [2, .., n, size, size]
+        size *= 2
+    A, M = D.reshape(2, *lead, C, C)
+    return A, M
 
 
 def chunk_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64):
@@ -105,8 +132,8 @@ def chunk_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_
     dk = q.size(-1)
     per_channel = g.size(-1) > 1
     C = chunk_size
-    if per_channel and C % SUB:
-        raise ValueError(f"chunk_size={C} must be a multiple of {SUB} for per-channel decay")
+    if C < 1 or C & (C - 1):
+        raise ValueError(f"chunk_size={C} must be a power of two")
     pad = -t % C
     if pad:  # zero k, v, beta and g leave the state untouched
         q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
@@ -120,9 +147,9 @@ def chunk_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_
     gamma = G.exp()
     G_last = G[..., -1:, :]
     k_tail = k * (G_last - G).exp()                                 # decayed to the chunk end
-    rhs = torch.cat([k * (gamma * beta.unsqueeze(-1)), v * beta.unsqueeze(-1)], dim=-1)
-    WU = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
-    W, U0 = WU.split([dk, dv], dim=-1)
+    T = UnitLowerInverse.apply(A)
+    W = T @ (k * (gamma * beta.unsqueeze(-1)))                      # [b, h, n, C, dk]
+    U0 = T @ (v * beta.unsqueeze(-1))                               # [b, h, n, C, dv]
     kT = k_tail.transpose(-1, -2)
     P = torch.diag_embed(G_last.squeeze(-2).exp().expand(b, hv, n, dk)) - kT @ W   # [b, h, n, dk, dk]
     R = kT @ U0                                                                   # [b, h, n, dk, dv]
