@@ -8,6 +8,7 @@ tensor pattern(s) it is made of, with a typed transform both ways:
                                              "model.layers.{L}.mlp.up_proj.weight"), when="d")
     Fn(...)        any pair of functions (fused QKV, GDN interleaves, conv layouts)
     Experts(...)   per-expert HF tensors ({E}) or HF's stacked tensors <-> megamoe's [E, ...]
+    OneOf(a, b)    the same tensor from alternative HF layouts (hub names or transformers' own)
 
 ``{L}`` is a layer index, ``when`` restricts a rule to layers whose mixer or MLP letter is in
 it (``""``: not a layer tensor). ``expand`` turns a table into concrete entries for one
@@ -35,6 +36,7 @@ class Ctx:
     hf: dict
     layer: int | None = None
     stacked: bool = False  # experts: the HF checkpoint holds stacked (not per-expert) tensors
+    variant: int = 0  # OneOf: the index of the HF layout found in the checkpoint
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,48 @@ class Experts(Rule):
 
     def to_hf_stacked(self, tensor, ctx):
         return list(self.to_stacked(tensor, ctx)) if self.to_stacked else [tensor]
+
+
+def OneOf(*rules: Rule) -> Rule:  # noqa: N802  (reads like a table row)
+    """One megamoe tensor from whichever of several HF layouts the checkpoint holds.
+
+    ``rules[0]`` is the layout ``save_pretrained`` writes by default (the hub checkpoint's names,
+    e.g. kimi_linear's ``self_attn.q_conv1d``/``k_conv1d``/``v_conv1d``); exports write it. Later
+    rules are accepted on import, e.g. transformers' in-memory names written with
+    ``save_original_format=False`` (``self_attn.conv1d``). The first rule whose HF tensors are
+    all present is used; when none is complete, the first one's missing tensor is reported.
+    """
+    if not rules or any(r.mm != rules[0].mm or r.when != rules[0].when for r in rules):
+        raise ValueError(f"OneOf: rules must produce the same tensor under the same layers, got "
+                         f"{[(r.mm, r.when) for r in rules]}")
+    return _OneOf(rules[0].mm, rules[0].hf, rules[0].when, tuple(rules))
+
+
+def alternatives(original: list[Rule], *others: list[Rule]) -> list[Rule]:
+    """Rule groups written once per HF layout (same tensors, same order) -> one rule per tensor,
+    a ``OneOf`` where the layouts differ."""
+    groups = list(zip(original, *others, strict=True))
+    return [rules[0] if all(r == rules[0] for r in rules) else OneOf(*rules) for rules in groups]
+
+
+@dataclass(frozen=True)
+class _OneOf(Rule):
+    rules: tuple[Rule, ...] = ()
+
+    def hf_names(self, ctx, available):
+        for i, rule in enumerate(self.rules):
+            names = rule.hf_names(ctx, available)  # may set ctx.stacked (Experts): the chosen rule's stays
+            if all(n in available for n in names):
+                ctx.variant = i
+                return names
+        ctx.variant = 0
+        return self.rules[0].hf_names(ctx, available)
+
+    def to_mm(self, tensors, ctx):
+        return self.rules[ctx.variant].to_mm(tensors, ctx)
+
+    def to_hf(self, tensor, ctx):
+        return self.rules[ctx.variant].to_hf(tensor, ctx)
 
 
 # ---- expansion and checks ----------------------------------------------------------------
