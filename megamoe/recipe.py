@@ -13,16 +13,34 @@ from typing import Any, Sequence
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megamoe.config import ModelConfig, ParallelConfig
+from megamoe.config import ModelConfig, ParallelConfig, validate_model_parallel
+from megamoe.data.config import DataConfig
 from megamoe.errors import ConfigError
+from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
 
 RECIPE_DIR = Path(__file__).parent / "recipes"
 
 
 @dataclass
 class Recipe:
+    """A run: the model and its parallel layout, and (for training) data, schedule, optimizer,
+    checkpoints and logging. Each component receives its own section."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> None:
+        """Every section, and the checks that need several (for a training run)."""
+        validate_model_parallel(self.model, self.parallel)
+        for section in (self.data, self.train, self.optim, self.checkpoint, self.logging):
+            section.validate()
+        if self.parallel.cp > 1:
+            raise ConfigError("parallel.cp>1: context parallelism is not implemented by the trainer yet")
 
 
 def recipe_path(name_or_path: str | Path) -> Path:

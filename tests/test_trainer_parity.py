@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from megamoe.config import AttentionConfig, MLPConfig, ModelConfig, ParallelConfig
+from megamoe.config import AttentionConfig, GDNConfig, MLPConfig, ModelConfig, MoEConfig, ParallelConfig
 from megamoe.data import DataConfig
 from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
 from megamoe.training.trainer import TrainRecipe
@@ -15,10 +15,17 @@ TOL = 1e-5
 
 
 def tiny_recipe(parallel: ParallelConfig, steps: int = STEPS, **train) -> TrainRecipe:
-    model = ModelConfig(vocab_size=64, hidden_size=32, layout="AdSd|AdAd",
+    """A tiny hybrid MoE: Gated DeltaNet and gated softmax attention, routed experts with a
+    shared expert, the aux-loss-free bias and a balancing loss; two pipeline stages."""
+    model = ModelConfig(vocab_size=64, hidden_size=32, layout="GeAd|SeGe",
                         attention=AttentionConfig(num_heads=4, num_kv_heads=2, qk_norm=True, output_gate=True,
                                                   partial_rotary_factor=0.5, sliding_window=6),
-                        mlp=MLPConfig(ffn_hidden_size=64), norm_zero_centered=True)
+                        gdn=GDNConfig(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8,
+                                      chunk_size=8),
+                        mlp=MLPConfig(ffn_hidden_size=64),
+                        moe=MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=32, num_shared_experts=1,
+                                      shared_expert_gate=True, expert_bias=True, aux_loss_coeff=1e-2),
+                        norm_zero_centered=True)
     return TrainRecipe(model=model, parallel=parallel, data=DataConfig(kind="synthetic", seq_len=16, seed=3),
                        train=TrainConfig(steps=steps, micro_batch_size=2, global_batch_size=8, seed=7, **train),
                        optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=5, clip_grad=1.0),
@@ -51,6 +58,7 @@ LAYOUTS = {
     "tp2": ParallelConfig(tp=2),
     "tp2-sp": ParallelConfig(tp=2, sequence_parallel=True),
     "pp2": ParallelConfig(pp=2),
+    "ep2": ParallelConfig(ep=2),
 }
 
 
@@ -64,7 +72,9 @@ def test_two_process_layouts_match_single(pool, reference, name, tmp_path):
     assert reference[-1] < reference[0] - 0.3  # and it learns
 
 
-def test_four_process_tp_pp_dp_matches_single(pool, reference, tmp_path):
-    losses = pool(4).run(run_recipe, tiny_recipe(ParallelConfig(tp=2, pp=2)), str(tmp_path))
+def test_four_process_tp_ep_pp_matches_single(pool, reference, tmp_path):
+    """TP=2 with sequence parallelism x PP=2, experts over EP=2 (expert grid etp1 x ep2)."""
+    layout = ParallelConfig(tp=2, pp=2, ep=2, sequence_parallel=True)
+    losses = pool(4).run(run_recipe, tiny_recipe(layout), str(tmp_path))
     diff = max(abs(a - b) for a, b in zip(losses[0], reference))
-    assert diff <= TOL, f"tp2 x pp2: loss curve differs from single-process by {diff:.2e}"
+    assert diff <= TOL, f"tp2-sp x pp2 x ep2: loss curve differs from single-process by {diff:.2e}"

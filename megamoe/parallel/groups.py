@@ -97,16 +97,28 @@ def _parallel_state():
     return parallel_state
 
 
+# grids already built in this process, by layout: megatron-core never destroys the process
+# groups it creates (each holds communication threads), so a layout is built once and reused
+_GRIDS: dict[tuple, ParallelGroups] = {}
+
+
 def build_groups(parallel: ParallelConfig) -> ParallelGroups:
     """Create the grid with megatron-core's ``initialize_model_parallel`` and collect its groups.
 
-    Requires torch.distributed to be initialised (see ``init_distributed``). Re-initialises
-    the grid if one exists, so tests can change layouts inside one process.
+    Requires torch.distributed to be initialised (see ``init_distributed``). A process can
+    switch layouts (tests do); each layout's groups are created once and reused.
     """
     if not dist.is_initialized():
         raise ConfigError("parallel: torch.distributed is not initialised (call init_distributed first)")
     world = dist.get_world_size()
     parallel.validate(world)
+    key = (id(dist.group.WORLD), world, parallel.tp, parallel.pp, parallel.vpp, parallel.cp, parallel.ep, parallel.etp)
+    if key not in _GRIDS:
+        _GRIDS[key] = _build(parallel)
+    return _GRIDS[key]
+
+
+def _build(parallel: ParallelConfig) -> ParallelGroups:
     ps = _parallel_state()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

@@ -12,9 +12,9 @@ log = logging.getLogger(__name__)
 
 def load_train_recipe(path, overrides: Sequence[str] = (), validate: bool = True):
     """A training recipe; ``validate=False`` leaves the runtime sections unchecked (planning)."""
-    from megamoe.training.trainer import TrainRecipe
+    from megamoe.recipe import Recipe
 
-    recipe = load_config(TrainRecipe, path, overrides)
+    recipe = load_config(Recipe, path, overrides)
     if validate:
         recipe.validate()
     return recipe

@@ -48,8 +48,26 @@ class StageModule(nn.Module):
         return self.chunk.forward_stage(x)
 
 
+def stage_examples(chunk: LanguageModel, micro_batch: int, seq_len: int, device, logits_dtype: torch.dtype):
+    """Example input and output of a stage, so the schedule runs in static mode. (Dynamic
+    mode would run an extra forward and backward to infer shapes, which MoE routers would
+    count as real tokens.)"""
+    ctx = chunk.ctx
+    local_seq = seq_len // ctx.groups.tp_size if ctx.sp else seq_len
+    # requires_grad marks activations whose gradients travel between stages
+    hidden = torch.zeros(micro_batch, local_seq, ctx.hidden_size, dtype=ctx.dtype, device=device, requires_grad=True)
+    inp = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device) if chunk.pre_process else hidden
+    if chunk.post_process:
+        vocab = -(-chunk.config.vocab_size // ctx.groups.tp_size)
+        out = torch.zeros(micro_batch, seq_len, vocab, dtype=logits_dtype, device=device, requires_grad=True)
+    else:
+        out = hidden
+    return inp, out
+
+
 def build_schedule(chunks: list[LanguageModel], ids: list[int], n_stages: int, groups: ParallelGroups,
-                   n_microbatches: int, loss_fn: Callable, device: torch.device):
+                   n_microbatches: int, loss_fn: Callable, device: torch.device, micro_batch: int, seq_len: int,
+                   logits_dtype: torch.dtype = torch.float32):
     """A 1F1B (one chunk per rank) or interleaved 1F1B schedule over the pp group.
 
     Gradients are not rescaled by the schedule: ``loss_fn`` already divides by the global
@@ -57,8 +75,11 @@ def build_schedule(chunks: list[LanguageModel], ids: list[int], n_stages: int, g
     """
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-    stages = [PipelineStage(StageModule(c), stage_index=i, num_stages=n_stages, device=device, group=groups.pp)
-              for c, i in zip(chunks, ids)]
+    stages = []
+    for c, i in zip(chunks, ids):
+        inp, out = stage_examples(c, micro_batch, seq_len, device, logits_dtype)
+        stages.append(PipelineStage(StageModule(c), stage_index=i, num_stages=n_stages, device=device,
+                                    input_args=(inp,), output_args=(out,), group=groups.pp))
     if len(stages) == 1:
         return Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -10,15 +10,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from megamoe.config import validate_model_parallel
-from megamoe.data import BatchLayout, DataConfig, TrainData
+from megamoe.data import BatchLayout, TrainData
 from megamoe.errors import ConfigError
 from megamoe.plan import budget
 from megamoe.parallel import comm
@@ -26,7 +24,7 @@ from megamoe.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_en
 from megamoe.parallel.groups import ParallelGroups, build_groups, init_distributed
 from megamoe.recipe import Recipe, config_to_dict
 from megamoe.training import checkpoint as ckpt
-from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
+from megamoe.training.config import TrainConfig
 from megamoe.training.grads import clip_grads, global_grad_norm, sync_grads
 from megamoe.training.monitor import Monitor, memory_gib, peak_tflops
 from megamoe.training.optimizer import DistributedOptimizer, lr_at
@@ -35,21 +33,7 @@ from megamoe.weights import initialize
 
 log = logging.getLogger(__name__)
 
-@dataclass
-class TrainRecipe(Recipe):
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    def validate(self) -> None:
-        validate_model_parallel(self.model, self.parallel)
-        for section in (self.data, self.train, self.optim, self.checkpoint, self.logging):
-            section.validate()
-
-        if self.parallel.cp > 1:
-            raise ConfigError("parallel.cp>1: context parallelism is not implemented by the trainer yet")
+TrainRecipe = Recipe  # the training runtime reads every section of a recipe
 
 
 class NonFiniteStop(RuntimeError):
@@ -97,6 +81,39 @@ class Trainer:
         self._maybe_resume()
         self.after_step_hooks: list[Callable[[Trainer], None]] = []
         self.recorder = comm.LatencyRecorder()
+        self.has_moe = any(k.mlp == "e" for k in recipe.model.parsed_layout().layers)
+        if self.has_moe:
+            self._setup_moe()
+
+    # ---- MoE ------------------------------------------------------------------------------
+
+    def _setup_moe(self) -> None:
+        from megamoe.moe import set_aux_loss_scale, update_expert_bias
+
+        # each micro-batch's balancing losses weigh like its share of the global batch
+        for chunk in self.chunks:
+            set_aux_loss_scale(chunk, 1.0 / (self.n_micro * self.dp))
+        self.after_step_hooks.append(lambda t: [update_expert_bias(c, t.groups) for c in t.chunks])
+
+    def moe_report(self) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
+        """Per-layer expert load (for the heatmap) and scalars, gathered to rank 0 (a collective)."""
+        if not self.has_moe:
+            return {}, {}
+        from megamoe.moe import moe_metrics
+
+        mine = {}
+        for chunk in self.chunks:
+            mine.update(moe_metrics(chunk, self.groups))
+        gathered = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        merged: dict[int, dict] = {}
+        for part in gathered or []:
+            merged.update(part)
+        load = {n: torch.tensor(m["tokens_per_expert"]) for n, m in merged.items()}
+        scalars = {f"moe/{key}/layer{n}": float(m[key]) for n, m in merged.items()
+                   for key in ("imbalance", "router_entropy", "dropped_tokens", "aux_loss", "seq_aux_loss", "z_loss")
+                   if key in m}
+        return load, scalars
 
     # ---- checkpoints ----------------------------------------------------------------------
 
@@ -154,8 +171,10 @@ class Trainer:
             return self._loss_sum(logits, labels) / total_tokens
 
         if not hasattr(self, "_schedule"):
-            self._schedule = build_schedule(self.chunks, self.stage_ids, self.n_stages, self.groups,
-                                            self.n_micro, loss_fn, self.device)
+            bf16 = self.device.type == "cuda" and self.train.precision in ("auto", "bf16")
+            self._schedule = build_schedule(self.chunks, self.stage_ids, self.n_stages, self.groups, self.n_micro,
+                                            loss_fn, self.device, self.train.micro_batch_size,
+                                            self.recipe.data.seq_len, torch.bfloat16 if bf16 else torch.float32)
         self._schedule._loss_fn = loss_fn  # the token count differs per step
         args = [(mb["input_ids"].to(self.device),) for mb in micro] if self.first else None
         targets = [mb["labels"].to(self.device) for mb in micro] if self.last else None
@@ -241,7 +260,8 @@ class Trainer:
                 metrics = self.train_step(data(self.consumed))
                 metrics.update(memory_gib())
                 metrics["mfu"] = flops * metrics["tokens_per_s"] / (peak * 1e12 * self.world)
-                monitor.log_step(self.step, metrics, self._gather_latencies())
+                load, moe_scalars = self.moe_report()
+                monitor.log_step(self.step, metrics, self._gather_latencies(), load, moe_scalars)
                 history.append(metrics)
                 if self.nan_streak >= self.train.nan_max_consecutive:
                     path = self.save()
