@@ -102,9 +102,10 @@ class LocalBackend:
         return CoreAttention(softmax_scale, window)
 
     def grouped_experts(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str = "auto",
-                        active_fraction: float = 1.0) -> nn.Module:
+                        active_fraction: float = 1.0, swiglu_limit: float | None = None) -> nn.Module:
         """Stacked SwiGLU experts sharded over ep/etp (``megamoe.layers.experts.GroupedExperts``)."""
-        return GroupedExperts(ctx, num_experts, ffn_hidden_size, kernel=kernel, active_fraction=active_fraction)
+        return GroupedExperts(ctx, num_experts, ffn_hidden_size, kernel=kernel, active_fraction=active_fraction,
+                              swiglu_limit=swiglu_limit)
 
 
 BACKENDS = {"local": LocalBackend}

@@ -43,7 +43,7 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str = "auto",
-                 active_fraction: float = 1.0):
+                 active_fraction: float = 1.0, swiglu_limit: float | None = None):
         super().__init__()
         ep, etp = ctx.groups.size("ep"), ctx.groups.size("etp")
         h, f = ctx.hidden_size, ffn_hidden_size
@@ -51,7 +51,7 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"{num_experts} experts / ffn {f} do not split over ep={ep} / etp={etp}")
         self.num_experts, self.num_local = num_experts, num_experts // ep
         self.local_start = ctx.groups.rank("ep") * self.num_local
-        self.kernel = kernel
+        self.kernel, self.swiglu_limit = kernel, swiglu_limit
         kw = dict(dtype=ctx.dtype, device=ctx.device)
         self.gate_up_weight = nn.Parameter(torch.empty(self.num_local, 2 * f // etp, h, **kw))
         set_sharding(self.gate_up_weight, Shard(0, "ep"), Shard(1, "etp", parts=(f, f)))
@@ -65,7 +65,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, counts: Sequence[int], probs: torch.Tensor | None,
                 out_rows: int) -> torch.Tensor:
-        return swiglu_experts(self.kernel, x, idx, counts, probs, self.gate_up_weight, self.down_weight, out_rows)
+        return swiglu_experts(self.kernel, x, idx, counts, probs, self.gate_up_weight, self.down_weight, out_rows,
+                              self.swiglu_limit)
 
     def resolved_kernel(self) -> str:
         return resolve_kernel(self.kernel, self.gate_up_weight.device, self.gate_up_weight.dtype)

@@ -2,7 +2,7 @@
 
 Every kernel computes the same thing (``reference`` is the readable definition)::
 
-    out = kernel(x, idx, counts, probs, w1, w2, out_rows)
+    out = kernel(x, idx, counts, probs, w1, w2, out_rows, limit=None)
 
     x      [N, h]      input rows
     idx    [S]         grouped row j reads x[idx[j]] and is added to out[idx[j]]
@@ -11,6 +11,7 @@ Every kernel computes the same thing (``reference`` is the readable definition):
     w1     [E, 2f, h]  gate | up (nn.Linear layout: out x in)
     w2     [E, h, f]   down
     out    [out_rows, h] = sum over rows j of  probs[j] * down_e(silu(gate_e x) * up_e x)
+    limit  float | None  GLM-5's clamp of gate (<= limit) and up ([-limit, limit]) before the SwiGLU
 
 Applying ``probs`` to the intermediate instead of the output is exact (down is linear) and
 keeps it valid when f is split over expert-tensor-parallel ranks (the output is then a
@@ -35,11 +36,13 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.errors import ConfigError
+from megamoe.layers.mlp import clamp_gate_up
 
 KERNELS = ("reference", "grouped_mm", "loop")
 
 
-def swiglu_experts_reference(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: int) -> torch.Tensor:
+def swiglu_experts_reference(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: int,
+                             limit: float | None = None) -> torch.Tensor:
     """The definition: a loop over experts with plain autograd ops."""
     out = x.new_zeros(out_rows, x.size(-1))
     start = 0
@@ -47,7 +50,7 @@ def swiglu_experts_reference(x, idx, counts: Sequence[int], probs, w1, w2, out_r
         if n == 0:
             continue
         rows = idx[start:start + n]
-        gate, up = F.linear(x[rows], w1[e]).chunk(2, dim=-1)
+        gate, up = clamp_gate_up(*F.linear(x[rows], w1[e]).chunk(2, dim=-1), limit)
         act = F.silu(gate) * up
         if probs is not None:
             act = act * probs[start:start + n, None].to(act.dtype)
@@ -102,13 +105,14 @@ def _rows_aligned(t: torch.Tensor, *widths: int) -> bool:
     return all(w * t.element_size() % 16 == 0 for w in widths)
 
 
-def swiglu_experts_grouped_mm(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: int) -> torch.Tensor:
+def swiglu_experts_grouped_mm(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: int,
+                              limit: float | None = None) -> torch.Tensor:
     if not _rows_aligned(x, x.size(-1), w2.size(-1)):  # h or f not a multiple of 16 bytes
-        return swiglu_experts_loop(x, idx, counts, probs, w1, w2, out_rows)
+        return swiglu_experts_loop(x, idx, counts, probs, w1, w2, out_rows, limit)
     op = _grouped_mm_op()
     offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
     rows = x.index_select(0, idx)
-    gate, up = op(rows, w1.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    gate, up = clamp_gate_up(*op(rows, w1.transpose(1, 2), offs=offs).chunk(2, dim=-1), limit)
     act = F.silu(gate) * up
     if probs is not None:
         act = act * probs[:, None].to(act.dtype)
@@ -119,10 +123,12 @@ def swiglu_experts_grouped_mm(x, idx, counts: Sequence[int], probs, w1, w2, out_
 # ---- per-expert loop with a fused backward -----------------------------------------------
 
 class _LoopExperts(torch.autograd.Function):
-    """Saves only the gate|up pre-activations [S, 2f]; recomputes the SwiGLU in backward."""
+    """Saves only the gate|up pre-activations [S, 2f]; recomputes the SwiGLU in backward.
+    With a ``limit`` the saved pre-activations are the clamped ones: a value at the bound was
+    clamped (or lay exactly on it, a measure-zero case) and gets no gradient."""
 
     @staticmethod
-    def forward(ctx, x, idx, probs, w1, w2, counts, out_rows):
+    def forward(ctx, x, idx, probs, w1, w2, counts, out_rows, limit):
         out = x.new_zeros(out_rows, x.size(-1))
         pre = x.new_empty(idx.numel(), w1.size(1))  # gate|up pre-activations, grouped rows
         start = 0
@@ -133,12 +139,15 @@ class _LoopExperts(torch.autograd.Function):
             rows = idx[sl]
             gu = torch.mm(x.index_select(0, rows), w1[e].t(), out=pre[sl])
             gate, up = gu.chunk(2, dim=-1)
+            if limit is not None:
+                gate.clamp_(max=limit)
+                up.clamp_(-limit, limit)
             act = F.silu(gate).mul_(up)
             if probs is not None:
                 act.mul_(probs[sl, None])
             out.index_add_(0, rows, torch.mm(act, w2[e].t()))
             start += n
-        ctx.counts = counts
+        ctx.counts, ctx.limit = counts, limit
         ctx.save_for_backward(x, idx, probs, w1, w2, pre)
         return out
 
@@ -174,16 +183,20 @@ class _LoopExperts(torch.autograd.Function):
             d_gate, d_up = d_pre.chunk(2, dim=-1)
             torch.mul(d_act, silu, out=d_up)
             torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
+            if ctx.limit is not None:  # clamped entries pass no gradient
+                d_gate.mul_(gate < ctx.limit)
+                d_up.mul_(up.abs() < ctx.limit)
             torch.mm(d_pre.t(), x.index_select(0, rows), out=dw1[e])
             dx.index_add_(0, rows, torch.mm(d_pre, w1[e]))
             start += n
-        return dx, None, dprobs, dw1, dw2, None, None
+        return dx, None, dprobs, dw1, dw2, None, None, None
 
 
-def swiglu_experts_loop(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: int) -> torch.Tensor:
+def swiglu_experts_loop(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: int,
+                        limit: float | None = None) -> torch.Tensor:
     if probs is not None:
         probs = probs.to(x.dtype)
-    return _LoopExperts.apply(x, idx, probs, w1, w2, list(counts), out_rows)
+    return _LoopExperts.apply(x, idx, probs, w1, w2, list(counts), out_rows, limit)
 
 
 _FUNCS = {"reference": swiglu_experts_reference, "grouped_mm": swiglu_experts_grouped_mm,
@@ -206,12 +219,13 @@ def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype) -> str:
     return name
 
 
-def swiglu_experts(kernel: str, x, idx, counts, probs, w1, w2, out_rows: int) -> torch.Tensor:
+def swiglu_experts(kernel: str, x, idx, counts, probs, w1, w2, out_rows: int, limit: float | None = None
+                   ) -> torch.Tensor:
     """Dispatch to a kernel by name (see the module docstring for the contract)."""
     if len(counts) != w1.size(0):
         raise ValueError(f"counts has {len(counts)} entries for {w1.size(0)} experts")
     if sum(counts) != idx.numel():
         raise ValueError(f"counts sum to {sum(counts)} but {idx.numel()} rows were given")
-    return _FUNCS[resolve_kernel(kernel, x.device, x.dtype)](x, idx, counts, probs, w1, w2, out_rows)
+    return _FUNCS[resolve_kernel(kernel, x.device, x.dtype)](x, idx, counts, probs, w1, w2, out_rows, limit)
 
 

@@ -42,10 +42,12 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(cfg, ctx, layer_number)
         self.experts = ctx.backend.grouped_experts(ctx, cfg.num_experts, cfg.moe_ffn_hidden_size,
                                                    kernel=cfg.expert_kernel,
-                                                   active_fraction=cfg.top_k / cfg.num_experts)
+                                                   active_fraction=cfg.top_k / cfg.num_experts,
+                                                   swiglu_limit=cfg.swiglu_limit)
         self.dispatch = DISPATCHERS[cfg.dispatcher](cfg.num_experts, ctx.groups)
         shared = cfg.shared_ffn()
-        self.shared_experts = SwiGLUMLP(MLPConfig(ffn_hidden_size=shared), ctx, layer_number) if shared else None
+        self.shared_experts = (SwiGLUMLP(MLPConfig(ffn_hidden_size=shared, swiglu_limit=cfg.swiglu_limit), ctx,
+                                         layer_number) if shared else None)
         if cfg.shared_expert_gate:
             self.shared_gate = nn.Parameter(torch.empty(1, ctx.hidden_size, dtype=ctx.dtype, device=ctx.device))
             mark_init(self.shared_gate, normal_init(ctx.init_std))

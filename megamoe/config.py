@@ -85,15 +85,21 @@ class AttentionConfig:
               f"must be divisible by parallel.tp={parallel.tp}")
 
 
+def check_swiglu_limit(path: str, value) -> None:
+    check(value is None or value > 0, path, value, "must be > 0 (or null for no clamp)")
+
+
 @dataclass
 class MLPConfig:
     """Dense SwiGLU MLP (letter d): down(silu(gate(x)) * up(x))."""
 
     ffn_hidden_size: int = 2048
     bias: bool = False
+    swiglu_limit: Optional[float] = None  # clamp gate to <= limit, up to [-limit, limit] before SwiGLU (GLM-5)
 
     def validate(self, hidden_size: int, path: str = "model.mlp") -> None:
         check_positive(f"{path}.ffn_hidden_size", self.ffn_hidden_size)
+        check_swiglu_limit(f"{path}.swiglu_limit", self.swiglu_limit)
 
     def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.mlp") -> None:
         check(self.ffn_hidden_size % parallel.tp == 0, f"{path}.ffn_hidden_size", self.ffn_hidden_size,
@@ -430,6 +436,7 @@ class MoEConfig:
     drop_policy: str = "probs"  # with a capacity: keep the highest-weight (probs) or earliest (position)
     dispatcher: str = "alltoall"  # token exchange over the expert grid: alltoall | allgather
     expert_kernel: str = "auto"  # auto | grouped_mm | loop | reference (see megamoe.layers.grouped_gemm)
+    swiglu_limit: Optional[float] = None  # routed and shared experts: clamp as MLPConfig.swiglu_limit (GLM-5)
 
     def shared_ffn(self) -> int:
         """Width of the fused shared-expert SwiGLU (0 without shared experts)."""
@@ -470,6 +477,7 @@ class MoEConfig:
         check_choice(f"{path}.drop_policy", self.drop_policy, ("probs", "position"))
         check_choice(f"{path}.dispatcher", self.dispatcher, ("alltoall", "allgather"))
         check_choice(f"{path}.expert_kernel", self.expert_kernel, ("auto", "grouped_mm", "loop", "reference"))
+        check_swiglu_limit(f"{path}.swiglu_limit", self.swiglu_limit)
 
     def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.moe") -> None:
         check(self.num_experts % parallel.ep == 0, f"{path}.num_experts", self.num_experts,
@@ -481,8 +489,63 @@ class MoEConfig:
 
 
 @dataclass
+class ScaledResidualConfig:
+    """MiniMax-01 residual (``model.scaled_residual``; replaces the pre-norm residual of every layer).
+
+    The residual starts after the norm and both terms are scaled (HF MiniMax ``*_alpha_factor`` /
+    ``*_beta_factor``)::
+
+        n = norm(x);  x = alpha * n + beta * f(n)        for f = mixer, then MLP
+
+    ``mixer_alpha`` / ``mixer_beta`` by mixer letter (a letter not listed: 1.0).
+    """
+
+    mixer_alpha: Dict[str, float] = field(default_factory=dict)
+    mixer_beta: Dict[str, float] = field(default_factory=dict)
+    mlp_alpha: float = 1.0
+    mlp_beta: float = 1.0
+
+    def factors(self, letter: str) -> tuple:
+        return self.mixer_alpha.get(letter, 1.0), self.mixer_beta.get(letter, 1.0)
+
+    def validate(self, path: str = "model.scaled_residual") -> None:
+        for name in ("mixer_alpha", "mixer_beta"):
+            unknown = [k for k in getattr(self, name) if k not in MIXERS]
+            check(not unknown, f"{path}.{name}", unknown, f"keys must be mixer letters ({', '.join(MIXERS)})")
+
+
+@dataclass
+class HyperConnectionConfig:
+    """Manifold-constrained hyper-connections (``model.hyper_connections``; GLM-5's mHC).
+
+    The residual stream is ``streams`` copies [b, s, streams, h]. Around the mixer and around the
+    MLP, per token, weights are computed from all streams (RMS-normalised, one linear map):
+    ``pre`` (streams -> block input), ``post`` (block output -> streams) and ``comb`` (streams x
+    streams, made doubly stochastic by ``sinkhorn_iters`` Sinkhorn steps)::
+
+        y = block(sum_i pre_i x_i);   x'_j = post_j * y + sum_i comb_ij x_i
+
+    The embedding enters every stream; the final norm reads their mean. HF names in brackets.
+    """
+
+    streams: int = 4  # [hc_mult]
+    sinkhorn_iters: int = 20  # [hc_sinkhorn_iters]
+    eps: float = 1e-6  # [hc_eps] floor added to pre and comb, and in the Sinkhorn divisions
+    norm_eps: Optional[float] = None  # the unweighted RMS norm over all streams; None: model.norm_eps
+
+    def validate(self, path: str = "model.hyper_connections") -> None:
+        check_positive(f"{path}.streams", self.streams)
+        check_positive(f"{path}.sinkhorn_iters", self.sinkhorn_iters)
+        check(self.eps >= 0, f"{path}.eps", self.eps, "must be >= 0")
+        check(self.norm_eps is None or self.norm_eps > 0, f"{path}.norm_eps", self.norm_eps, "must be > 0")
+
+
+@dataclass
 class ModelConfig:
-    """A causal language model (plus, later, its vision encoder) described by a layout string."""
+    """A causal language model (plus, later, its vision encoder) described by a layout string.
+
+    The residual of every layer is pre-norm (``x + f(norm(x))``) unless one of
+    ``scaled_residual`` (MiniMax) or ``hyper_connections`` (GLM-5) is set."""
 
     vocab_size: int = 32000
     hidden_size: int = 512
@@ -494,6 +557,8 @@ class ModelConfig:
     mla: Optional[MLAConfig] = None  # letters M, D, I
     gdn: Optional[GDNConfig] = None  # letter G
     kda: Optional[KDAConfig] = None  # letter K
+    scaled_residual: Optional[ScaledResidualConfig] = None  # MiniMax residual (see the class)
+    hyper_connections: Optional[HyperConnectionConfig] = None  # GLM-5 residual streams (see the class)
     norm_eps: float = 1e-6
     norm_zero_centered: bool = False  # RMSNorm weight applied as (1 + w), stored zero-initialised
     tie_embeddings: bool = False
@@ -516,6 +581,7 @@ class ModelConfig:
         check_choice(f"{path}.backend", self.backend, ("local", "te"))
         layout = parse_layout(self.layout, f"{path}.layout")
         self._validate_sections(layout, path)
+        self._validate_residual(path)
         if self.vision is not None:
             self.vision.validate(self.hidden_size, f"{path}.vision")
             check(self.vision.image_token_id < self.vocab_size, f"{path}.vision.image_token_id",
@@ -542,6 +608,13 @@ class ModelConfig:
     def _validate_sections(self, layout: Layout, path: str) -> None:
         for name, sub in self.used_sections(layout, path).items():
             sub.validate(self.hidden_size, f"{path}.{name}")
+
+    def _validate_residual(self, path: str) -> None:
+        check(self.scaled_residual is None or self.hyper_connections is None, f"{path}.hyper_connections",
+              "set", "cannot be combined with model.scaled_residual (choose one residual style)")
+        for name in ("scaled_residual", "hyper_connections"):
+            if getattr(self, name) is not None:
+                getattr(self, name).validate(f"{path}.{name}")
 
 
 @dataclass

@@ -19,6 +19,7 @@ import megamoe.layers  # noqa: F401  (registers the layout letters)
 from megamoe.config import ModelConfig
 from megamoe.errors import ConfigError
 from megamoe.layers.backend import get_backend
+from megamoe.layers.hyper_connection import HyperConnection, expand_streams, merge_streams
 from megamoe.layout import MIXERS, MLPS, LayerKind
 from megamoe.parallel import comm
 from megamoe.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
@@ -78,6 +79,70 @@ class DecoderLayer(nn.Module):
     def _mlp(self, x, info):
         return self.mlp(self.pre_mlp_norm(x), info)
 
+    # The residual stream between layers; other residual styles carry more than [b, s, h].
+    @staticmethod
+    def enter_stream(hidden: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+        """Embedding output [b, s, h] -> the residual stream the layers read."""
+        return hidden
+
+    @staticmethod
+    def leave_stream(stream: torch.Tensor) -> torch.Tensor:
+        """The last layer's residual stream -> [b, s, h] for the final norm."""
+        return stream
+
+
+class ScaledResidualLayer(DecoderLayer):
+    """MiniMax-01 residual (``model.scaled_residual``): the residual starts after the norm and
+    both terms are scaled: n = norm(x); x = alpha * n + beta * f(n), for the mixer then the MLP."""
+
+    def __init__(self, kind: LayerKind, cfg: ModelConfig, ctx: BuildContext, layer_number: int):
+        super().__init__(kind, cfg, ctx, layer_number)
+        scaled = cfg.scaled_residual
+        self.mixer_alpha, self.mixer_beta = scaled.factors(kind.mixer)
+        self.mlp_alpha, self.mlp_beta = scaled.mlp_alpha, scaled.mlp_beta
+
+    def _forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
+        n = self.input_norm(x)
+        x = self.mixer_alpha * n + self.mixer_beta * _maybe_recompute("mixer" in self.recompute, self.mixer, n, info)
+        if self.mlp is not None:
+            n = self.pre_mlp_norm(x)
+            x = self.mlp_alpha * n + self.mlp_beta * _maybe_recompute("mlp" in self.recompute, self.mlp, n, info)
+        return x
+
+
+class HyperConnectionLayer(DecoderLayer):
+    """GLM-5 hyper-connections (``model.hyper_connections``, ``megamoe.layers.hyper_connection``):
+    the residual stream is [b, s, n, h]; the mixer and the MLP each read a weighted sum of the
+    streams (pre-norm inside) and write back into all of them."""
+
+    def __init__(self, kind: LayerKind, cfg: ModelConfig, ctx: BuildContext, layer_number: int):
+        super().__init__(kind, cfg, ctx, layer_number)
+        self.mixer_hc = HyperConnection(cfg.hyper_connections, ctx)
+        self.mlp_hc = None if self.mlp is None else HyperConnection(cfg.hyper_connections, ctx)
+
+    def _forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
+        x = self.mixer_hc(x, lambda y: _maybe_recompute("mixer" in self.recompute, self._mix, y, info))
+        if self.mlp is not None:
+            x = self.mlp_hc(x, lambda y: _maybe_recompute("mlp" in self.recompute, self._mlp, y, info))
+        return x
+
+    @staticmethod
+    def enter_stream(hidden: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+        return expand_streams(hidden, cfg.hyper_connections.streams)
+
+    @staticmethod
+    def leave_stream(stream: torch.Tensor) -> torch.Tensor:
+        return merge_streams(stream)
+
+
+def layer_class(cfg: ModelConfig) -> type[DecoderLayer]:
+    """The layer block of the config's residual style (validated: at most one section is set)."""
+    if cfg.hyper_connections is not None:
+        return HyperConnectionLayer
+    if cfg.scaled_residual is not None:
+        return ScaledResidualLayer
+    return DecoderLayer
+
 
 class OutputLayer(nn.Module):
     """Vocab-parallel output projection: [b, s(/tp), h] -> [b, s, V_pad/tp] logits.
@@ -131,7 +196,8 @@ class LanguageModel(nn.Module):
         self.groups = ctx.groups
         self.pre_process, self.post_process = pre_process, post_process
         ids = range(self.layout.num_layers) if layer_ids is None else layer_ids
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(self.layout.layers[i], cfg, ctx, i) for i in ids})
+        self.block = layer_class(cfg)
+        self.layers = nn.ModuleDict({str(i): self.block(self.layout.layers[i], cfg, ctx, i) for i in ids})
         self.embedding = None
         if pre_process or (post_process and cfg.tie_embeddings):
             self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.groups.tp,
@@ -159,9 +225,13 @@ class LanguageModel(nn.Module):
         return self.embedding(input_ids)
 
     def run_layers(self, hidden: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
+        """This stage's layers. The first stage takes [b, s(/tp), h] into the residual stream
+        (``[b, s(/tp), n, h]`` with hyper-connections), the last one gives [b, s(/tp), h] back."""
+        if self.pre_process:
+            hidden = self.block.enter_stream(hidden, self.config)
         for layer in self.layers.values():
             hidden = layer(hidden, info)
-        return hidden
+        return self.block.leave_stream(hidden) if self.post_process else hidden
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[b, s(/tp), h] -> vocab-parallel logits [b, s, V_pad/tp]."""
