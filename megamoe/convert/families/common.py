@@ -1,5 +1,5 @@
 """Building blocks shared by the family tables: HF config readers and rule groups for the
-parts most families have in common (embeddings, norms, GQA attention, SwiGLU MLP)."""
+parts most families have in common (embeddings, norms, GQA attention, SwiGLU MLP, MoE)."""
 from __future__ import annotations
 
 import copy
@@ -8,7 +8,7 @@ import torch
 
 from megamoe.config import ModelConfig
 from megamoe.convert.family import hf_get
-from megamoe.convert.table import Cat, Ctx, Fn, Rule, Same
+from megamoe.convert.table import Cat, Ctx, Experts, Fn, OneOf, Rule, Same
 
 # ---- HF config readers -------------------------------------------------------------------
 
@@ -107,3 +107,44 @@ def dense_mlp_rules(prefix: str, letters: str = "d") -> list[Rule]:
     return [Cat("layers.{L}.mlp.linear_fc1.weight", (f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"),
                 when=letters),
             Same("layers.{L}.mlp.linear_fc2.weight", f"{prefix}.down_proj.weight", when=letters)]
+
+
+def _cat_gate_up(t, ctx):
+    return torch.cat(t, dim=0)
+
+
+def _split_gate_up(w, ctx):
+    return w.chunk(2, dim=0)
+
+
+def moe_rules(prefix: str, letters: str = "e", *, stacked_prefix: str | None = None,
+              expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), gate: str = "gate",
+              shared: str | None = None, shared_gate: str | None = None, expert_bias: str | None = None
+              ) -> list[Rule]:
+    """Routed experts (layers/moe.py) from HF's router ``{prefix}.{gate}.weight`` and experts,
+    per-expert ``{prefix}.experts.{E}.<gate|up|down>.weight`` (``expert_names``) or stacked
+    ``{stacked_prefix}.experts.gate_up_proj`` [E, 2F, h] / ``.down_proj`` [E, h, F]
+    (``stacked_prefix``: where the stacked layout keeps them, default ``prefix``).
+    ``shared``: the shared-expert SwiGLU's module, ``shared_gate``: its sigmoid gate [1, h],
+    ``expert_bias``: the router's selection bias (``e_score_correction_bias``), all under ``prefix``."""
+    mlp, st = "layers.{L}.mlp", stacked_prefix or prefix
+    g, u, d = (f"{prefix}.experts.{{E}}.{n}.weight" for n in expert_names)
+    router = Same(f"{mlp}.router.weight", f"{prefix}.{gate}.weight", when=letters)
+    if st != prefix:  # e.g. Mixtral: block_sparse_moe.gate (per-expert layout) or mlp.gate (stacked)
+        router = OneOf(router, Same(f"{mlp}.router.weight", f"{st}.{gate}.weight", when=letters))
+    rules: list[Rule] = [
+        router,
+        Experts(f"{mlp}.experts.gate_up_weight", (g, u), when=letters, stacked=(f"{st}.experts.gate_up_proj",),
+                per_expert=_cat_gate_up, split_expert=_split_gate_up),
+        Experts(f"{mlp}.experts.down_weight", (d,), when=letters, stacked=(f"{st}.experts.down_proj",),
+                per_expert=lambda t, ctx: t[0], split_expert=lambda w, ctx: [w]),
+    ]
+    if expert_bias:
+        rules.append(Same(f"{mlp}.router.expert_bias", f"{prefix}.{expert_bias}", when=letters))
+    if shared:
+        rules += [Cat(f"{mlp}.shared_experts.linear_fc1.weight",
+                      (f"{prefix}.{shared}.gate_proj.weight", f"{prefix}.{shared}.up_proj.weight"), when=letters),
+                  Same(f"{mlp}.shared_experts.linear_fc2.weight", f"{prefix}.{shared}.down_proj.weight", when=letters)]
+    if shared_gate:
+        rules.append(Same(f"{mlp}.shared_gate", f"{prefix}.{shared_gate}.weight", when=letters))
+    return rules
