@@ -2,8 +2,9 @@
 
 Stage cuts come from the layout string: ``layout.stages(pp * vpp)`` gives the layers of each
 virtual stage; pipeline rank r holds virtual stages r, r + pp, r + 2*pp, ... (interleaved
-1F1B when vpp > 1). Activations between stages are the hidden states ``[b, s(/tp), h]``;
-the last stage returns vocab-parallel logits and the schedule applies the loss there.
+1F1B when vpp > 1). Activations between stages are the residual stream ``[b, s(/tp), h]``
+(``[b, s(/tp), n, h]`` with hyper-connections); the last stage returns vocab-parallel logits
+and the schedule applies the loss there.
 """
 from __future__ import annotations
 
@@ -54,8 +55,10 @@ def stage_examples(chunk: LanguageModel, micro_batch: int, seq_len: int, device,
     count as real tokens.)"""
     ctx = chunk.ctx
     local_seq = seq_len // ctx.groups.tp_size if ctx.sp else seq_len
-    # requires_grad marks activations whose gradients travel between stages
-    hidden = torch.zeros(micro_batch, local_seq, ctx.hidden_size, dtype=ctx.dtype, device=device, requires_grad=True)
+    # requires_grad marks activations whose gradients travel between stages; the residual stream
+    # between stages may carry more than [b, s, h] (hyper-connections: [b, s, n, h])
+    hidden = torch.zeros(micro_batch, local_seq, ctx.hidden_size, dtype=ctx.dtype, device=device)
+    hidden = chunk.block.enter_stream(hidden, chunk.config).contiguous().requires_grad_(True)
     inp = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device) if chunk.pre_process else hidden
     if chunk.post_process:
         vocab = -(-chunk.config.vocab_size // ctx.groups.tp_size)
