@@ -262,13 +262,14 @@ def test_1t_preset_builds_on_meta_fast_and_small():
     from megamoe.recipe import load_recipe
 
     code = textwrap.dedent("""
-        import json, resource, time
+        import json, time
+        from megamoe.memory import peak_rss_mib
         from megamoe.plan import budget
         from megamoe.recipe import load_recipe
         cfg = load_recipe("moe_1t").model
         t = time.time()
         b = budget(cfg)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        rss = peak_rss_mib()
         print(json.dumps({"total": b.total, "active": b.active, "seconds": time.time() - t, "rss_mib": rss}))
     """)
     out = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,

@@ -32,12 +32,13 @@ def test_tiny_dense_count_matches_hand_count():
 def test_100b_dense_builds_on_meta_fast_and_small():
     """A fresh process (so the RSS is the build's own): < 30 s, < 2 GiB, exact count."""
     code = textwrap.dedent("""
-        import json, resource, time
+        import json, time
+        from megamoe.memory import peak_rss_mib
         t = time.time()
         from megamoe.plan import budget
         from megamoe.recipe import load_recipe
         b = budget(load_recipe("dense_105b").model)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        rss = peak_rss_mib()
         print(json.dumps({"total": b.total, "active": b.active, "seconds": time.time() - t, "rss_mib": rss}))
     """)
     out = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,

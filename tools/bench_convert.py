@@ -22,18 +22,15 @@ CHILD = r"""
 import gc, json, sys, time
 import torch
 from megamoe.convert import import_hf
+from megamoe.memory import peak_rss_mib, reset_peak, rss_mib
 import megamoe.convert.families  # all imports done before the baseline is read
-def status_mib(key):
-    for line in open('/proc/self/status'):
-        if line.startswith(key + ':'):
-            return int(line.split()[1]) / 1024
 gc.collect()
-open('/proc/self/clear_refs', 'w').write('5')  # reset the peak (VmHWM) to the current RSS
-base = status_mib('VmRSS')
+reset_peak()  # the peak restarts from the current RSS
+base = rss_mib()
 start = time.time()
 import_hf(sys.argv[1], sys.argv[2], progress=False)
 seconds = time.time() - start
-print(json.dumps({"baseline_rss_mib": base, "peak_rss_mib": status_mib('VmHWM'), "seconds": seconds}))
+print(json.dumps({"baseline_rss_mib": base, "peak_rss_mib": peak_rss_mib(), "seconds": seconds}))
 """
 
 

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import resource
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from megamoe.memory import peak_rss_mib, rss_mib
 from megamoe.training.config import LoggingConfig
 
 log = logging.getLogger(__name__)
@@ -37,12 +36,7 @@ def heatmap_image(values: np.ndarray, cell: int = 8) -> np.ndarray:
 
 def memory_gib() -> dict[str, float]:
     """Current and peak host RSS, and peak CUDA memory when on GPU."""
-    out = {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    try:
-        with open("/proc/self/statm") as f:
-            out["rss_gib"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-    except OSError:
-        pass
+    out = {"peak_rss_gib": peak_rss_mib() / 1024, "rss_gib": rss_mib() / 1024}
     if torch.cuda.is_available():
         out["cuda_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
