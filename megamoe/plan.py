@@ -10,14 +10,10 @@ from megamoe.params import ParamBudget, count_parameters, format_budget, human
 def meta_model(cfg: ModelConfig):
     """The full model on ``torch.device('meta')``: shapes only, no memory, no init.
     With ``cfg.vision`` it is the multimodal model (its tower counts as part ``vision``)."""
-    from megamoe.model import LanguageModel
+    from megamoe.model import build_model
 
     with torch.device("meta"):
-        if cfg.vision is not None:
-            from megamoe.multimodal import MultimodalModel
-
-            return MultimodalModel(cfg, device="meta")
-        return LanguageModel(cfg, device="meta")
+        return build_model(cfg, device="meta")
 
 
 def budget(cfg: ModelConfig) -> ParamBudget:

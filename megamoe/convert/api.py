@@ -16,6 +16,7 @@ from megamoe.convert.mm_format import FORMAT, ConvertedCheckpoint, write_checkpo
 from megamoe.convert.st_io import DTYPE_CODES
 from megamoe.convert.table import Entry, check_plan, expand
 from megamoe.errors import CheckpointError
+from megamoe.model import build_model
 from megamoe.recipe import config_from_dict, config_to_dict
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.pieces import GROUPS
@@ -26,18 +27,6 @@ TORCH_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 
 # ---- configs and models --------------------------------------------------------------------
-
-def build_model(cfg: ModelConfig, groups: ParallelGroups | None = None, *, sequence_parallel: bool = False,
-                device=None, **kw):
-    """The model ``cfg`` describes: multimodal when it has a vision section."""
-    if cfg.vision is not None:
-        from megamoe.multimodal import MultimodalModel
-
-        return MultimodalModel(cfg, groups, sequence_parallel=sequence_parallel, device=device, **kw)
-    from megamoe.model import LanguageModel
-
-    return LanguageModel(cfg, groups, sequence_parallel=sequence_parallel, device=device, **kw)
-
 
 def model_tensors(model) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers by name (what a checkpoint holds)."""
@@ -60,7 +49,10 @@ def _open_hf(hf_dir) -> tuple[HFCheckpoint, Family, ModelConfig]:
 
 def _checked_plan(ck: HFCheckpoint, family: Family, cfg: ModelConfig, shapes: dict) -> list[Entry]:
     entries = _plan(family, cfg, ck.config, ck.names)
-    check_plan(entries, shapes, ck.shapes, str(ck.path))
+    skipped, why = family.skipped(ck.config, ck.names) if family.skipped else (set(), "")
+    if skipped:
+        log.warning("%s: %d tensors not converted: %s", ck.path, len(skipped), why)
+    check_plan(entries, shapes, {n: s for n, s in ck.shapes.items() if n not in skipped}, str(ck.path))
     return entries
 
 

@@ -28,15 +28,17 @@ def run_training(recipe) -> dict:
 
     tokenizer = build_tokenizer(recipe.data)
     check_vocab(tokenizer, recipe.model.vocab_size)
-    dataset = build_dataset(recipe.data, tokenizer)
-    trainer = Trainer(recipe, dataset)
+    trainer = Trainer(recipe)
+    # image captions need the tower's count of placeholder tokens per image
+    image_tokens = trainer.image_tokens if trainer.vision is not None else None
+    dataset = build_dataset(recipe.data, tokenizer, image_tokens=image_tokens)
     log_dir = recipe.logging.dir or (str(Path(recipe.checkpoint.dir) / "tb") if recipe.checkpoint.dir else "runs")
     if trainer.rank == 0:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         (Path(log_dir) / "recipe.yaml").write_text(to_yaml(recipe))
         log.info("training %d steps on %d ranks (%s); logs in %s", recipe.train.steps, trainer.world,
                  trainer.groups.describe(), log_dir)
-    history = trainer.fit(log_dir)
+    history = trainer.fit(log_dir, dataset)
     last = history[-1] if history else {}
     return {"trainer": trainer, "log_dir": log_dir, "checkpoint_dir": recipe.checkpoint.dir,
             "first_loss": history[0]["loss"] if history else None, "last": last, "steps": trainer.step}

@@ -81,6 +81,8 @@ class Trainer:
         self._maybe_resume()
         self.after_step_hooks: list[Callable[[Trainer], None]] = []
         self.recorder = comm.LatencyRecorder()
+        self.vision = getattr(self.chunks[0], "vision", None) if self.first else None
+        self._preprocess = self.vision.preprocessor() if self.vision is not None else None
         self.has_moe = any(k.mlp == "e" for k in recipe.model.parsed_layout().layers)
         if self.has_moe:
             self._setup_moe()
@@ -149,6 +151,19 @@ class Trainer:
         use_bf16 = self.device.type == "cuda" and self.train.precision in ("auto", "bf16")
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
+    def image_tokens(self, image) -> int:
+        """Placeholders one raw image takes (the image-caption dataset's ``image_tokens``)."""
+        return self.vision.image_tokens(image)
+
+    def _stage_inputs(self, mb: dict) -> tuple[torch.Tensor, dict]:
+        """The first stage's input ids and, for a multimodal model, its preprocessed images."""
+        ids = mb["input_ids"].to(self.device)
+        if "images" not in mb:
+            return ids, {}
+        if self._preprocess is None:
+            raise ConfigError("data gives images but model.vision is not set")
+        return ids, {"images": [self._preprocess(img).to(self.device) for img in mb["images"]]}
+
     def _loss_sum(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         cfg = self.recipe.model
         return vocab_parallel_cross_entropy(local_logits, labels, self.groups.tp, cfg.vocab_size).sum()
@@ -159,8 +174,9 @@ class Trainer:
         if self.n_stages == 1:
             chunk = self.chunks[0]
             for mb in micro:
+                ids, extra = self._stage_inputs(mb)
                 with self._autocast():
-                    logits = chunk.forward_stage(mb["input_ids"].to(self.device))
+                    logits = chunk.forward_stage(ids, **extra)
                 s = self._loss_sum(logits, mb["labels"].to(self.device))
                 (s / total_tokens).backward()
                 loss_sum += s.detach().double().cpu()
@@ -176,6 +192,8 @@ class Trainer:
                                             loss_fn, self.device, self.train.micro_batch_size,
                                             self.recipe.data.seq_len, torch.bfloat16 if bf16 else torch.float32)
         self._schedule._loss_fn = loss_fn  # the token count differs per step
+        if self.first and "images" in micro[0]:
+            raise ConfigError("multimodal batches with parallel.pp>1 are not supported yet (use pp=1)")
         args = [(mb["input_ids"].to(self.device),) for mb in micro] if self.first else None
         targets = [mb["labels"].to(self.device) for mb in micro] if self.last else None
         with self._autocast():
@@ -242,8 +260,9 @@ class Trainer:
                 out.setdefault(k.split("/", 1)[1], []).extend(v)
         return out
 
-    def fit(self, log_dir: str | Path | None = None) -> list[dict]:
+    def fit(self, log_dir: str | Path | None = None, dataset=None) -> list[dict]:
         """Train until ``train.steps``; returns the per-step metrics of this run."""
+        self.dataset = dataset if dataset is not None else self.dataset
         if self.dataset is None:
             raise ConfigError("data: the trainer has no dataset")
         cfg = self.recipe
