@@ -20,6 +20,9 @@ class Family:
     config_to_hf: Callable[[ModelConfig, dict | None], dict]  # (cfg, original HF config or None)
     rules: Callable[[ModelConfig, dict], list[Rule]]
     notes: str = ""
+    # HF tensors deliberately left out, and why: (config, tensor names) -> (names, one-line reason),
+    # e.g. a vision tower megamoe cannot express; the import logs the reason instead of failing
+    skipped: Callable[[dict, set[str]], tuple[set[str], str]] | None = None
 
 
 FAMILIES: dict[str, Family] = {}
