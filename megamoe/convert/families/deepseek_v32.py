@@ -1,0 +1,69 @@
+"""DeepSeek-V3.2 (``deepseek_v32``): DeepSeek-V3 with DeepSeek sparse attention, letter ``D``.
+
+Every layer is MLA (interleaved RoPE, YaRN) whose keys a lightning indexer restricts to the
+``index_topk`` best per query; the indexer's RoPE is rotate-half on its first qk_rope_head_dim
+channels (layers/dsa.py). MLPs follow ``mlp_layer_types`` (dense/sparse) and the MoE is
+DeepSeek-V3's (deepseek_v3.py). HF -> megamoe indexer names:
+
+    indexer.wq_b -> indexer.linear_q     indexer.wk -> indexer.linear_k
+    indexer.k_norm (LayerNorm weight, bias) -> indexer.k_norm      indexer.weights_proj -> indexer.linear_weights
+"""
+from __future__ import annotations
+
+from megamoe.config import DSAConfig, ModelConfig
+from megamoe.convert.families.common import dense_mlp_rules, embedding_rules, norm_rules
+from megamoe.convert.families.deepseek_v3 import (base_model_config, base_to_hf, deepseek_moe_rules, expressible,
+                                                  mla_from_hf, mla_rules, mla_to_hf, mlp_letters, mlp_types_to_hf)
+from megamoe.convert.family import Family, hf_get, register
+from megamoe.convert.table import Rule, Same
+from megamoe.errors import CheckpointError
+
+INDEXER = {"linear_q.weight": "wq_b.weight", "linear_k.weight": "wk.weight", "k_norm.weight": "k_norm.weight",
+           "k_norm.bias": "k_norm.bias", "linear_weights.weight": "weights_proj.weight"}
+
+
+def indexer_from_hf(hf: dict) -> DSAConfig:
+    return DSAConfig(num_heads=hf_get(hf, "index_n_heads", 64), head_dim=hf_get(hf, "index_head_dim", 128),
+                     topk=hf_get(hf, "index_topk", 2048))
+
+
+def indexer_rules(prefix: str, letters: str = "D") -> list[Rule]:
+    return [Same(f"layers.{{L}}.mixer.indexer.{ours}", f"{prefix}.indexer.{theirs}", when=letters)
+            for ours, theirs in INDEXER.items()]
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    letters = mlp_letters(hf, dense_default=3)
+    types = hf.get("layer_types") or ["indexed_attention"] * len(letters)
+    if set(types) != {"indexed_attention"} or len(types) != len(letters):
+        raise CheckpointError(f"config.json: layer_types={types} is not supported for deepseek_v32 "
+                              f"(every layer is 'indexed_attention')")
+    if hf.get("q_lora_rank") is None:
+        raise CheckpointError("config.json: q_lora_rank must be set for deepseek_v32 (the indexer reads the "
+                              "query latent)")
+    mla = mla_from_hf(hf, rope="interleaved", indexer=indexer_from_hf(hf))
+    return base_model_config(hf, "".join("D" + m for m in letters), 2.5, mla=mla)
+
+
+def config_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
+    out = base_to_hf(cfg, original, "deepseek_v32", "DeepseekV32ForCausalLM")
+    kinds = cfg.parsed_layout().layers
+    expressible(all(k.mixer == "D" for k in kinds), "deepseek_v32", "layout", cfg.layout, "every mixer is D")
+    idx = cfg.mla.indexer
+    expressible(idx.kpool == 1, "deepseek_v32", "mla.indexer.kpool", idx.kpool, "no pooled keys")
+    mla_to_hf(cfg, out, "deepseek_v32", rope="interleaved")
+    out.update(index_n_heads=idx.num_heads, index_head_dim=idx.head_dim, index_topk=idx.topk,
+               layer_types=["indexed_attention"] * len(kinds))
+    mlp_types_to_hf(cfg, out)
+    return out
+
+
+def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
+    layer = "model.layers.{L}"
+    return [*embedding_rules(cfg), *norm_rules(layer, "D"), *mla_rules(f"{layer}.self_attn", "D", cfg),
+            *indexer_rules(f"{layer}.self_attn"), *dense_mlp_rules(f"{layer}.mlp"),
+            *deepseek_moe_rules(f"{layer}.mlp")]
+
+
+DEEPSEEK_V32 = register(Family("deepseek_v32", "DeepseekV32ForCausalLM", config_from_hf, config_to_hf, rules,
+                               notes="deepseek_v3 + DSA lightning indexer (letter D)"))
