@@ -77,6 +77,25 @@ def test_expert_bias_is_mapped_and_changes_results(tmp_path):
     assert (model(ids) - want).abs().max() > 1e-2
 
 
+def test_mtp_layers_are_skipped_as_transformers_does(tmp_path):
+    """Hub checkpoints append num_nextn_predict_layers MTP layers; they are not converted, and
+    a tensor of a layer beyond them is still an unmapped-tensor error."""
+    from safetensors.torch import save_file
+
+    from megamoe.convert import from_hf
+    from megamoe.errors import CheckpointError
+
+    hf = tiny_deepseek_v3()
+    hf.save_pretrained(tmp_path)
+    save_file({"model.layers.2.eh_proj.weight": torch.zeros(32, 64)}, tmp_path / "mtp.safetensors")
+    ids = torch.arange(8)[None]
+    with torch.no_grad():
+        assert (from_hf(tmp_path)(ids) - hf(input_ids=ids).logits).abs().max() <= 1e-4
+    save_file({"model.layers.3.eh_proj.weight": torch.zeros(32, 64)}, tmp_path / "beyond.safetensors")
+    with pytest.raises(CheckpointError, match="model.layers.3.eh_proj.weight is not mapped"):
+        from_hf(tmp_path)
+
+
 HUB_V3 = dict(model_type="deepseek_v3", vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=8,
               qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, n_routed_experts=8, n_shared_experts=1,

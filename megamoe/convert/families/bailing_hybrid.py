@@ -24,7 +24,7 @@ from __future__ import annotations
 from megamoe.config import KDAConfig, ModelConfig
 from megamoe.convert.families.common import dense_mlp_rules, embedding_rules, norm_rules
 from megamoe.convert.families.deepseek_v3 import (base_model_config, deepseek_moe_rules, expressible, mla_from_hf,
-                                                  mla_rules, mlp_letters)
+                                                  mla_rules, mlp_letters, mtp_skipped)
 from megamoe.convert.families.kimi_linear import hybrid_to_hf, kda_rules, layer_types_to_letters
 from megamoe.convert.family import Family, hf_get, register
 from megamoe.convert.table import Rule, Same, alternatives
@@ -97,4 +97,5 @@ def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
 
 
 BAILING_HYBRID = register(Family("bailing_hybrid", "BailingHybridForCausalLM", config_from_hf, config_to_hf, rules,
-                                 notes="safe-gate KDA + gated MLA + group-routed MoE; hub and in-memory names"))
+                                 notes="safe-gate KDA + gated MLA + group-routed MoE; hub and in-memory names",
+                                 skipped=mtp_skipped))

@@ -12,6 +12,8 @@ bailing_hybrid) build on: ``mla_from_hf``/``mla_to_hf``/``mla_rules``, ``moe_fro
 """
 from __future__ import annotations
 
+import re
+
 from megamoe.config import MLAConfig, MLPConfig, ModelConfig, MoEConfig, YarnConfig
 from megamoe.convert.families.common import (base_hf_config, dense_mlp_rules, dtype_name, embedding_rules, moe_rules,
                                              norm_rules, rope_theta)
@@ -222,6 +224,16 @@ def base_to_hf(cfg: ModelConfig, original: dict | None, model_type: str, archite
     return out
 
 
+def mtp_skipped(hf: dict, names: set[str], prefix: str = "model.layers.") -> tuple[set[str], str]:
+    """Hub checkpoints append ``num_nextn_predict_layers`` multi-token-prediction layers after the
+    last decoder layer; transformers ignores them and so does the import (later layers still fail)."""
+    n, extra = hf_get(hf, "num_hidden_layers"), hf.get("num_nextn_predict_layers") or 0
+    layer = re.compile(rf"^{re.escape(prefix)}(\d+)\.")
+    mtp = {x for x in names if (m := layer.match(x)) and n <= int(m.group(1)) < n + extra}
+    return mtp, (f"multi-token-prediction layers {n}..{n + extra - 1} are not converted (transformers ignores "
+                 f"them too)" if mtp else "")
+
+
 # ---- deepseek_v3 ------------------------------------------------------------------------------
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -251,4 +263,5 @@ def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
 
 
 DEEPSEEK_V3 = register(Family("deepseek_v3", "DeepseekV3ForCausalLM", config_from_hf, config_to_hf, rules,
-                              notes="MLA + sigmoid group-limited MoE with the aux-free expert bias"))
+                              notes="MLA + sigmoid group-limited MoE with the aux-free expert bias",
+                              skipped=mtp_skipped))

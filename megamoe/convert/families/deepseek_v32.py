@@ -13,7 +13,8 @@ from __future__ import annotations
 from megamoe.config import DSAConfig, ModelConfig
 from megamoe.convert.families.common import dense_mlp_rules, embedding_rules, norm_rules
 from megamoe.convert.families.deepseek_v3 import (base_model_config, base_to_hf, deepseek_moe_rules, expressible,
-                                                  mla_from_hf, mla_rules, mla_to_hf, mlp_letters, mlp_types_to_hf)
+                                                  mla_from_hf, mla_rules, mla_to_hf, mlp_letters, mlp_types_to_hf,
+                                                  mtp_skipped)
 from megamoe.convert.family import Family, hf_get, register
 from megamoe.convert.table import Rule, Same
 from megamoe.errors import CheckpointError
@@ -66,4 +67,5 @@ def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
 
 
 DEEPSEEK_V32 = register(Family("deepseek_v32", "DeepseekV32ForCausalLM", config_from_hf, config_to_hf, rules,
-                               notes="deepseek_v3 + DSA lightning indexer (letter D)"))
+                               notes="deepseek_v3 + DSA lightning indexer (letter D)",
+                               skipped=mtp_skipped))
