@@ -132,3 +132,14 @@ def test_fla_matches_chunked_on_cuda(per_channel):
     ref, ref_state = chunk_delta_rule(*inputs[:5], initial_state=inputs[5])
     got, state = delta_rule(*inputs[:5], initial_state=inputs[5], use_fla=True)
     assert rel_err(got, ref) <= 1e-3 and rel_err(state, ref_state) <= 1e-3
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_bf16_inputs_keep_an_fp32_state(per_channel):
+    inputs = make_inputs(70, per_channel, seed=13)
+    ref, ref_state = naive_delta_rule(*inputs[:5], initial_state=inputs[5])
+    low = [x.bfloat16() for x in inputs[:5]]
+    for fn in (chunk_delta_rule, recurrent_delta_rule):
+        o, state = fn(*low, initial_state=inputs[5])
+        assert o.dtype == torch.bfloat16 and state.dtype == torch.float32
+        assert rel_err(o, ref) <= 2e-2 and rel_err(state, ref_state) <= 2e-2  # bf16 rounding of the inputs

@@ -86,12 +86,13 @@ def intra_per_head(q, k, beta, G):
     C = q.size(-2)
     upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
     decay = (G - G.transpose(-1, -2)).masked_fill(upper, float("-inf")).exp()  # [.., C, C]
-    kT = k.transpose(-1, -2)
-    return (k @ kT) * (decay * beta.unsqueeze(-1)), (q @ kT) * decay
+    kk, qk = (torch.cat([k, q], -2) @ k.transpose(-1, -2)).split(C, -2)  # one matmul for both
+    return kk * (decay * beta.unsqueeze(-1)), qk * decay
 
 
 def intra_per_channel(q, k, beta, G, leaf: int = LEAF):
-    """A (strictly lower part used) and M for one decay per key channel, by halving. q, k, G [..., C, dk]; beta [..., C].
+    """A (strictly lower part used) and M for one decay per key channel, by halving.
+    q, k, G [..., C, dk]; beta [..., C] -> [..., C, C] each.
 
     Every block of B tokens is [[top, 0], [quad, bottom]]: ``quad`` (rows in the second half,
     columns in the first) factors through the first position r of the second half,
@@ -148,13 +149,12 @@ def chunk_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_
     G_last = G[..., -1:, :]
     k_tail = k * (G_last - G).exp()                                 # decayed to the chunk end
     T = UnitLowerInverse.apply(A)
-    W = T @ (k * (gamma * beta.unsqueeze(-1)))                      # [b, h, n, C, dk]
-    U0 = T @ (v * beta.unsqueeze(-1))                               # [b, h, n, C, dv]
-    kT = k_tail.transpose(-1, -2)
-    P = torch.diag_embed(G_last.squeeze(-2).exp().expand(b, hv, n, dk)) - kT @ W   # [b, h, n, dk, dk]
-    R = kT @ U0                                                                   # [b, h, n, dk, dv]
-    q_state = q * gamma - M @ W                                     # reads the chunk-start state
-    o_local = M @ U0
+    # W | U0 side by side: fewer, wider matmuls
+    WU = T @ torch.cat([k * (gamma * beta.unsqueeze(-1)), v * beta.unsqueeze(-1)], -1)  # [.., C, dk+dv]
+    KW, R = (k_tail.transpose(-1, -2) @ WU).split([dk, dv], -1)      # [b, h, n, dk, dk | dv]
+    P = torch.diag_embed(G_last.squeeze(-2).exp().expand(b, hv, n, dk)) - KW
+    MW, o_local = (M @ WU).split([dk, dv], -1)
+    q_state = q * gamma - MW                                        # reads the chunk-start state
 
     # scan over chunks with (b*h) as the batch: [n, b*h, ...]
     to_scan = lambda x: x.reshape(b * hv, n, *x.shape[-2:]).transpose(0, 1)  # noqa: E731

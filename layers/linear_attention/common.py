@@ -1,4 +1,5 @@
-"""Pieces the delta-rule mixers share: short causal conv with decode state, L2 norm, op dispatch.
+"""Pieces the delta-rule mixers share: per-head and conv parameters, short causal conv with
+decode state, L2 norm, op dispatch (fla on CUDA, else the torch ops).
 
 Shapes: x [b, t, channels]; conv weight [channels, kernel]; conv state [b, kernel - 1, channels]
 (the last inputs seen, oldest first).
@@ -10,9 +11,12 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from megamoe.parallel.sharding import Shard, mark_init, set_sharding
+from megamoe.spec import BuildContext, ForwardInfo
 from megamoe.layers.linear_attention.chunk_delta import chunk_delta_rule
-from megamoe.layers.linear_attention.delta_rule import recurrent_delta_rule
+from megamoe.layers.linear_attention.delta_rule import expand_key_heads, recurrent_delta_rule
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None):
@@ -33,6 +37,36 @@ def conv_init(shape, gen: torch.Generator) -> torch.Tensor:
     return (torch.rand(shape, generator=gen) * 2 - 1) * bound
 
 
+def head_param(ctx: BuildContext, full: int, init, parts=None) -> nn.Parameter:
+    """A per-head vector split over TP like the heads it belongs to."""
+    p = nn.Parameter(torch.empty(full // ctx.groups.tp_size, dtype=ctx.dtype, device=ctx.device))
+    set_sharding(p, Shard(0, "tp", parts))
+    return mark_init(p, init)
+
+
+def conv_param(ctx: BuildContext, parts: tuple[int, ...], kernel: int) -> nn.Parameter:
+    """Depthwise conv weight [channels/tp, K], channels split part by part (q | k | v)."""
+    p = nn.Parameter(torch.empty(sum(parts) // ctx.groups.tp_size, kernel, dtype=ctx.dtype, device=ctx.device))
+    set_sharding(p, Shard(0, "tp", parts))
+    return mark_init(p, conv_init)
+
+
+def log_uniform_init(low: float, high: float):
+    """log(U(low, high)): the A_log init of Mamba-2, Qwen3-Next and fla."""
+    return lambda shape, gen: (torch.rand(shape, generator=gen) * (high - low) + low).log()
+
+
+def conv_and_state(module: nn.Module, qkv: torch.Tensor, info: ForwardInfo):
+    """Short conv over q|k|v, continuing from the decode cache when there is one.
+
+    Returns (conv output [b, s, C], cache dict or None, initial recurrent state or None)."""
+    state = None if info.cache is None else info.cache.layer(module.layer_number)
+    qkv, conv_state = causal_conv(qkv, module.conv_weight, None if state is None else state.get("conv"))
+    if state is not None:
+        state["conv"] = conv_state
+    return qkv, state, None if state is None else state.get("recurrent")
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum x^2 + eps) over the last dim, in fp32 (as fla and the HF references)."""
     x = x.float()
@@ -46,9 +80,7 @@ def fla_usable(device: torch.device) -> bool:
 
 def fla_delta_rule(q, k, v, g, beta, initial_state, decode: bool):
     """The same op through fla (imported lazily, CUDA only). fla wants one key head per value head."""
-    from megamoe.layers.linear_attention.delta_rule import expand_key_heads
-
-    q, k = expand_key_heads(q, k, v.size(2))
+    q, k = (x.to(v.dtype) for x in expand_key_heads(q, k, v.size(2)))  # fla wants one dtype
     if g.dim() == 4:
         from fla.ops.kda import chunk_kda as chunk, fused_recurrent_kda as recurrent
     else:
@@ -56,7 +88,7 @@ def fla_delta_rule(q, k, v, g, beta, initial_state, decode: bool):
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as recurrent
     fn = recurrent if decode else chunk
     state = None if initial_state is None else initial_state.float()
-    return fn(q, k, v, g.float(), beta, initial_state=state, output_final_state=True)
+    return fn(q, k, v, g.float(), beta.to(v.dtype), initial_state=state, output_final_state=True)
 
 
 def delta_rule(q, k, v, g, beta, *, initial_state=None, decode: bool = False, chunk_size: int = 64,

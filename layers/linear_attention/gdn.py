@@ -24,40 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamoe.config import GDNConfig
-from megamoe.parallel.sharding import Shard, const_init, mark_init, set_sharding
+from megamoe.parallel.sharding import const_init
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
-from megamoe.layers.linear_attention.common import causal_conv, conv_init, delta_rule, l2norm
+from megamoe.layers.linear_attention.common import (conv_and_state, conv_param, delta_rule, head_param, l2norm,
+                                                    log_uniform_init)
 from megamoe.layers.linear_attention.hf_layout import GDNShapes
-
-
-def head_param(ctx: BuildContext, full: int, init, parts=None) -> nn.Parameter:
-    """A per-head vector split over TP like the heads it belongs to."""
-    p = nn.Parameter(torch.empty(full // ctx.groups.tp_size, dtype=ctx.dtype, device=ctx.device))
-    set_sharding(p, Shard(0, "tp", parts))
-    return mark_init(p, init)
-
-
-def conv_param(ctx: BuildContext, parts: tuple[int, ...], kernel: int) -> nn.Parameter:
-    """Depthwise conv weight [channels/tp, K], channels split part by part (q | k | v)."""
-    p = nn.Parameter(torch.empty(sum(parts) // ctx.groups.tp_size, kernel, dtype=ctx.dtype, device=ctx.device))
-    set_sharding(p, Shard(0, "tp", parts))
-    return mark_init(p, conv_init)
-
-
-def log_uniform_init(low: float, high: float):
-    """log(U(low, high)): the A_log init of Mamba-2, Qwen3-Next and fla."""
-    return lambda shape, gen: (torch.rand(shape, generator=gen) * (high - low) + low).log()
-
-
-def conv_and_state(module: nn.Module, qkv: torch.Tensor, info: ForwardInfo):
-    """Short conv over q|k|v, continuing from the decode cache when there is one.
-
-    Returns (conv output [b, s, C], cache dict or None, initial recurrent state or None)."""
-    state = None if info.cache is None else info.cache.layer(module.layer_number)
-    qkv, conv_state = causal_conv(qkv, module.conv_weight, None if state is None else state.get("conv"))
-    if state is not None:
-        state["conv"] = conv_state
-    return qkv, state, None if state is None else state.get("recurrent")
 
 
 class GatedDeltaNet(nn.Module):

@@ -30,8 +30,8 @@ from torch import nn
 
 from megamoe.config import KDAConfig
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
-from megamoe.layers.linear_attention.common import delta_rule, l2norm
-from megamoe.layers.linear_attention.gdn import conv_and_state, conv_param, head_param, log_uniform_init
+from megamoe.layers.linear_attention.common import (conv_and_state, conv_param, delta_rule, head_param, l2norm,
+                                                    log_uniform_init)
 
 
 def dt_bias_init(shape, gen: torch.Generator) -> torch.Tensor:
