@@ -7,13 +7,18 @@ from __future__ import annotations
 from tests.mixer_utils import randomize
 
 
-def tiny_mixtral():
-    from transformers import MixtralConfig, MixtralForCausalLM
+def mixtral_config():
+    from transformers import MixtralConfig
 
-    cfg = MixtralConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
-                        sliding_window=6)
-    model = MixtralForCausalLM(cfg)
+    return MixtralConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                         sliding_window=6)
+
+
+def tiny_mixtral():
+    from transformers import MixtralForCausalLM
+
+    model = MixtralForCausalLM(mixtral_config())
     randomize(model, 0, std=0.1)
     return model.eval()
 

@@ -54,4 +54,5 @@ def rules(cfg: ModelConfig, hf: dict):
             *moe_rules(f"{layer}.block_sparse_moe", stacked_prefix=f"{layer}.mlp", expert_names=("w1", "w3", "w2"))]
 
 
-MIXTRAL = register(Family("mixtral", "MixtralForCausalLM", config_from_hf, config_to_hf, rules))
+MIXTRAL = register(Family("mixtral", "MixtralForCausalLM", config_from_hf, config_to_hf, rules,
+                          notes="GQA (sliding window -> S) + softmax top-2 MoE; block_sparse_moe or mlp names"))

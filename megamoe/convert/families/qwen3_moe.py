@@ -94,4 +94,5 @@ def rules(cfg: ModelConfig, hf: dict):
             *dense_mlp_rules(f"{layer}.mlp"), *moe_rules(f"{layer}.mlp")]
 
 
-QWEN3_MOE = register(Family("qwen3_moe", "Qwen3MoeForCausalLM", config_from_hf, config_to_hf, rules))
+QWEN3_MOE = register(Family("qwen3_moe", "Qwen3MoeForCausalLM", config_from_hf, config_to_hf, rules,
+                            notes="GQA + QK-norm, softmax top-k MoE, dense layers by decoder_sparse_step"))
