@@ -1,0 +1,187 @@
+"""GLM-5 next (``glm5_next``, ``Glm5NextForConditionalGeneration``): the text model.
+
+KDA linear layers (``K``, safe gate) and indexed sparse MLA (``I``: no RoPE, pooled indexer)
+by ``layer_types``; dense (``d``) or DeepSeek-style MoE (``e``: sigmoid, expert bias, shared
+experts) by ``mlp_layer_types``; SwiGLU inputs clamped at ``swiglu_limit``; hyper-connections
+(``model.hyper_connections``: ``hc_mult`` residual streams).
+
+Only the text model converts. The vision tower (``model.visual.*``) is not expressible as a timm
+encoder: its blocks are EVA-like (RoPE, q/k norm, RMSNorm, SwiGLU) but the gated MLP clamps its
+inputs, and the Conv3d patch embedding, conv downsample and gated merger are its own. Importing
+a checkpoint with one logs a one-line notice and converts the text model; exports hold the text
+model (transformers initialises the vision tower it always builds). The hub's
+multi-token-prediction layers (``num_nextn_predict_layers`` after the last layer), which
+transformers ignores too, are skipped.
+
+HF names (under ``model.language_model.``; the stacked layout's in brackets)::
+
+    layers.{L}.hc_attn_fn|base|scale [attn_hc.*]   -> layers.{L}.mixer_hc.fn|base|scale
+    layers.{L}.hc_ffn_fn|base|scale [ffn_hc.*]     -> layers.{L}.mlp_hc.fn|base|scale
+    self_attn.* ('K')                              -> KDA as kimi_linear (kimi_linear.kda_rules; A_log [H]):
+        q|k|v|b_proj -> in_proj, q|k|v_conv1d [conv1d] -> conv_weight, A_log, dt_bias, f_a|f_b_proj
+        [forget_gate.*] -> forget_gate.down|up, g_a|g_b_proj -> output_gate.down|up, o_norm, o_proj
+    self_attn.q_a_proj ... o_proj ('I')            -> MLA names (deepseek_v3.mla_rules)
+    self_attn.indexer.* ('I')                      -> deepseek_v32.indexer_rules + index_kpool_compress_ape|gate
+    mlp.gate_proj|up_proj|down_proj ('d'); mlp.gate, experts, shared_experts ('e', deepseek_moe_rules)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from megamoe.config import DSAConfig, HyperConnectionConfig, KDAConfig, ModelConfig
+from megamoe.convert.families.common import base_hf_config, dense_mlp_rules, embedding_rules, norm_rules, text_config
+from megamoe.convert.families.deepseek_v3 import (HF_LATENT_NORM_EPS, base_model_config, base_to_hf,
+                                                  deepseek_moe_rules, expressible, mla_from_hf, mla_rules, mla_to_hf,
+                                                  mlp_letters, mlp_types_to_hf, mtp_skipped)
+from megamoe.convert.families.deepseek_v32 import indexer_rules as dsa_indexer_rules
+from megamoe.convert.families.kimi_linear import kda_rules
+from megamoe.convert.family import Family, hf_get, register
+from megamoe.convert.table import Rule, Same, alternatives
+from megamoe.errors import CheckpointError
+
+LETTERS = {"linear_attention": "K", "indexed_attention": "I", "full_attention": "I"}
+VISION_NOTICE = ("glm5_next: only the text model converts; the vision tower (model.visual.*) is not expressible as "
+                 "a timm encoder (clamped gated MLP, own patch embedding/downsample/merger), see docs/conversion.md")
+TINY_VISION = {"depth": 1, "hidden_size": 16, "num_heads": 1, "intermediate_size": 16,
+               "projection_intermediate_size": 16}  # what transformers builds when there is no original
+
+
+# ---- config --------------------------------------------------------------------------------
+
+def layer_letters(text: dict) -> list[str]:
+    n = hf_get(text, "num_hidden_layers")
+    types = hf_get(text, "layer_types")
+    if len(types) != n or any(t not in LETTERS for t in types):
+        raise CheckpointError(f"config.json: text_config.layer_types={types} must give one of {list(LETTERS)} for "
+                              f"each of num_hidden_layers={n} layers")
+    shared = [i for i, t in enumerate(text.get("indexer_types") or []) if t != "full"]
+    if shared:
+        raise CheckpointError(f"config.json: text_config.indexer_types[{shared[0]}]="
+                              f"{text['indexer_types'][shared[0]]!r} is not supported (megamoe's 'I' layers run "
+                              f"their own indexer: allowed 'full')")
+    return [LETTERS[t] for t in types]
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    text = {**text_config(hf), "dtype": hf.get("dtype") or text_config(hf).get("dtype")}
+    if text.get("qk_rope_head_dim"):
+        raise CheckpointError(f"config.json: text_config.qk_rope_head_dim={text['qk_rope_head_dim']} is not "
+                              f"supported (glm5_next's indexed attention has no RoPE)")
+    layout = "".join(a + m for a, m in zip(layer_letters(text), mlp_letters(text, dense_default=3)))
+    indexer = DSAConfig(num_heads=hf_get(text, "index_n_heads"), head_dim=hf_get(text, "index_head_dim"),
+                        topk=hf_get(text, "index_topk"), kpool=hf_get(text, "index_kpool"),
+                        select_tail=bool(text.get("index_kpool_always_select_tail", True)))
+    # GLM-5 builds q_a_layernorm / kv_a_layernorm with rms_norm_eps (None: model.norm_eps)
+    mla = dataclasses.replace(mla_from_hf(text, rope="none", indexer=indexer), latent_norm_eps=None)
+    kda = KDAConfig(num_heads=hf_get(text, "linear_num_heads"), head_dim=hf_get(text, "linear_head_dim"),
+                    conv_kernel=hf_get(text, "linear_conv_kernel_dim"), gate_lower_bound=text.get("linear_lower_bound"))
+    cfg = base_model_config(text, layout, 2.5, mla=mla if "I" in layout else None, kda=kda if "K" in layout else None)
+    limit = float(hf_get(text, "swiglu_limit"))
+    cfg.mlp.swiglu_limit = limit
+    if cfg.moe is not None:
+        cfg.moe.swiglu_limit = limit
+    cfg.hyper_connections = HyperConnectionConfig(streams=hf_get(text, "hc_mult"),
+                                                  sinkhorn_iters=hf_get(text, "hc_sinkhorn_iters"),
+                                                  eps=float(text.get("hc_eps", 1e-6)))
+    return cfg
+
+
+def _check_expressible(cfg: ModelConfig) -> None:
+    layout = cfg.parsed_layout()
+    expressible(all(k.mixer in "KI" and k.mlp in "de" for k in layout.layers), "glm5_next", "layout", cfg.layout,
+                "mixers K or I, MLPs d or e")
+    hc = cfg.hyper_connections
+    expressible(hc is not None and hc.norm_eps in (None, cfg.norm_eps), "glm5_next", "hyper_connections", hc,
+                "glm5_next layers use hyper-connections normalised with rms_norm_eps")
+    limits = {cfg.mlp.swiglu_limit} | ({cfg.moe.swiglu_limit} if cfg.moe is not None else set())
+    expressible(len(limits) == 1 and None not in limits, "glm5_next", "mlp.swiglu_limit", sorted(limits, key=str),
+                "glm5_next clamps every SwiGLU at one swiglu_limit")
+    if cfg.kda is not None:
+        k = cfg.kda
+        expressible(k.gate_rank is None, "glm5_next", "kda.gate_rank", k.gate_rank, "low-rank gates of rank head_dim")
+        expressible(k.norm_eps in (None, cfg.norm_eps), "glm5_next", "kda.norm_eps", k.norm_eps, "rms_norm_eps")
+    if cfg.mla is not None:
+        m = cfg.mla
+        expressible(m.latent_norm_eps in (None, cfg.norm_eps), "glm5_next", "mla.latent_norm_eps", m.latent_norm_eps,
+                    "GLM-5's latent norms use rms_norm_eps")
+        expressible(m.indexer is not None, "glm5_next", "mla.indexer", m.indexer, "'I' layers need the indexer")
+
+
+def config_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
+    _check_expressible(cfg)
+    out = base_hf_config(cfg, original, "glm5_next", "Glm5NextForConditionalGeneration")
+    text = base_to_hf(cfg, text_config(original) if original else None, "glm5_next_text", "Glm5NextTextModel")
+    text.pop("architectures", None)
+    layout = cfg.parsed_layout()
+    text.update(layer_types=["linear_attention" if k.mixer == "K" else "indexed_attention" for k in layout.layers],
+                indexer_types=["full"] * layout.num_layers, swiglu_limit=cfg.mlp.swiglu_limit,
+                hc_mult=cfg.hyper_connections.streams, hc_sinkhorn_iters=cfg.hyper_connections.sinkhorn_iters,
+                hc_eps=cfg.hyper_connections.eps, max_position_embeddings=text.get("max_position_embeddings",
+                                                                                   cfg.max_seq_len))
+    mlp_types_to_hf(cfg, text)
+    if cfg.kda is not None:
+        text.update(linear_num_heads=cfg.kda.num_heads, linear_head_dim=cfg.kda.head_dim,
+                    linear_conv_kernel_dim=cfg.kda.conv_kernel, linear_lower_bound=cfg.kda.gate_lower_bound)
+    if cfg.mla is not None:
+        # mla_to_hf checks DeepSeek's fixed latent eps; GLM-5's is rms_norm_eps (checked above)
+        mla_to_hf(dataclasses.replace(cfg, mla=dataclasses.replace(cfg.mla, latent_norm_eps=HF_LATENT_NORM_EPS)),
+                  text, "glm5_next", rope="none")
+        ix = cfg.mla.indexer
+        text.update(index_n_heads=ix.num_heads, index_head_dim=ix.head_dim, index_topk=ix.topk, index_kpool=ix.kpool,
+                    index_kpool_always_select_tail=ix.select_tail, head_dim=0)
+    pad = text.get("pad_token_id")
+    if pad is None or not 0 <= pad < cfg.vocab_size:
+        text["pad_token_id"] = None  # explicitly: transformers' default (154820) may lie outside the vocabulary
+    out["text_config"] = text
+    out.setdefault("vision_config", dict(TINY_VISION, out_hidden_size=cfg.hidden_size))
+    out["tie_word_embeddings"] = cfg.tie_embeddings
+    return out
+
+
+def skipped(hf: dict, names: set[str]) -> tuple[set[str], str]:
+    """The vision tower and the multi-token-prediction layers (see the module docstring)."""
+    mtp, why = mtp_skipped(text_config(hf), names, prefix="model.language_model.layers.")
+    vision = {x for x in names if x.startswith("model.visual.")}
+    return vision | mtp, "; ".join(([VISION_NOTICE] if vision else []) + ([why] if mtp else []))
+
+
+# ---- table ---------------------------------------------------------------------------------
+
+def hc_rules(layer: str, letters: str) -> list[Rule]:
+    """Hyper-connection weights of both blocks; HF's saved names (hc_attn_fn) or its in-memory ones (attn_hc.fn)."""
+    out = []
+    for ours, hf_block in (("mixer_hc", "attn"), ("mlp_hc", "ffn")):
+        for part in ("fn", "base", "scale"):
+            mm = f"layers.{{L}}.{ours}.{part}"
+            out += alternatives([Same(mm, f"{layer}.hc_{hf_block}_{part}", when=letters)],
+                                [Same(mm, f"{layer}.{hf_block}_hc.{part}", when=letters)])
+    return out
+
+
+def indexer_rules(attn: str, letters: str = "I") -> list[Rule]:
+    """GLM-5's pooled lightning indexer: DeepSeek-V3.2's tensors plus the pool's position
+    embedding and gate (layers/dsa.py ``Indexer``)."""
+    pool = {"pool_ape": "index_kpool_compress_ape", "linear_pool_gate.weight": "index_kpool_compress_gate"}
+    return dsa_indexer_rules(attn, letters) + [Same(f"layers.{{L}}.mixer.indexer.{ours}", f"{attn}.indexer.{theirs}",
+                                                    when=letters) for ours, theirs in pool.items()]
+
+
+def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
+    lm = "model.language_model"
+    layer = f"{lm}.layers.{{L}}"
+    out = [*embedding_rules(cfg, prefix=f"{lm}."), *norm_rules(layer, "KI"), *hc_rules(layer, "KI"),
+           *dense_mlp_rules(f"{layer}.mlp")]
+    if cfg.kda is not None:  # saved names, or transformers' in-memory ones (fused conv1d, forget_gate.*)
+        kda = dict(a_log_shape=(-1,), low_rank=True)
+        out += alternatives(kda_rules(f"{layer}.self_attn", forget="", split_conv=True, **kda),
+                            kda_rules(f"{layer}.self_attn", forget="forget_gate.", split_conv=False, **kda))
+    if cfg.mla is not None:
+        out += [*mla_rules(f"{layer}.self_attn", "I", cfg), *indexer_rules(f"{layer}.self_attn")]
+    if cfg.moe is not None:
+        out += deepseek_moe_rules(f"{layer}.mlp")
+    return out
+
+
+GLM5_NEXT = register(Family("glm5_next", "Glm5NextForConditionalGeneration", config_from_hf, config_to_hf, rules,
+                            notes="text model only: KDA + pooled DSA, hyper-connections, clamped SwiGLU",
+                            skipped=skipped))
