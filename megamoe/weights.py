@@ -11,7 +11,7 @@ from torch import nn
 from megamoe.errors import CheckpointError
 from megamoe.parallel import comm
 from megamoe.parallel.groups import ParallelGroups
-from megamoe.parallel.sharding import (full_shape, gather_full, has_tp_partial_grad, seeded_generator,
+from megamoe.parallel.sharding import (full_shape, gather_full, partial_grad_groups, seeded_generator,
                                        shard_full)
 
 
@@ -21,11 +21,12 @@ def unique_named_parameters(model: nn.Module):
 
 
 @torch.no_grad()
-def initialize(model: nn.Module, groups: ParallelGroups, seed: int = 0) -> None:
+def initialize(model: nn.Module, groups: ParallelGroups, seed: int = 0, select=None) -> None:
     """Draw every parameter's full tensor from (seed, name) and keep the local piece, so every
-    parallel layout starts from the same weights. Parameters on the meta device are skipped."""
+    parallel layout starts from the same weights. Parameters on the meta device are skipped;
+    ``select(name)`` limits it to some parameters (e.g. adapters added to loaded weights)."""
     for name, p in unique_named_parameters(model):
-        if p.is_meta:
+        if p.is_meta or (select is not None and not select(name)):
             continue
         fn = getattr(p, "_megamoe_init", None)
         if fn is None:
@@ -60,10 +61,11 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], group
 
 
 def finalize_grads(model: nn.Module, groups: ParallelGroups) -> None:
-    """Sum over TP the gradients of replicated params that saw only part of the work
-    (a sequence shard under SP, or their rank's heads)."""
-    if groups.tp_size == 1:
-        return
+    """Sum the gradients of replicated params that saw only part of the work over the groups
+    they are marked with (``mark_partial_grad``): over TP for a sequence shard under SP or a
+    rank's heads, over ETP for LoRA factors shared by an expert's slices."""
     for p in model.parameters():
-        if p.grad is not None and has_tp_partial_grad(p):
-            comm.all_reduce_tensor(p.grad, groups.tp)
+        if p.grad is None:
+            continue
+        for name in partial_grad_groups(p):
+            comm.all_reduce_tensor(p.grad, getattr(groups, name))

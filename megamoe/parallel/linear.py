@@ -64,8 +64,16 @@ class ColumnParallelLinear(nn.Module):
             x = comm.gather_reduce_scatter(x, SEQ_DIM, self.group)
         else:
             x = comm.copy_to(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = self.local_linear(x)
         return comm.gather_from(y, -1, self.group) if self.gather_output else y
+
+    def local_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's product [b, s, in] -> [b, s, out/tp] (what adapters extend, megamoe.lora)."""
+        return F.linear(x, self.weight, self.bias)
+
+    def effective_weight(self) -> torch.Tensor:
+        """The local weight this linear applies (with any adapter folded in)."""
+        return self.weight
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, parts={self.parts}, sp={self.sequence_parallel}"
@@ -101,12 +109,19 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.local_linear(x)
         if self.sequence_parallel:
             y = comm.reduce_scatter_to(y, SEQ_DIM, self.group)
         else:
             y = comm.reduce_from(y, self.group)
         return y if self.bias is None else y + self.bias
+
+    def local_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum [b, s, in/tp] -> [b, s, out], before the reduction over TP."""
+        return F.linear(x, self.weight)
+
+    def effective_weight(self) -> torch.Tensor:
+        return self.weight
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, sp={self.sequence_parallel}"
@@ -171,7 +186,13 @@ class ReplicatedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = comm.gather_from(x, SEQ_DIM, self.group)
+        return self.local_linear(x)
+
+    def local_linear(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+    def effective_weight(self) -> torch.Tensor:
+        return self.weight
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, sp={self.sequence_parallel}"

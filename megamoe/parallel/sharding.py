@@ -36,15 +36,27 @@ def sharding(param: torch.Tensor) -> tuple[Shard, ...]:
     return getattr(param, "_megamoe_shard", ())
 
 
-def mark_tp_partial_grad(param: torch.Tensor) -> torch.Tensor:
-    """Replicated over TP, but each rank's gradient is a partial sum (the rank saw only a
-    sequence shard under SP, or only its own heads): ``finalize_grads`` sums it over TP."""
-    param._megamoe_tp_partial_grad = True
+def mark_partial_grad(param: torch.Tensor, group: str) -> torch.Tensor:
+    """Replicated over ``group`` (a ParallelGroups field), but each rank's gradient is a partial
+    sum: ``finalize_grads`` sums it over that group. E.g. a LoRA ``A`` shared by the expert-tensor
+    slices of one expert, each slice contributing its own part of the gradient."""
+    param._megamoe_partial_grad = tuple(dict.fromkeys((*partial_grad_groups(param), group)))
     return param
 
 
+def partial_grad_groups(param: torch.Tensor) -> tuple[str, ...]:
+    """The groups ``finalize_grads`` sums this parameter's gradient over (in order)."""
+    return getattr(param, "_megamoe_partial_grad", ())
+
+
+def mark_tp_partial_grad(param: torch.Tensor) -> torch.Tensor:
+    """Replicated over TP, but each rank's gradient is a partial sum (the rank saw only a
+    sequence shard under SP, or only its own heads): ``finalize_grads`` sums it over TP."""
+    return mark_partial_grad(param, "tp")
+
+
 def has_tp_partial_grad(param: torch.Tensor) -> bool:
-    return getattr(param, "_megamoe_tp_partial_grad", False)
+    return "tp" in partial_grad_groups(param)
 
 
 # ---- init rules --------------------------------------------------------------------------

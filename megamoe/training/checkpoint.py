@@ -88,9 +88,11 @@ def model_tensors(parts) -> dict[str, torch.Tensor]:
     return out
 
 
-def _targets(model_parts, optimizer, create: bool = False) -> list[tuple]:
-    """(tensor, kind, name, shard rules) for everything a checkpoint holds of this rank."""
-    out = [(t.detach(), "model", name, sharding(t)) for name, t in model_tensors(model_parts).items()]
+def _targets(model_parts, optimizer, create: bool = False, select=None) -> list[tuple]:
+    """(tensor, kind, name, shard rules) for everything a checkpoint holds of this rank;
+    ``select(name)`` limits the model tensors (adapter-only checkpoints of a LoRA fine-tune)."""
+    out = [(t.detach(), "model", name, sharding(t)) for name, t in model_tensors(model_parts).items()
+           if select is None or select(name)]
     if optimizer is not None:
         for name, (param, state) in optimizer.owned_states(create=create).items():
             for field, value in state.items():
@@ -124,8 +126,10 @@ def _finalize(tmp: Path, final: Path, root: Path) -> None:
 
 
 def save_checkpoint(root: str | Path, step: int, groups: ParallelGroups, model_parts, optimizer=None,
-                    trainer_state: dict | None = None, keep_last: int = 2, extra_meta: dict | None = None) -> Path:
-    """Write ``root/step_XXXXXXXX`` atomically (a collective: every rank calls it)."""
+                    trainer_state: dict | None = None, keep_last: int = 2, extra_meta: dict | None = None,
+                    select=None) -> Path:
+    """Write ``root/step_XXXXXXXX`` atomically (a collective: every rank calls it). ``select(name)``:
+    which model tensors to write (default all)."""
     root = Path(root)
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
@@ -136,7 +140,7 @@ def save_checkpoint(root: str | Path, step: int, groups: ParallelGroups, model_p
         tmp.mkdir()
     _barrier()
     ranks, sizes = my_ranks(groups), layout_sizes(groups)
-    items = {piece_key(kind, name, rules, ranks, sizes): t for t, kind, name, rules in _targets(model_parts, optimizer)}
+    items = {piece_key(kind, name, rules, ranks, sizes): t for t, kind, name, rules in _targets(model_parts, optimizer, select=select)}
     items[f"rng/rank{dist.get_rank() if dist.is_initialized() else 0}"] = torch.get_rng_state().clone()
     dcp.save(items, checkpoint_id=str(tmp))
     if _is_root():
@@ -258,21 +262,22 @@ def read_full_tensor(path: str | Path, meta: dict, name: str, rules) -> torch.Te
 
 
 def load_checkpoint(path: str | Path, groups: ParallelGroups, model_parts, optimizer=None,
-                    load_rng: bool = True) -> dict:
+                    load_rng: bool = True, select=None) -> dict:
     """Load model (and optimizer, RNG) state saved at any layout; returns the checkpoint's
     meta.json (its ``trainer_state`` holds step and data position). Converted checkpoints
-    (``tools/convert.py import-hf``) hold weights only."""
+    (``tools/convert.py import-hf``) hold weights only. ``select(name)``: which model tensors to
+    load (an adapter-only checkpoint into a model whose base weights came from elsewhere)."""
     path = Path(path)
     meta = read_meta(path)
     if meta.get("format") == "megamoe-safetensors":
         from megamoe.convert.mm_format import ConvertedCheckpoint
 
-        targets = [(t, name, rules) for t, kind, name, rules in _targets(model_parts, None)]
+        targets = [(t, name, rules) for t, kind, name, rules in _targets(model_parts, None, select=select)]
         ConvertedCheckpoint(path, meta).load_into(targets, groups)
         log.info("loaded converted checkpoint %s (layout %s)", path, meta["layout"])
         return meta
     old = meta["layout"]
-    _load_into(path, _targets(model_parts, optimizer, create=True), groups, old)
+    _load_into(path, _targets(model_parts, optimizer, create=True, select=select), groups, old)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     if load_rng and meta.get("world_size") == world:
