@@ -1,0 +1,108 @@
+"""LoRA on one process: merge/unmerge, decoding with adapters, the expert maths against a merged
+reference (forward and backward), target selection, freezing and config errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megamoe.errors import ConfigError
+from tests.lora_utils import build_lora_model, lora_model_config, token_batches
+from tests.numerics import rel_err
+
+REL = 1e-5
+
+
+def test_merged_model_equals_adapter_model_and_unmerge_restores():
+    from megamoe.cache import InferenceCache
+    from megamoe.lora import merge, unmerge
+    from megamoe.model import LanguageModel
+    from megamoe.weights import initialize
+
+    cfg = lora_model_config()
+    ids = token_batches(1, 2, 10, cfg.vocab_size)[0]
+    base = LanguageModel(cfg)
+    initialize(base, base.groups, 0)
+    model = build_lora_model(cfg).eval()
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    with torch.no_grad():
+        base_logits, logits = base.eval()(ids), model(ids)
+        assert rel_err(logits, base_logits) > 1e-2  # the adapters do change the model
+        cache = InferenceCache(2)  # MLA decodes in the absorbed form: W_uk/W_uv with the adapter folded in
+        steps = [model(ids[:, :4], cache=cache)] + [model(ids[:, t:t + 1], cache=cache) for t in range(4, 10)]
+        assert rel_err(torch.cat(steps, dim=1), logits) <= REL
+        merge(model)
+        assert rel_err(model(ids), logits) <= REL
+        unmerge(model)
+        assert rel_err(model(ids), logits) <= REL
+    for n, p in model.named_parameters():
+        if n in before:
+            assert rel_err(p, before[n]) <= 1e-6, n
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per_expert", "shared"])
+def test_expert_adapters_match_merged_weights_reference(shared):
+    """The grouped low-rank maths == the reference kernel on W + s B A, outputs and gradients."""
+    from megamoe.layers.grouped_gemm import swiglu_experts_reference
+    from megamoe.lora.experts import ExpertLoRA, lora_swiglu_experts, merged_weights
+
+    gen = torch.Generator().manual_seed(0)
+    e, h, f, r, n = 3, 12, 10, 4, 9
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.3).requires_grad_(True)
+
+    lead = () if shared else (e,)
+    x, w1, w2 = rnd(n, h), rnd(e, 2 * f, h), rnd(e, h, f)
+    factors = [rnd(*lead, r, h), rnd(*lead, 2 * f, r), rnd(*lead, r, f), rnd(*lead, h, r)]
+    counts = [5, 0, 8]  # an expert without rows
+    idx = torch.randint(0, n, (13,), generator=gen)
+    probs = torch.rand(13, generator=gen)
+    grad_out = torch.randn(n, h, generator=gen)
+    lora = ExpertLoRA(*factors, scale=1.5)
+
+    out = lora_swiglu_experts(x, idx, counts, probs, w1.detach(), w2.detach(), lora, n, limit=0.8)
+    got = torch.autograd.grad((out * grad_out).sum(), [x, *factors])
+    m1, m2 = merged_weights(w1.detach(), w2.detach(), lora)
+    ref = swiglu_experts_reference(x, idx, counts, probs, m1, m2, n, limit=0.8)
+    want = torch.autograd.grad((ref * grad_out).sum(), [x, *factors])
+    assert rel_err(out, ref) <= REL
+    for name, a, b in zip(["x", "A1", "B1", "A2", "B2"], got, want):
+        assert b.abs().sum() > 0 and rel_err(a, b) <= REL, name
+
+
+def test_targets_freezing_and_names():
+    from megamoe.lora import LoRAConfig, apply_lora, lora_parameters
+    from megamoe.lora.adapters import has_lora
+    from megamoe.lora.api import adaptable_modules
+    from megamoe.model import LanguageModel
+
+    cfg = lora_model_config("GeAd")
+    model = apply_lora(LanguageModel(cfg), LoRAConfig(rank=2))
+    mods = adaptable_modules(model)
+    assert all(has_lora(m) for m in mods.values()) and "layers.0.mlp.experts" in mods
+    assert "layers.0.mlp.shared_experts.linear_fc1" in mods and "layers.0.mixer.in_proj" in mods
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, _ in lora_parameters(model)}
+    assert "layers.0.mixer.in_proj.lora_A" in trainable and "layers.0.mlp.experts.down_lora_B" in trainable
+    router = model.layers["0"].mlp.router
+    assert not router.weight.requires_grad and not router.expert_bias.requires_grad
+
+    only = apply_lora(LanguageModel(cfg), LoRAConfig(targets=["experts", "layers.1"], exclude=["linear_fc2"]))
+    chosen = sorted(n for n, m in adaptable_modules(only).items() if has_lora(m))
+    assert chosen == ["layers.0.mlp.experts", "layers.1.mixer.linear_proj", "layers.1.mixer.linear_qkv",
+                      "layers.1.mlp.linear_fc1"]
+    for pattern in ("nothing_here", "router"):
+        with pytest.raises(ConfigError) as err:
+            apply_lora(LanguageModel(cfg), LoRAConfig(targets=["*", pattern]))
+        assert "\n" not in str(err.value) and "lora.targets" in str(err.value) and pattern in str(err.value)
+    with pytest.raises(ConfigError, match="already applied"):
+        apply_lora(only)
+
+
+@pytest.mark.parametrize("field,value", [("rank", 0), ("alpha", -1.0), ("dropout", 1.0),
+                                         ("expert_adapters", "per_rank")])
+def test_config_errors_name_the_field(field, value):
+    from megamoe.lora import LoRAConfig
+
+    with pytest.raises(ConfigError, match=f"lora.{field}"):
+        LoRAConfig(**{field: value}).validate()
