@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -16,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 from megamoe.config import ModelConfig, ParallelConfig, validate_model_parallel
 from megamoe.data.config import DataConfig
 from megamoe.errors import ConfigError
+from megamoe.lora.config import LoRAConfig
 from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
 
 RECIPE_DIR = Path(__file__).parent / "recipes"
@@ -33,12 +34,15 @@ class Recipe:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    lora: Optional[LoRAConfig] = None  # set: fine-tune adapters on the frozen loaded model (docs/lora.md)
 
     def validate(self) -> None:
         """Every section, and the checks that need several (for a training run)."""
         validate_model_parallel(self.model, self.parallel)
         for section in (self.data, self.train, self.optim, self.checkpoint, self.logging):
             section.validate()
+        if self.lora is not None:
+            self.lora.validate()
         if self.parallel.cp > 1:
             raise ConfigError("parallel.cp>1: context parallelism is not implemented by the trainer yet")
 

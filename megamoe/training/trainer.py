@@ -71,13 +71,16 @@ class Trainer:
         self.n_stages = recipe.parallel.pp * recipe.parallel.vpp
         self.first = self.stage_ids[0] == 0
         self.last = self.stage_ids[-1] == self.n_stages - 1
-        named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
-        self.optimizer = DistributedOptimizer(named, self.groups, self.optim_cfg)
         self.step, self.consumed, self.nan_streak, self.skipped = 0, 0, 0, 0
         self.hf_origin = None  # the HF family/config the weights came from, kept for export
-        if recipe.checkpoint.load:
-            meta = ckpt.load_checkpoint(recipe.checkpoint.load, self.groups, self.chunks, None, load_rng=False)
+        self.base_weights = recipe.checkpoint.load or self._lora_base_of_resume()
+        if self.base_weights:
+            meta = ckpt.load_checkpoint(self.base_weights, self.groups, self.chunks, None, load_rng=False)
             self.hf_origin = meta.get("hf")
+        if recipe.lora is not None:
+            self._apply_lora()
+        named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
+        self.optimizer = DistributedOptimizer(named, self.groups, self.optim_cfg)
         self._maybe_resume()
         self.after_step_hooks: list[Callable[[Trainer], None]] = []
         self.recorder = comm.LatencyRecorder()
@@ -87,6 +90,42 @@ class Trainer:
         if self.has_moe:
             self._setup_moe()
 
+    # ---- LoRA -----------------------------------------------------------------------------
+
+    def _apply_lora(self) -> None:
+        """Adapters on the loaded weights; the backbone and the router are frozen (docs/lora.md)."""
+        from megamoe.lora import apply_lora, check_targets, trainable_count
+
+        lora = self.recipe.lora
+        if not self.base_weights:
+            log.warning("lora: checkpoint.load is not set, so the adapters train on randomly initialised weights")
+        check_targets(self.recipe.model, lora)  # against the whole model: a stage holds only its layers
+        for chunk in self.chunks:
+            apply_lora(chunk, lora, seed=self.train.seed, groups=self.groups, strict=False)
+        counts = torch.tensor(trainable_count(self.chunks, self.groups), dtype=torch.float64, device=self.device)
+        comm.all_reduce_tensor(counts, self.groups.pp)  # every stage holds its own layers
+        trainable, total = (int(x) for x in counts.tolist())
+        if self.rank == 0:
+            print(f"LoRA: {trainable:,} trainable parameters of {total:,} ({100.0 * trainable / max(total, 1):.3f}%), "
+                  f"rank {lora.rank}, alpha {lora.alpha:g}, expert adapters {lora.expert_adapters}; "
+                  f"router frozen, expert-bias update {'on' if lora.update_expert_bias else 'off'}", flush=True)
+
+    def _lora_base_of_resume(self) -> str | None:
+        """The base weights an adapter-only checkpoint was trained on (resuming without checkpoint.load)."""
+        c = self.recipe.checkpoint
+        if self.recipe.lora is None or not (c.dir and c.resume):
+            return None
+        path = ckpt.latest_checkpoint(c.dir)
+        return ckpt.read_meta(path).get("lora_base") if path is not None else None
+
+    def _checkpoint_select(self):
+        """LoRA runs write and read adapters only (the base comes from ``checkpoint.load``)."""
+        if self.recipe.lora is None:
+            return None
+        from megamoe.lora import is_adapter_name
+
+        return is_adapter_name
+
     # ---- MoE ------------------------------------------------------------------------------
 
     def _setup_moe(self) -> None:
@@ -95,7 +134,9 @@ class Trainer:
         # each micro-batch's balancing losses weigh like its share of the global batch
         for chunk in self.chunks:
             set_aux_loss_scale(chunk, 1.0 / (self.n_micro * self.dp))
-        self.after_step_hooks.append(lambda t: [update_expert_bias(c, t.groups) for c in t.chunks])
+        lora = self.recipe.lora
+        if lora is None or lora.update_expert_bias:  # under LoRA the routing stays as loaded unless opted in
+            self.after_step_hooks.append(lambda t: [update_expert_bias(c, t.groups) for c in t.chunks])
 
     def moe_report(self) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
         """Per-layer expert load (for the heatmap) and scalars, gathered to rank 0 (a collective)."""
@@ -128,8 +169,11 @@ class Trainer:
         if not root:
             return None
         extra = {"model": config_to_dict(self.recipe.model), "hf": self.hf_origin}
+        if self.recipe.lora is not None:
+            base = self.base_weights and str(Path(self.base_weights).resolve())
+            extra.update(lora=config_to_dict(self.recipe.lora), lora_base=base)
         return ckpt.save_checkpoint(root, self.step, self.groups, self.chunks, self.optimizer, self.state(),
-                                    self.recipe.checkpoint.keep_last, extra)
+                                    self.recipe.checkpoint.keep_last, extra, select=self._checkpoint_select())
 
     def _maybe_resume(self) -> None:
         c = self.recipe.checkpoint
@@ -138,7 +182,7 @@ class Trainer:
         path = ckpt.latest_checkpoint(c.dir)
         if path is None:
             return
-        meta = ckpt.load_checkpoint(path, self.groups, self.chunks, self.optimizer)
+        meta = ckpt.load_checkpoint(path, self.groups, self.chunks, self.optimizer, select=self._checkpoint_select())
         state = meta["trainer_state"]
         self.hf_origin = meta.get("hf", self.hf_origin)
         self.step, self.consumed = state["step"], state["consumed_samples"]
