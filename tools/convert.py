@@ -3,12 +3,14 @@
 
     python tools/convert.py import-hf HF_DIR OUT_DIR [--tp N --ep N --etp N --pp N]
     python tools/convert.py export-hf CKPT_DIR OUT_DIR [--family MODEL_TYPE]
+    python tools/convert.py export-peft LORA_CKPT_DIR OUT_DIR [--family MODEL_TYPE]
     python tools/convert.py families
 
 import-hf writes a megamoe checkpoint (optionally split for a TP/EP/PP layout) that
 tools/pretrain.py / finetune.py load with checkpoint.load=OUT_DIR. export-hf takes such a
 checkpoint or a training checkpoint (step_XXXXXXXX) and writes safetensors shards, index and
-config.json that transformers loads with its Auto classes.
+config.json that transformers loads with its Auto classes. export-peft takes a checkpoint of a
+LoRA fine-tune (adapters only) and writes a PEFT adapter for the HF family (docs/lora.md).
 """
 import argparse
 
@@ -31,6 +33,11 @@ def main() -> None:
     for s in (imp, exp):
         s.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
         s.add_argument("--shard-gib", type=float, default=2.0, help="maximum shard size (GiB)")
+    peft = sub.add_parser("export-peft", help="LoRA checkpoint -> HF PEFT adapter directory")
+    peft.add_argument("ckpt_dir")
+    peft.add_argument("out_dir")
+    peft.add_argument("--family", help="HF model_type to write for (default: the checkpoint's origin)")
+    peft.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     sub.add_parser("families", help="list the supported HF model types")
     args = p.parse_args()
 
@@ -40,6 +47,11 @@ def main() -> None:
         get_family("qwen3")  # loads the registry
         for name, fam in sorted(FAMILIES.items()):
             print(f"{name:<16} {fam.architecture}  {fam.notes}")
+    elif args.command == "export-peft":
+        from megamoe.lora import export_peft_checkpoint
+
+        out = export_peft_checkpoint(args.ckpt_dir, args.out_dir, family=args.family, overwrite=args.overwrite)
+        print(f"wrote PEFT adapter {out} (peft.PeftModel.from_pretrained(hf_model, '{out}'))")
     elif args.command == "import-hf":
         out = import_hf(args.hf_dir, args.out_dir, tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp,
                         overwrite=args.overwrite, shard_bytes=int(args.shard_gib * 2**30))

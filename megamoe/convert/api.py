@@ -143,6 +143,15 @@ def _write_hf(out_dir, family: Family, cfg: ModelConfig, hf_config: dict | None,
     return path
 
 
+def _base_tensors(model) -> dict[str, torch.Tensor]:
+    """The tensors an HF checkpoint holds: LoRA adapters must be merged first (their factors are
+    then left out) or written separately (``megamoe.lora.export_peft``), never dropped silently."""
+    if any(not m.lora_merged for m in model.modules() if hasattr(m, "lora_merged")):
+        raise CheckpointError("to_hf: the model carries unmerged LoRA adapters; fold them in with "
+                              "megamoe.lora.merge(model) or write them with megamoe.lora.export_peft")
+    return {n: t for n, t in model_tensors(model).items() if "lora_" not in n.rsplit(".", 1)[-1]}
+
+
 def to_hf(model, out_dir: str | Path, *, family: str | None = None, hf_config: dict | None = None,
           groups: ParallelGroups | None = None, overwrite: bool = False, progress: bool = False) -> Path:
     """Write ``model`` as an HF checkpoint that ``transformers`` loads with its Auto classes.
@@ -154,7 +163,7 @@ def to_hf(model, out_dir: str | Path, *, family: str | None = None, hf_config: d
     fam = get_family(family or origin.get("model_type"), "to_hf")
     hf_config = hf_config if hf_config is not None else origin.get("config")
     groups = groups or ParallelGroups()
-    tensors = model_tensors(model)
+    tensors = _base_tensors(model)
     shapes = {n: (tuple(full_shape(t, groups)), t.dtype) for n, t in tensors.items()}
     return _write_hf(out_dir, fam, model.config, hf_config, shapes,
                      lambda n: gather_full(tensors[n], groups), overwrite, progress)
