@@ -90,3 +90,27 @@ def test_one_of_reads_either_layout_and_writes_the_first():
     with pytest.raises(CheckpointError, match="x.k_conv1d.weight .* is missing"):
         check_plan([part], {part.mm: (6, 3)}, {"x.q_conv1d.weight": (2, 1, 3)}, "ckpt")
 
+
+@pytest.mark.parametrize("build", [tiny_kimi_linear], ids=["kimi_linear"])
+def test_parallel_import(build, pool, tmp_path):
+    """KDA, NoPE MLA and the biased MoE imported for TP=2, EP=2 and TP=2 x EP=2 and run on two
+    gloo ranks give transformers' logits, and the export gathered from TP=2 x EP=2 loads in
+    transformers with them too (the worker is tests/test_convert_qwen.py's)."""
+    import torch
+
+    from megamoe.convert import import_hf
+    from megamoe.convert.verify import load_hf_model
+    from tests.conversion_harness import ATOL
+    from tests.test_convert_qwen import LAYOUTS, parallel_case
+
+    hf = build()
+    hf.save_pretrained(tmp_path / "hf")
+    for name, parallel in LAYOUTS.items():
+        import_hf(tmp_path / "hf", tmp_path / name, progress=False, **parallel)
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+        for rank, errs in enumerate(pool(2).run(parallel_case, str(tmp_path), ids, want)):
+            assert set(errs) == set(LAYOUTS) and max(errs.values()) <= ATOL, (rank, errs)
+        exported = load_hf_model(tmp_path / "tp2ep2_hf_rank0")
+        assert (exported(input_ids=ids).logits - want).abs().max() <= ATOL
