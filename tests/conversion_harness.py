@@ -55,3 +55,21 @@ def check_round_trip(hf_model, root: Path, *, new_tokens: int = 16, layouts: boo
         assert again.ok, f"{hf_dir.name} exported: {again}"
         out[hf_dir.name] = (report.max_abs_logits, again.max_abs_logits)
     return out
+
+
+@torch.no_grad()
+def check_parallel_import(hf_model, root: Path, pool, vocab: int) -> None:
+    """Import for TP=2, EP=2 and TP=2 x EP=2, run on two gloo ranks (``pool``: the session fixture)
+    and export back: transformers' logits each time (worker: tests/test_convert_qwen.py)."""
+    from tests.test_convert_qwen import LAYOUTS, parallel_case
+
+    hf_model = hf_model.float().eval()
+    hf_model.save_pretrained(root / "hf")
+    for name, parallel in LAYOUTS.items():
+        import_hf(root / "hf", root / name, progress=False, **parallel)
+    ids = torch.randint(0, vocab, (2, 10), generator=torch.Generator().manual_seed(1))
+    want = hf_model(input_ids=ids).logits
+    for rank, errs in enumerate(pool(2).run(parallel_case, str(root), ids, want)):
+        assert set(errs) == set(LAYOUTS) and max(errs.values()) <= ATOL, (rank, errs)
+    exported = load_hf_model(root / "tp2ep2_hf_rank0")
+    assert (exported(input_ids=ids).logits - want).abs().max() <= ATOL

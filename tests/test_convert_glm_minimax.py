@@ -143,20 +143,7 @@ def test_glm5_next_config_errors(change, message):
 @pytest.mark.parametrize("build", [tiny_minimax, tiny_glm5_next], ids=["minimax", "glm5_next"])
 def test_parallel_import(build, pool, tmp_path):
     """Imported for TP=2, EP=2 and TP=2 x EP=2 and run on two gloo ranks: transformers' logits, and
-    the exports load in transformers with them too (the worker is tests/test_convert_qwen.py's)."""
-    from megamoe.convert import import_hf
-    from megamoe.convert.verify import load_hf_model
-    from tests.conversion_harness import ATOL
-    from tests.test_convert_qwen import LAYOUTS, parallel_case
+    the exports load in transformers with them too."""
+    from tests.conversion_harness import check_parallel_import
 
-    hf = build().float().eval()
-    hf.save_pretrained(tmp_path / "hf")
-    for name, parallel in LAYOUTS.items():
-        import_hf(tmp_path / "hf", tmp_path / name, progress=False, **parallel)
-    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = hf(input_ids=ids).logits
-        for rank, errs in enumerate(pool(2).run(parallel_case, str(tmp_path), ids, want)):
-            assert set(errs) == set(LAYOUTS) and max(errs.values()) <= ATOL, (rank, errs)
-        exported = load_hf_model(tmp_path / "tp2ep2_hf_rank0")
-        assert (exported(input_ids=ids).logits - want).abs().max() <= ATOL
+    check_parallel_import(build(), tmp_path, pool, vocab=TOKENS["vocab_size"])
