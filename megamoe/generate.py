@@ -33,15 +33,26 @@ def pick(logits: torch.Tensor, *, do_sample: bool, temperature: float, top_k: in
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_sample: bool = False,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id: int | None = None,
-             seed: int | None = None, images=None) -> torch.Tensor:
+             seed: int | None = None, images=None, suppress_tokens: list[int] | None = None) -> torch.Tensor:
     """input_ids [b, t] -> [b, t + n] (n <= max_new_tokens; stops early when every row hit EOS,
-    finished rows are padded with EOS)."""
+    finished rows are padded with EOS). ``suppress_tokens`` are never generated; a multimodal
+    model's image placeholder is always suppressed (a generated one has no image behind it)."""
     was_training = model.training
     model.eval()
     cache = InferenceCache(input_ids.size(0))
     generator = torch.Generator(device=input_ids.device).manual_seed(seed) if seed is not None else None
     kwargs = {"images": images} if images is not None else {}
-    logits = model(input_ids, cache=cache, **kwargs)[:, -1].float()
+    suppress = list(suppress_tokens or [])
+    if getattr(model, "image_token_id", None) is not None:
+        suppress.append(model.image_token_id)
+
+    def last_logits(x, **kw):
+        logits = model(x, cache=cache, **kw)[:, -1].float()
+        if suppress:
+            logits[:, suppress] = float("-inf")
+        return logits
+
+    logits = last_logits(input_ids, **kwargs)
     out = [input_ids]
     done = torch.zeros(input_ids.size(0), dtype=torch.bool, device=input_ids.device)
     for i in range(max_new_tokens):
@@ -53,6 +64,6 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_sample: 
         out.append(token.unsqueeze(1))
         if (eos_token_id is not None and bool(done.all())) or i == max_new_tokens - 1:
             break
-        logits = model(token.unsqueeze(1), cache=cache)[:, -1].float()
+        logits = last_logits(token.unsqueeze(1))
     model.train(was_training)
     return torch.cat(out, dim=1)

@@ -170,9 +170,12 @@ def to_hf(model, out_dir: str | Path, *, family: str | None = None, hf_config: d
 
 
 def open_megamoe_checkpoint(path: str | Path):
-    """(meta, full-tensor reader) for a converted checkpoint or a training (DCP) checkpoint."""
-    from megamoe.training.checkpoint import read_meta
+    """(meta, config, meta-device tensors, full-tensor reader) for a converted checkpoint, a
+    training checkpoint (step_XXXXXXXX) or a training run's directory (its latest checkpoint)."""
+    from megamoe.training.checkpoint import latest_checkpoint, read_meta
 
+    if not (Path(path) / "meta.json").is_file() and latest_checkpoint(path) is not None:
+        path = latest_checkpoint(path)
     meta = read_meta(path)
     if "model" not in meta:
         raise CheckpointError(f"{path}: meta.json has no model config (written by an older megamoe?)")
@@ -192,6 +195,9 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, *, family: str | None =
     """A megamoe checkpoint (converted or from training) -> an HF directory."""
     meta, cfg, tensors, read_full = open_megamoe_checkpoint(ckpt_dir)
     origin = meta.get("hf") or {}
+    if not (family or origin.get("model_type")):
+        raise CheckpointError(f"{ckpt_dir}: the weights did not come from an HF checkpoint; name the HF family "
+                              f"to export to (--family / family=), e.g. qwen3_5_moe")
     fam = get_family(family or origin.get("model_type"), f"{ckpt_dir}/meta.json")
     # tensors are exported in the model's parameter dtype (model.params_dtype)
     shapes = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}

@@ -47,11 +47,18 @@ def verify(hf_dir: str | Path, *, prompt_len: int = 12, new_tokens: int = 16, ba
     model.float()
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
+    # a vision-language model's image placeholder needs an image: keep it out of the text prompt,
+    # and out of the generated tokens on both sides (megamoe's generate always suppresses it)
+    placeholder = getattr(model, "image_token_id", None)
+    suppress = None if placeholder is None else [placeholder]
+    if placeholder is not None:
+        ids[ids == placeholder] = (placeholder + 1) % vocab
     ref = hf_model(input_ids=ids).logits.float()
     out = model(ids).float()
     # an explicit mask: otherwise generate() treats prompt tokens equal to pad_token_id as padding
     hf_gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                               eos_token_id=None, pad_token_id=0, min_new_tokens=new_tokens)
+                               eos_token_id=None, pad_token_id=0, min_new_tokens=new_tokens,
+                               suppress_tokens=suppress)
     mm_gen = generate(model, ids, new_tokens)
     return Report((ref - out).abs().max().item(), torch.equal(hf_gen, mm_gen), hf_gen[:, prompt_len:].tolist(),
                   mm_gen[:, prompt_len:].tolist(), atol)
