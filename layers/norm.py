@@ -15,6 +15,45 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
+_GATES = {"silu": (torch.nn.functional.silu, torch.ops.aten.silu_backward),
+          "sigmoid": (torch.sigmoid, lambda dy, g: dy * torch.sigmoid(g) * (1 - torch.sigmoid(g)))}
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """w * x / rms(x) [* act(gate)] in fp32, saving only x, the gate and 1/rms for the backward
+    (the unfused form keeps x, x / rms, the gate and its activation)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, zero_centered, gate, act):
+        ctx.dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least
+        xf = x.to(ctx.dtype)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        w = weight.to(ctx.dtype) + 1.0 if zero_centered else weight.to(ctx.dtype)
+        out = xf * rstd * w
+        if gate is not None:
+            out = out * _GATES[act][0](gate.to(ctx.dtype))
+        ctx.save_for_backward(x, weight, rstd, gate)
+        ctx.zero_centered, ctx.act = zero_centered, act
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd, gate = ctx.saved_tensors
+        w = weight.to(ctx.dtype) + 1.0 if ctx.zero_centered else weight.to(ctx.dtype)
+        xhat = x.to(ctx.dtype) * rstd
+        dn = dy.to(ctx.dtype)
+        dgate = None
+        if gate is not None:
+            fn, fn_backward = _GATES[ctx.act]
+            gf = gate.to(ctx.dtype)
+            dgate = fn_backward(dn * (xhat * w), gf).to(gate.dtype)
+            dn = dn * fn(gf)
+        dweight = (dn * xhat).reshape(-1, xhat.size(-1)).sum(0).to(weight.dtype)
+        dxhat = dn * w
+        dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+        return dx.to(x.dtype), dweight, None, None, dgate, None
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim; statistics in fp32 whatever the input dtype.
 
@@ -32,11 +71,10 @@ class RMSNorm(nn.Module):
         if tp_partial_grad:
             mark_tp_partial_grad(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight.float()
-        if self.zero_centered:
-            w = w + 1.0
-        return (rms_normalize(x, self.eps) * w).to(x.dtype)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None, gate_act: str = "silu") -> torch.Tensor:
+        """x [..., dim] -> same; with ``gate`` (x's shape): the gated norm of the linear mixers'
+        outputs, ``norm(x) * act(gate)`` with act ``silu`` (Qwen3-Next) or ``sigmoid`` (KDA)."""
+        return _RMSNormFn.apply(x, self.weight, self.eps, self.zero_centered, gate, gate_act)
 
     def extra_repr(self) -> str:
         return f"{self.weight.numel()}, eps={self.eps}, zero_centered={self.zero_centered}"

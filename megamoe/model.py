@@ -31,7 +31,7 @@ from megamoe.spec import BuildContext, ForwardInfo, build_module, mixer_spec, ml
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-RECOMPUTE_CHOICES = ("layer", "mixer", "mlp")
+RECOMPUTE_CHOICES = ("layer", "mixer", "mlp", "core")  # core: the linear mixers' chunk ops
 
 
 def _maybe_recompute(enabled: bool, fn, *args):
@@ -217,6 +217,9 @@ class LanguageModel(nn.Module):
             raise ConfigError(f"train.recompute={sorted(parts)} is invalid: allowed: {', '.join(RECOMPUTE_CHOICES)}")
         for layer in self.layers.values():
             layer.recompute = parts
+            mixer = getattr(layer, "mixer", None)
+            if hasattr(mixer, "recompute_core"):
+                mixer.recompute_core = "core" in parts
 
     # ---- pieces -------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Training-step throughput and memory: megamoe against transformers' Qwen3-Next, same weights.
 
-    python tools/bench_train.py [--runs 5] [--seq 512] [--batch 2]
+    python tools/bench_train.py [--runs 5] [--seq 512] [--batch 2] [--recompute core]
 
 The peer (/work/shared/BENCHMARKS.md): ``Qwen3NextForCausalLM`` (experts on grouped_mm,
 sdpa attention, GDN on its torch chunk fallback), fp32, batch 2 x 512, vocab 1000, random
@@ -33,6 +33,7 @@ import gc, json, statistics, sys, time
 import torch
 torch.set_num_threads(2)
 side, hf_dir, runs, batch, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+recompute = [p for p in sys.argv[6].split(",") if p]
 from megamoe.memory import peak_rss_mib, reset_peak, rss_mib
 gen = torch.Generator().manual_seed(0)
 ids = torch.randint(0, 1000, (batch, seq), generator=gen)
@@ -45,6 +46,7 @@ else:
     from megamoe.convert import from_hf
     from megamoe.model import shift_labels
     model = from_hf(hf_dir)
+    model.set_recompute(recompute)
     labels = shift_labels(ids)
     step = lambda: model(ids, labels=labels)
 model.train()
@@ -76,8 +78,8 @@ def save_peer(out: Path) -> None:
     Qwen3NextForCausalLM(Qwen3NextConfig(**CONFIG)).save_pretrained(out)
 
 
-def measure(side: str, hf_dir: Path, runs: int, batch: int, seq: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, side, str(hf_dir), str(runs), str(batch), str(seq)],
+def measure(side: str, hf_dir: Path, runs: int, batch: int, seq: int, recompute: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, side, str(hf_dir), str(runs), str(batch), str(seq), recompute],
                          check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -88,6 +90,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="alternating processes per side")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--recompute", default="", help="megamoe's train.recompute parts, comma-separated (e.g. core)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = Path(tmp) / "qwen3_next"
@@ -95,7 +98,7 @@ def main() -> None:
         res = {"hf": [], "megamoe": []}
         for _ in range(args.rounds):
             for side in ("hf", "megamoe"):
-                res[side].append(measure(side, hf_dir, args.runs, args.batch, args.seq))
+                res[side].append(measure(side, hf_dir, args.runs, args.batch, args.seq, args.recompute))
     tokens = args.batch * args.seq
     summary = {}
     for side, rounds in res.items():

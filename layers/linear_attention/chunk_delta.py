@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from megamoe.layers.linear_attention.delta_rule import prepare
 
@@ -125,8 +126,20 @@ def intra_per_channel(q, k, beta, G, leaf: int = LEAF):
     return A, M
 
 
-def chunk_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64):
-    """Chunked gated delta rule; same arguments, results and shapes as ``naive_delta_rule``."""
+def chunk_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
+                     recompute: bool = False):
+    """Chunked gated delta rule; same arguments, results and shapes as ``naive_delta_rule``.
+
+    ``recompute``: keep only the inputs for the backward and rebuild the chunk matrices there
+    (as fla does): the intermediates are ~8x the inputs (expanded key heads, [C, C] matrices,
+    chunk states), the recomputation costs one forward of the op."""
+    if recompute and torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
+        return checkpoint(_chunk_delta_rule, q, k, v, g, beta, scale, initial_state, chunk_size, use_reentrant=False)
+    return _chunk_delta_rule(q, k, v, g, beta, scale, initial_state, chunk_size)
+
+
+def _chunk_delta_rule(q, k, v, g, beta, scale, initial_state, chunk_size):
     dtype = v.dtype
     b, t, hv, dv = v.shape
     q, k, v, g, beta, h0 = prepare(q, k, v, g, beta, scale, initial_state)

@@ -35,6 +35,7 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: GDNConfig, ctx: BuildContext, layer_number: int = 0):
         super().__init__()
         self.layer_number, self.cfg = layer_number, cfg
+        self.recompute_core = False  # train.recompute=[core]: the chunk op recomputes in backward
         tp = ctx.groups.tp_size
         shapes = GDNShapes.from_config(cfg)
         self.hk, self.hv = cfg.num_key_heads // tp, cfg.num_value_heads // tp
@@ -66,10 +67,10 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(bsz, s, self.hv, self.dv)
         g, beta = self.decay_and_beta(b_in, a)
         o, final = delta_rule(q, k, v, g, beta, initial_state=h0, decode=state is not None and s == 1,
-                              chunk_size=self.cfg.chunk_size, use_fla=self.cfg.use_fla)
+                              chunk_size=self.cfg.chunk_size, use_fla=self.cfg.use_fla, recompute=self.recompute_core)
         if state is not None:
             state["recurrent"] = final
-        o = self.norm(o) * F.silu(z.reshape(bsz, s, self.hv, self.dv))
+        o = self.norm(o, gate=z.reshape(bsz, s, self.hv, self.dv))
         return self.out_proj(o.reshape(bsz, s, -1))
 
 

@@ -64,6 +64,7 @@ class KimiDeltaAttention(nn.Module):
     def __init__(self, cfg: KDAConfig, ctx: BuildContext, layer_number: int = 0):
         super().__init__()
         self.layer_number, self.cfg = layer_number, cfg
+        self.recompute_core = False  # train.recompute=[core]: the chunk op recomputes in backward
         tp = ctx.groups.tp_size
         self.h, self.d = cfg.num_heads // tp, cfg.head_dim
         width = cfg.num_heads * cfg.head_dim
@@ -96,11 +97,11 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = (t.reshape(bsz, s, self.h, self.d) for t in qkv.split(self.local_parts[:3], dim=-1))
         o, final = delta_rule(l2norm(q), l2norm(k), v, self.decay(x), torch.sigmoid(b_in), initial_state=h0,
                               decode=state is not None and s == 1, chunk_size=self.cfg.chunk_size,
-                              use_fla=self.cfg.use_fla)
+                              use_fla=self.cfg.use_fla, recompute=self.recompute_core)
         if state is not None:
             state["recurrent"] = final
         gate = self.output_gate(x).reshape(bsz, s, self.h, self.d)
-        o = self.norm(o) * torch.sigmoid(gate.float()).to(o.dtype)
+        o = self.norm(o, gate=gate, gate_act="sigmoid")
         return self.out_proj(o.reshape(bsz, s, -1))
 
 

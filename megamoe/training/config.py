@@ -40,7 +40,7 @@ class TrainConfig:
     global_batch_size: int = 8  # samples per optimizer step, over all data-parallel ranks (length: data.seq_len)
     seed: int = 1234
     precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
-    recompute: List[str] = field(default_factory=list)  # any of: layer, mixer, mlp
+    recompute: List[str] = field(default_factory=list)  # any of: layer, mixer, mlp, core
     nan_max_consecutive: int = 5  # skipped non-finite steps in a row before save-and-stop
     pipeline_schedule: str = "1f1b"  # 1f1b, or interleaved (needs parallel.vpp > 1)
     device: str = "auto"  # auto: cuda if available, else cpu
@@ -52,7 +52,7 @@ class TrainConfig:
         check_choice(f"{path}.pipeline_schedule", self.pipeline_schedule, ("1f1b", "interleaved"))
         check_choice(f"{path}.device", self.device, ("auto", "cpu", "cuda"))
         for part in self.recompute:
-            check_choice(f"{path}.recompute", part, ("layer", "mixer", "mlp"))
+            check_choice(f"{path}.recompute", part, ("layer", "mixer", "mlp", "core"))
 
     def micro_batches(self, dp: int) -> int:
         """Micro-batches per optimizer step on each data-parallel rank."""
