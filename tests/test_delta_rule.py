@@ -155,3 +155,32 @@ def test_bf16_inputs_keep_an_fp32_state(per_channel):
         o, state = fn(*low, initial_state=inputs[5])
         assert o.dtype == torch.bfloat16 and state.dtype == torch.float32
         assert rel_err(o, ref) <= 2e-2 and rel_err(state, ref_state) <= 2e-2  # bf16 rounding of the inputs
+
+
+@pytest.mark.parametrize("rate", [3.0, 20.0], ids=["fast", "qwen3-next-init"])
+def test_per_head_op_keeps_no_subnormals(rate):
+    """Strong decays (Qwen3-Next initialises rates up to 16: about -20 per token) made most of the
+    chunk matrices subnormal, and every CPU operation on a subnormal is ~100x slower. The fused
+    per-head op cuts decays below exp(-20) to exact zeros, so what it keeps for the backward, its
+    outputs and its gradients hold none, and it still equals the naive recurrence."""
+    tiny = torch.finfo(torch.float32).tiny
+    subnormal = lambda x: int(((x != 0) & (x.abs() < tiny)).sum())  # noqa: E731
+    inputs = list(make_inputs(200, False, seed=17, b=2, hk=2, hv=4, dk=32, dv=32))
+    inputs[3] = -rate * torch.rand(inputs[3].shape, generator=torch.Generator().manual_seed(5))
+    inputs[3][:, ::11] = -0.01  # slow steps among the fast ones
+    xs = [x.clone().requires_grad_(True) for x in inputs]
+    o, state = chunk_delta_rule(*xs[:5], initial_state=xs[5], chunk_size=32)
+    node = o.grad_fn
+    while type(node).__name__ != "ChunkGatedDeltaBackward":
+        node = node.next_functions[0][0]
+    saved = node.saved_tensors
+    assert len(saved) == 14
+    names = ["q", "k", "v", "g", "beta", "states", "D", "KD", "M", "T", "W", "U0", "U", "P"]
+    counts = {n: subnormal(t) for n, t in zip(names, saved)}
+    assert counts.pop("states") <= 1e-4 * saved[5].numel()  # P S can fall below for a forgotten state
+    assert not any(counts.values()), counts
+    (o.square().sum() + state.square().sum()).backward()
+    assert all(subnormal(x) == 0 for x in (o, *[x.grad for x in xs])), "subnormal outputs or gradients"
+    ref = run_with_grads(naive_delta_rule, inputs, True)
+    errs = compare(run_with_grads(chunk_delta_rule, inputs, True, chunk_size=32), ref)
+    assert max(errs.values()) <= REL, errs

@@ -20,7 +20,23 @@ def tiny_dense(**kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
-def tp_parity_case(cfg: ModelConfig, tp: int, sp: bool, seed: int = 0) -> dict:
+def fp32_noise_floor(model, ids, labels) -> dict:
+    """Per-parameter relative error of the fp32 gradient against the same model in float64: the
+    rounding a layout-independent fp32 gradient already carries. Some gradients (GLM-5's
+    hyper-connection scales: sums over every token of products through the Sinkhorn mix) carry
+    about 1e-5 of it even on one process, so two fp32 layouts can differ by that much."""
+    import copy
+
+    ref64 = copy.deepcopy(model).double()
+    ref64.zero_grad()
+    ref64(ids, labels=labels).backward()
+    ref64 = dict(ref64.named_parameters())
+    return {f"floor {n}": rel_err(p.grad, ref64[n].grad) for n, p in model.named_parameters() if p.grad is not None}
+
+
+def tp_parity_case(cfg: ModelConfig, tp: int, sp: bool, seed: int = 0, floor: bool = False) -> dict:
+    """Relative errors of TP (+SP) against one process: logits, loss, each gathered gradient; with
+    ``floor`` also each gradient's fp32 noise floor (``fp32_noise_floor``)."""
     from megamoe.model import LanguageModel, shift_labels
     from megamoe.parallel.groups import ParallelGroups, build_groups
     from megamoe.parallel.sharding import gather_full
@@ -46,7 +62,15 @@ def tp_parity_case(cfg: ModelConfig, tp: int, sp: bool, seed: int = 0) -> dict:
             errs[f"no grad {name}"] = 0.0 if p.grad is None else 1.0
             continue
         errs[f"grad {name}"] = rel_err(gather_full(p, groups, p.grad), ref_params[name].grad)
+    if floor:
+        errs.update(fp32_noise_floor(ref, ids, labels))
     return errs
+
+
+def over_tolerance(errs: dict, rel: float) -> dict:
+    """Errors over ``rel``, or over 3x the gradient's fp32 noise floor where that was measured and is larger."""
+    bound = lambda k: max(rel, 3 * errs.get("floor " + k.removeprefix("grad "), 0.0))  # noqa: E731
+    return {k: v for k, v in errs.items() if not k.startswith("floor ") and v > bound(k)}
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])

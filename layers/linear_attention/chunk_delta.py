@@ -1,5 +1,8 @@
 """The gated delta rule in chunks (training form): batched work inside chunks, a short scan across.
 
+One decay per head (Gated DeltaNet) goes to the fused op in chunk_gated.py; this file's
+autograd form serves one decay per key channel (KDA) and derives the maths both share.
+
 Within a chunk of C tokens starting from state S (G_t: cumulative log decay from the chunk
 start, per key channel; Gamma_t = exp(G_t)), the delta rule unrolls to (WY form)::
 
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from megamoe.layers.linear_attention.chunk_gated import chunk_gated_delta_rule
 from megamoe.layers.linear_attention.delta_rule import prepare
 
 LEAF = 4  # per-channel decay: tokens per elementwise block inside a chunk
@@ -81,16 +85,6 @@ class UnitLowerInverse(torch.autograd.Function):
         return -(Tt @ dT @ Tt).tril(-1)
 
 
-def intra_per_head(q, k, beta, G):
-    """A (strictly lower part used) and M for one decay per head.
-    q, k [..., C, dk]; beta [..., C]; G [..., C, 1] -> [..., C, C] each."""
-    C = q.size(-2)
-    upper = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
-    decay = (G - G.transpose(-1, -2)).masked_fill(upper, float("-inf")).exp()  # [.., C, C]
-    kk, qk = (torch.cat([k, q], -2) @ k.transpose(-1, -2)).split(C, -2)  # one matmul for both
-    return kk * (decay * beta.unsqueeze(-1)), qk * decay
-
-
 def intra_per_channel(q, k, beta, G, leaf: int = LEAF):
     """A (strictly lower part used) and M for one decay per key channel, by halving.
     q, k, G [..., C, dk]; beta [..., C] -> [..., C, C] each.
@@ -132,7 +126,10 @@ def chunk_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_
 
     ``recompute``: keep only the inputs for the backward and rebuild the chunk matrices there
     (as fla does): the intermediates are ~8x the inputs (expanded key heads, [C, C] matrices,
-    chunk states), the recomputation costs one forward of the op."""
+    chunk states), the recomputation costs one forward of the op. The per-head op
+    (chunk_gated.py) always works that way and needs no checkpoint around it."""
+    if g.dim() == 3:
+        recompute = False
     if recompute and torch.is_grad_enabled() and any(
             x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
         return checkpoint(_chunk_delta_rule, q, k, v, g, beta, scale, initial_state, chunk_size, use_reentrant=False)
@@ -140,14 +137,15 @@ def chunk_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_
 
 
 def _chunk_delta_rule(q, k, v, g, beta, scale, initial_state, chunk_size):
+    C = chunk_size
+    if C < 1 or C & (C - 1):
+        raise ValueError(f"chunk_size={C} must be a power of two")
+    if g.dim() == 3:  # one decay per head (Gated DeltaNet): the fused op
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, C)
     dtype = v.dtype
     b, t, hv, dv = v.shape
     q, k, v, g, beta, h0 = prepare(q, k, v, g, beta, scale, initial_state)
     dk = q.size(-1)
-    per_channel = g.size(-1) > 1
-    C = chunk_size
-    if C < 1 or C & (C - 1):
-        raise ValueError(f"chunk_size={C} must be a power of two")
     pad = -t % C
     if pad:  # zero k, v, beta and g leave the state untouched
         q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
@@ -156,7 +154,7 @@ def _chunk_delta_rule(q, k, v, g, beta, scale, initial_state, chunk_size):
     q, k, v, g = (x.reshape(b, hv, n, C, x.size(-1)) for x in (q, k, v, g))
     beta = beta.reshape(b, hv, n, C)
     G = g.cumsum(-2)
-    A, M = intra_per_channel(q, k, beta, G) if per_channel else intra_per_head(q, k, beta, G)
+    A, M = intra_per_channel(q, k, beta, G)
 
     gamma = G.exp()
     G_last = G[..., -1:, :]

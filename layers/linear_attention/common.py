@@ -21,37 +21,37 @@ from megamoe.layers.linear_attention.delta_rule import expand_key_heads, recurre
 
 class _CausalConvSiLU(torch.autograd.Function):
     """silu(depthwise causal conv) from a zero state, as K shifted multiply-adds over [b, t, c]
-    (channels last, no transposes). Saves only the padded input; the pre-activation is
-    recomputed in the backward. torch's depthwise conv1d backward took ~10x longer on CPU."""
+    (channels last, no transposes, no padded copy: tap K-1-s reads the input s steps back).
+    Saves only the input; the pre-activation is recomputed in the backward. torch's depthwise
+    conv1d backward took ~10x longer on CPU."""
 
     @staticmethod
-    def _pre(full: torch.Tensor, taps: torch.Tensor, t: int) -> torch.Tensor:
+    def _pre(x: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
         """taps [K, c] (contiguous rows) -> pre-activation [b, t, c]."""
-        pre = full[:, :t] * taps[0]
-        for j in range(1, taps.size(0)):
-            pre.addcmul_(full[:, j:j + t], taps[j])
+        kernel, t = taps.size(0), x.size(1)
+        pre = x * taps[kernel - 1]
+        for s in range(1, min(kernel, t + 1)):
+            pre[:, s:].addcmul_(x[:, :t - s], taps[kernel - 1 - s])
         return pre
 
     @staticmethod
     def forward(ctx, x, weight):
-        t, kernel = x.size(1), weight.size(-1)
-        full = F.pad(x, (0, 0, kernel - 1, 0))                       # [b, K-1+t, c]
-        ctx.save_for_backward(full, weight)
-        return F.silu(_CausalConvSiLU._pre(full, weight.t().contiguous(), t))
+        ctx.save_for_backward(x, weight)
+        return F.silu(_CausalConvSiLU._pre(x, weight.t().contiguous()))
 
     @staticmethod
     def backward(ctx, dy):
-        full, weight = ctx.saved_tensors
-        kernel = weight.size(-1)
-        t = full.size(1) - (kernel - 1)
+        x, weight = ctx.saved_tensors
+        kernel, t = weight.size(-1), x.size(1)
         taps = weight.t().contiguous()
-        dpre = torch.ops.aten.silu_backward(dy, _CausalConvSiLU._pre(full, taps, t))
-        dfull = torch.zeros_like(full)
-        dtaps = torch.empty_like(taps)
-        for j in range(kernel):
-            dfull[:, j:j + t].addcmul_(dpre, taps[j])
-            dtaps[j] = (dpre * full[:, j:j + t]).sum((0, 1))
-        return dfull[:, kernel - 1:], dtaps.t()
+        dpre = torch.ops.aten.silu_backward(dy, _CausalConvSiLU._pre(x, taps))
+        dx = dpre * taps[kernel - 1]
+        dtaps = torch.zeros_like(taps)
+        dtaps[kernel - 1] = (dpre * x).sum((0, 1))
+        for s in range(1, min(kernel, t + 1)):
+            dx[:, :t - s].addcmul_(dpre[:, s:], taps[kernel - 1 - s])
+            dtaps[kernel - 1 - s] = (dpre[:, s:] * x[:, :t - s]).sum((0, 1))
+        return dx, dtaps.t()
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None):
@@ -106,25 +106,36 @@ def conv_and_state(module: nn.Module, qkv: torch.Tensor, info: ForwardInfo):
 
 
 class _L2Norm(torch.autograd.Function):
-    """Saves x and 1/norm only; dx = (dy - y * sum(dy * y)) / norm."""
+    """Saves x and 1/norm only; y = scale x / norm, dx = scale (dy - y' sum(dy y')) / norm with
+    y' = x / norm."""
 
     @staticmethod
-    def forward(ctx, x, eps):
+    def forward(ctx, x, eps, scale, heads_first):
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         rstd = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, rstd)  # x as given: bf16 stays bf16
-        return xf * rstd
+        ctx.scale = scale
+        if scale != 1.0:
+            rstd = rstd * scale
+        if not heads_first:
+            return xf * rstd
+        b, t, h, d = x.shape  # the same values, stored [b, h, t, d] (what the chunked op reads)
+        out = torch.empty(b, h, t, d, dtype=xf.dtype, device=x.device).transpose(1, 2)
+        return torch.mul(xf, rstd, out=out)
 
     @staticmethod
     def backward(ctx, dy):
         x, rstd = ctx.saved_tensors
         y = x.to(rstd.dtype) * rstd
-        return rstd * (dy - y * (dy * y).sum(-1, keepdim=True)), None
+        dx = rstd * (dy - y * (dy * y).sum(-1, keepdim=True))
+        return (dx if ctx.scale == 1.0 else dx * ctx.scale), None, None, None
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum x^2 + eps) over the last dim, in fp32 (as fla and the HF references)."""
-    return _L2Norm.apply(x, eps)
+def l2norm(x: torch.Tensor, eps: float = 1e-6, scale: float = 1.0, heads_first: bool = False) -> torch.Tensor:
+    """scale * x / sqrt(sum x^2 + eps) over the last dim, in fp32 (as fla and the HF references).
+    ``heads_first``: x [b, t, h, d], the result stored as [b, h, t, d] (a transposed view),
+    so the chunked delta rule reads it without another copy."""
+    return _L2Norm.apply(x, eps, scale, heads_first)
 
 
 def fla_usable(device: torch.device) -> bool:
@@ -132,7 +143,7 @@ def fla_usable(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("fla") is not None
 
 
-def fla_delta_rule(q, k, v, g, beta, initial_state, decode: bool):
+def fla_delta_rule(q, k, v, g, beta, initial_state, decode: bool, scale=None):
     """The same op through fla (imported lazily, CUDA only). fla wants one key head per value head."""
     q, k = (x.to(v.dtype) for x in expand_key_heads(q, k, v.size(2)))  # fla wants one dtype
     if g.dim() == 4:
@@ -142,15 +153,17 @@ def fla_delta_rule(q, k, v, g, beta, initial_state, decode: bool):
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as recurrent
     fn = recurrent if decode else chunk
     state = None if initial_state is None else initial_state.float()
-    return fn(q, k, v, g.float(), beta.to(v.dtype), initial_state=state, output_final_state=True)
+    return fn(q, k, v, g.float(), beta.to(v.dtype), scale=scale, initial_state=state, output_final_state=True)
 
 
-def delta_rule(q, k, v, g, beta, *, initial_state=None, decode: bool = False, chunk_size: int = 64,
+def delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, decode: bool = False, chunk_size: int = 64,
                use_fla: bool = True, recompute: bool = False):
     """Pick the op: fla when asked for and usable, else the recurrent step while decoding and the
-    chunked form otherwise. Shapes as in ``megamoe.layers.linear_attention.delta_rule``."""
+    chunked form otherwise. Shapes as in ``megamoe.layers.linear_attention.delta_rule``; ``scale``
+    multiplies q (default dk^-0.5; 1.0 when the caller has scaled q already)."""
     if use_fla and fla_usable(q.device):
-        return fla_delta_rule(q, k, v, g, beta, initial_state, decode)
+        return fla_delta_rule(q, k, v, g, beta, initial_state, decode, scale)
     if decode:
-        return recurrent_delta_rule(q, k, v, g, beta, initial_state=initial_state)
-    return chunk_delta_rule(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size, recompute=recompute)
+        return recurrent_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+    return chunk_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
+                            recompute=recompute)

@@ -31,14 +31,20 @@ def expand_key_heads(q: torch.Tensor, k: torch.Tensor, value_heads: int):
     return q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
 
 
-def prepare(q, k, v, g, beta, scale, initial_state):
-    """fp32, heads expanded, time moved next to the features: [b, h, t, d]; g as [b, h, t, dk|1]."""
+def prepare(q, k, v, g, beta, scale, initial_state, expand: bool = True):
+    """fp32, heads expanded (unless not ``expand``: q, k keep their key heads), time moved next
+    to the features: [b, h, t, d]; g as [b, h, t, dk|1]."""
     b, t, hv, dv = v.shape
     dk = q.size(-1)
-    q, k = expand_key_heads(q, k, hv)
+    if expand:
+        q, k = expand_key_heads(q, k, hv)
+    elif hv % k.size(2):
+        raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({k.size(2)})")
     scale = dk ** -0.5 if scale is None else scale
     acc = torch.promote_types(v.dtype, torch.float32)  # fp32, or fp64 for references
-    q = q.to(acc).transpose(1, 2) * scale
+    q = q.to(acc).transpose(1, 2)
+    if scale != 1.0:
+        q = q * scale
     k, v = (x.to(acc).transpose(1, 2) for x in (k, v))
     g = g.to(acc).transpose(1, 2)
     if g.dim() == 3:  # per-head decay: one value for every key channel

@@ -62,12 +62,13 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b_in, a = proj.split([qkv_width, *self.local_parts[3:]], dim=-1)
         qkv, state, h0 = conv_and_state(self, qkv, info)
         q, k, v = qkv.split(self.local_parts[:3], dim=-1)
-        q = l2norm(q.reshape(bsz, s, self.hk, self.dk))
-        k = l2norm(k.reshape(bsz, s, self.hk, self.dk))
+        # q carries the dk^-0.5 softmax-free scale; both stored heads-first for the chunked op
+        q = l2norm(q.reshape(bsz, s, self.hk, self.dk), scale=self.dk ** -0.5, heads_first=True)
+        k = l2norm(k.reshape(bsz, s, self.hk, self.dk), heads_first=True)
         v = v.reshape(bsz, s, self.hv, self.dv)
         g, beta = self.decay_and_beta(b_in, a)
-        o, final = delta_rule(q, k, v, g, beta, initial_state=h0, decode=state is not None and s == 1,
-                              chunk_size=self.cfg.chunk_size, use_fla=self.cfg.use_fla, recompute=self.recompute_core)
+        o, final = delta_rule(q, k, v, g, beta, scale=1.0, initial_state=h0, decode=state is not None and s == 1,
+                              chunk_size=self.cfg.resolved_chunk_size(), use_fla=self.cfg.use_fla, recompute=self.recompute_core)
         if state is not None:
             state["recurrent"] = final
         o = self.norm(o, gate=z.reshape(bsz, s, self.hv, self.dv))

@@ -1,0 +1,235 @@
+"""The chunked gated delta rule with one decay per head (Gated DeltaNet), as one autograd op
+with a hand-written backward that keeps its inputs, the chunk-start states, ``T``, ``W``,
+``U0``, ``U`` and ``P`` and recomputes the rest (autograd through the chunked form kept ~8x more).
+
+Shapes inside: chunks flattened over (batch, head, chunk); value heads share key heads::
+
+    q, k  [Nk, C, dk]   Nk = b * hk * n   (q already scaled)
+    v     [N, C, dv]    N = b * hv * n, hv = hk * rep: value head j reads key head j // rep
+    g, beta [N, C];  h0 [b * hv, dk, dv]
+
+Per chunk, from its start state S (G: cumulative log decay from the chunk start, Gam = exp(G),
+D_ij = exp(G_i - G_j) for j <= i; chunk_delta.py derives the WY form)::
+
+    A = beta_i (k k^T)_ij D_ij (strictly lower)     M = (q k^T)_ij D_ij (lower)    T = (I + A)^-1
+    W = T (beta Gam k),  U0 = T (beta v)             Kt_j = k_j exp(G_C - G_j)
+    S' = (Gam_C I - Kt^T W) S + Kt^T U0              (the only sequential step, on [dk, dk] x [dk, dv])
+    U = U0 - W S;   o = (q Gam) S + M U
+
+k k^T and q k^T are computed once per key head and shared by its value heads.
+
+Subnormal floats: on CPU every arithmetic operation that reads or makes a subnormal takes a
+micro-code assist (~100x slower), and strong decays (Qwen3-Next initialises per-head rates
+up to 16, i.e. about -20 per token) push most of D, T and W into that range: the op then ran
+3-6x slower. Every factor here is a decay between two positions times O(1) numbers, so the
+op drops, as exact zeros, the decays below exp(UNDERFLOW) and the entries of T whose
+positions are further apart than that (``keep``), and builds T by blocks masked as they
+grow, so no product of kept factors gets near the subnormal range. What is dropped is below
+exp(-20) ~ 2e-9 of a term kept beside it, under fp32 rounding. (GPU kernels flush subnormals.)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+UNDERFLOW = -20.0  # log decays below this are exact zeros (see the module docstring)
+LEAF = 16          # T's diagonal blocks solved directly (the fastest split on CPU)
+
+
+def decay_exp(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) for log decays x <= 0, exactly zero below exp(UNDERFLOW). (exp of -inf, or with a
+    subnormal result, takes torch's slow path on CPU: clamp first, then mask by multiplying.)"""
+    return x.clamp(min=UNDERFLOW).exp_().mul_(x >= UNDERFLOW)
+
+
+def diagonal_blocks(x: torch.Tensor, size: int) -> torch.Tensor:
+    """[N, C, C] -> its C/size diagonal blocks [N, C/size, size, size] (a view)."""
+    N, C, _ = x.shape
+    nb = C // size
+    return torch.diagonal(x.view(N, nb, size, nb, size), dim1=1, dim2=3).permute(0, 3, 1, 2)
+
+
+def unit_lower_inverse(A: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """T = (I + A)^-1 for A strictly lower triangular [N, C, C] (its diagonal and upper part are
+    ignored), zero where ``keep`` (bool: lower incl. the diagonal, minus positions too far
+    apart) is not, at every level: solve the LEAF diagonal blocks, then fill in the blocks
+    below the diagonal with T21 = -T22 A21 T11, doubling the block size up to the chunk."""
+    C = A.size(-1)
+    size = min(LEAF, C)
+    leaf = diagonal_blocks(A, size)
+    eye = torch.eye(size, dtype=A.dtype, device=A.device).expand(leaf.shape)
+    T = torch.zeros_like(A)
+    Tb = diagonal_blocks(T, size)
+    Tb.copy_(torch.linalg.solve_triangular(leaf, eye, upper=False, unitriangular=True))
+    Tb.mul_(diagonal_blocks(keep, size))
+    while size < C:
+        half, size = size, 2 * size
+        Tb, Ab, kb = (diagonal_blocks(x, size) for x in (T, A, keep))
+        k21 = kb[..., half:, :half]
+        t21 = (Ab[..., half:, :half] @ Tb[..., :half, :half]).mul_(k21)  # A21 T11
+        Tb[..., half:, :half] = (Tb[..., half:, half:] @ t21).mul_(k21).neg_()
+    return T
+
+
+class Heads:
+    """Value heads sharing key heads: chunks ordered (batch, key head, value head, chunk)."""
+
+    def __init__(self, Nk: int, N: int, n: int):
+        self.n, self.rep = n, N // Nk                                  # chunks per sequence, value heads per key head
+
+    def per_value(self, x: torch.Tensor, factor: torch.Tensor | None = None) -> torch.Tensor:
+        """A per-key-head [Nk, ...] tensor for every value head [N, ...], times ``factor`` [N, ...]."""
+        Nk = x.size(0)
+        xv = x.view(Nk // self.n, 1, self.n, *x.shape[1:])
+        if factor is None:
+            return xv.expand(-1, self.rep, -1, *x.shape[1:]).reshape(-1, *x.shape[1:])
+        return (xv * factor.view(Nk // self.n, self.rep, self.n, *factor.shape[1:])).view(-1, *x.shape[1:])
+
+    def per_key(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the value heads of each key head: [N, ...] -> [Nk, ...]."""
+        if self.rep == 1:
+            return x
+        return x.view(-1, self.rep, self.n, *x.shape[1:]).sum(1).view(-1, *x.shape[1:])
+
+
+def decays(g: torch.Tensor):
+    """g [N, C] -> (Gam = exp(G), exp(G_C - G)) [N, C] each, G the cumulative log decay."""
+    G = g.cumsum(-1)
+    return decay_exp(G), decay_exp(G[:, -1:] - G)
+
+
+class Intra:
+    """What a chunk needs that does not depend on its start state (the forward's, kept for the
+    backward). No concatenations: one product per piece, masks as 0/1 factors (torch's
+    masked_fill and where took ~5x a multiply on CPU)."""
+
+    def __init__(self, q, k, v, g, beta, heads: Heads):
+        G = g.cumsum(-1)                                               # [N, C]
+        diff = G.unsqueeze(-1) - G.unsqueeze(-2)                       # [N, C, C]: G_i - G_j
+        # D = exp(G_i - G_j) on and below the diagonal, exactly 0 below exp(UNDERFLOW) (clamped
+        # first: an exp with a subnormal result is slow) and above the diagonal
+        self.D = F.threshold_(diff.clamp_(UNDERFLOW - 1, 0.0).exp_(), math.exp(UNDERFLOW), 0.0).tril_()
+        KK, QK = k @ k.mT, q @ k.mT                                    # [Nk, C, C], per key head
+        self.KD, self.M = heads.per_value(KK) * self.D, heads.per_value(QK) * self.D
+        self.KD.diagonal(dim1=-2, dim2=-1).zero_()                     # A = beta KD is strictly lower
+        # every gradient through KD and M is multiplied by D, so none needs masking
+        self.gam, self.tail = decays(g)
+        self.Kt = heads.per_value(k, self.tail.unsqueeze(-1))          # k_j exp(G_C - G_j)
+        self.T = unit_lower_inverse(self.KD * beta.unsqueeze(-1), self.D > 0)
+        Kb = heads.per_value(k, (beta * self.gam).unsqueeze(-1))       # beta Gam k [N, C, dk]
+        self.W, self.U0 = self.T @ Kb, self.T @ (v * beta.unsqueeze(-1))  # [N, C, dk], [N, C, dv]
+
+    def transition(self):
+        """P = Gam_C I - Kt^T W [N, dk, dk] and R = Kt^T U0 [N, dk, dv]."""
+        P = (self.Kt.mT @ self.W).neg_()
+        P.diagonal(dim1=-2, dim2=-1).add_(self.gam[:, -1:])
+        return P, self.Kt.mT @ self.U0
+
+
+def scan_states(P: torch.Tensor, R: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+    """states[0] = h0, states[i + 1] = P_i states[i] + R_i for P, R [N = z n, ...], h0 [z, dk, dv]
+    -> [n + 1, z, dk, dv] (chunk-major: each step writes one contiguous block)."""
+    z = h0.size(0)
+    P, R = P.unflatten(0, (z, -1)), R.unflatten(0, (z, -1))
+    states = R.new_empty((P.size(1) + 1, *h0.shape))
+    states[0] = h0
+    for i in range(P.size(1)):
+        torch.baddbmm(R[:, i], P[:, i], states[i], out=states[i + 1])
+    return states
+
+
+def chunk_major(states: torch.Tensor) -> torch.Tensor:
+    """[n, z, dk, dv] (scan order) -> [z n, dk, dv] (the order of the chunks)."""
+    return states.transpose(0, 1).reshape(-1, *states.shape[2:])
+
+
+class ChunkGatedDelta(torch.autograd.Function):
+    """(q, k, v, g, beta, h0) as in the module docstring -> (o [N, C, dv], final state [z, dk, dv]), fp32.
+
+    Kept for the backward besides the inputs and chunk states: D, KD, M, T, W, U0, U, P
+    (recomputing them took about a third of the backward; 3 [C, C] and 4 [C, d] per chunk,
+    still a fraction of what autograd kept)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0):
+        heads = Heads(q.size(0), v.size(0), v.size(0) // h0.size(0))
+        it = Intra(q, k, v, g, beta, heads)
+        P, R = it.transition()
+        states = scan_states(P, R, h0)
+        S = chunk_major(states[:-1])                                   # chunk-start states [N, dk, dv]
+        U = torch.baddbmm(it.U0, it.W, S, alpha=-1)                    # U0 - W S
+        o = torch.baddbmm(it.M @ U, heads.per_value(q, it.gam.unsqueeze(-1)), S)  # M U + (q Gam) S
+        ctx.save_for_backward(q, k, v, g, beta, states, it.D, it.KD, it.M, it.T, it.W, it.U0, U, P)
+        return o, states[-1].clone()
+
+    def backward(ctx, dO, dfinal):
+        q, k, v, g, beta, states, D, KD, M, T, W, U0, U, P = ctx.saved_tensors
+        heads = Heads(q.size(0), v.size(0), v.size(0) // states.size(1))
+        gam_, tail_ = decays(g)
+        Kt = heads.per_value(k, tail_.unsqueeze(-1))
+        S = chunk_major(states[:-1])
+        gam, bg = gam_.unsqueeze(-1), (beta * gam_).unsqueeze(-1)
+        # reverse scan: dS_i = Qs_i^T dO_i + P_i^T dS_{i+1}, with Qs = q Gam - M W
+        Qg = heads.per_value(q, gam)                                      # q Gam [N, C, dk]
+        Y = M.mT @ dO                                               # [N, C, dv]
+        X = torch.baddbmm(Qg.mT @ dO, W.mT, Y, alpha=-1)            # [N, dk, dv]
+        z = states.size(1)
+        P, X = P.unflatten(0, (z, -1)), X.unflatten(0, (z, -1))
+        dS = torch.empty_like(states)                                  # [n + 1, z, dk, dv]
+        dS[-1] = 0 if dfinal is None else dfinal
+        for i in range(P.size(1) - 1, -1, -1):
+            torch.baddbmm(X[:, i], P[:, i].mT, dS[i + 1], out=dS[i])
+        dSe = chunk_major(dS[1:])                                      # d(end states) [N, dk, dv]
+        dU = torch.baddbmm(Y, Kt, dSe)                              # [N, C, dv]
+        dQg = dO @ S.mT                                                # [N, C, dk]
+        dM = dO @ U.mT                                                 # [N, C, C]
+        dKt = U @ dSe.mT                                               # [N, C, dk]
+        dgam_end = (dSe * S).sum((-1, -2))                             # d Gam_C [N]
+        dW = (dU @ S.mT).neg_()
+        # through W = T Kb, U0 = T Vb and T = (I + A)^-1: dT = dW Kb^T + dU Vb^T and
+        # dA = -T^T dT T^T = -(T^T dW) W^T - (T^T dU) U0^T, two [C, d] x [d, C] products
+        dKb, dVb = T.mT @ dW, T.mT @ dU
+        dA = torch.baddbmm(dKb @ W.mT, dVb, U0.mT).neg_()
+        dA.diagonal(dim1=-2, dim2=-1).zero_()                          # A is strictly lower
+        # through A = beta (k k^T) D and M = (q k^T) D
+        kv = heads.per_value(k)
+        dKb_k = (dKb * kv).sum(-1)                                     # sum_d dKb k, per token
+        dbeta = (dA * KD).sum(-1) + dKb_k * gam_ + (dVb * v).sum(-1)
+        dA.mul_(beta.unsqueeze(-1))                                    # d(k k^T D)
+        E = (dA * KD).addcmul_(dM, M)                            # dD * D
+        dG = E.sum(-1) - E.sum(-2)
+        dv = dVb * beta.unsqueeze(-1)
+        dKK, dQK = heads.per_key(dA.mul_(D)), heads.per_key(dM.mul_(D))  # [Nk, C, C]
+        dG += dKb_k * beta * gam_ + (dQg * Qg).sum(-1)
+        de = (dKt * kv).sum(-1) * tail_                              # through exp(G_C - G_j)
+        dG -= de
+        dG[:, -1] += de.sum(-1) + dgam_end * gam_[:, -1]
+        dg = dG.flip(-1).cumsum(-1).flip(-1)                           # G = cumsum(g)
+        dk = torch.baddbmm(torch.baddbmm(dKK @ k, dKK.mT, k), dQK.mT, q)
+        dk += heads.per_key(dKb.mul_(bg).addcmul_(dKt, tail_.unsqueeze(-1)))
+        dq = torch.baddbmm(heads.per_key(dQg.mul_(gam)), dQK, k)
+        return dq, dk, dv, dg, dbeta, dS[0]
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, chunk_size: int = 64):
+    """The op on the package's layout (delta_rule.py): q, k [b, t, hk, dk], v [b, t, hv, dv],
+    g, beta [b, t, hv] -> (o [b, t, hv, dv] in v's dtype, final state [b, hv, dk, dv] fp32)."""
+    from megamoe.layers.linear_attention.delta_rule import prepare
+
+    dtype = v.dtype
+    b, t, hv, dv = v.shape
+    dk = q.size(-1)
+    q, k, v, g, beta, h0 = prepare(q, k, v, g, beta, scale, initial_state, expand=False)  # [b, h, t, d]
+    C = chunk_size
+    pad = -t % C
+    if pad:  # zero k, v, beta and g leave the state untouched
+        q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
+    n = (t + pad) // C
+    chunks = lambda x: x.reshape(-1, C, x.size(-1))  # noqa: E731  [b, h, n C, d] -> [b h n, C, d]
+    o, final = ChunkGatedDelta.apply(chunks(q), chunks(k), chunks(v), g.reshape(-1, C), beta.reshape(-1, C),
+                                     h0.reshape(b * hv, dk, dv))
+    o = o.view(b, hv, n * C, dv)[:, :, :t].transpose(1, 2)
+    return o.to(dtype), final.view(b, hv, dk, dv)
