@@ -29,9 +29,9 @@ class _RMSNormFn(torch.autograd.Function):
         xf = x.to(ctx.dtype)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         w = weight.to(ctx.dtype) + 1.0 if zero_centered else weight.to(ctx.dtype)
-        out = xf * rstd * w
+        out = (xf * rstd).mul_(w)
         if gate is not None:
-            out = out * _GATES[act][0](gate.to(ctx.dtype))
+            out.mul_(_GATES[act][0](gate.to(ctx.dtype)))
         ctx.save_for_backward(x, weight, rstd, gate)
         ctx.zero_centered, ctx.act = zero_centered, act
         return out.to(x.dtype)
@@ -46,11 +46,12 @@ class _RMSNormFn(torch.autograd.Function):
         if gate is not None:
             fn, fn_backward = _GATES[ctx.act]
             gf = gate.to(ctx.dtype)
-            dgate = fn_backward(dn * (xhat * w), gf).to(gate.dtype)
+            dgate = fn_backward(dn * xhat * w, gf).to(gate.dtype)
             dn = dn * fn(gf)
         dweight = (dn * xhat).reshape(-1, xhat.size(-1)).sum(0).to(weight.dtype)
         dxhat = dn * w
-        dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+        mean = torch.linalg.vecdot(dxhat, xhat).unsqueeze_(-1).div_(xhat.size(-1))
+        dx = torch.addcmul(dxhat, xhat, mean, value=-1.0).mul_(rstd)  # rstd (dxhat - xhat mean)
         return dx.to(x.dtype), dweight, None, None, dgate, None
 
 

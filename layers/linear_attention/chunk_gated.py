@@ -123,9 +123,14 @@ class Intra:
 
     def transition(self):
         """P = Gam_C I - Kt^T W [N, dk, dk] and R = Kt^T U0 [N, dk, dv]."""
-        P = (self.Kt.mT @ self.W).neg_()
-        P.diagonal(dim1=-2, dim2=-1).add_(self.gam[:, -1:])
-        return P, self.Kt.mT @ self.U0
+        return transition_matrix(self.Kt, self.W, self.gam), self.Kt.mT @ self.U0
+
+
+def transition_matrix(Kt: torch.Tensor, W: torch.Tensor, gam: torch.Tensor) -> torch.Tensor:
+    """P = Gam_C I - Kt^T W [N, dk, dk]: what a chunk does to the state it starts from."""
+    P = (Kt.mT @ W).neg_()
+    P.diagonal(dim1=-2, dim2=-1).add_(gam[:, -1:])
+    return P
 
 
 def scan_states(P: torch.Tensor, R: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
@@ -148,9 +153,9 @@ def chunk_major(states: torch.Tensor) -> torch.Tensor:
 class ChunkGatedDelta(torch.autograd.Function):
     """(q, k, v, g, beta, h0) as in the module docstring -> (o [N, C, dv], final state [z, dk, dv]), fp32.
 
-    Kept for the backward besides the inputs and chunk states: D, KD, M, T, W, U0, U, P
-    (recomputing them took about a third of the backward; 3 [C, C] and 4 [C, d] per chunk,
-    still a fraction of what autograd kept)."""
+    Kept for the backward besides the inputs and the chunk-start states S: D, KD, M, T, W, U0, U
+    (recomputing them took about a third of the backward; 3 [C, C] and 3 [C, d] per chunk,
+    a fraction of what autograd kept). P, [dk, dk] per chunk, is recomputed."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0):
@@ -161,23 +166,24 @@ class ChunkGatedDelta(torch.autograd.Function):
         S = chunk_major(states[:-1])                                   # chunk-start states [N, dk, dv]
         U = torch.baddbmm(it.U0, it.W, S, alpha=-1)                    # U0 - W S
         o = torch.baddbmm(it.M @ U, heads.per_value(q, it.gam.unsqueeze(-1)), S)  # M U + (q Gam) S
-        ctx.save_for_backward(q, k, v, g, beta, states, it.D, it.KD, it.M, it.T, it.W, it.U0, U, P)
+        ctx.z = h0.size(0)
+        ctx.save_for_backward(q, k, v, g, beta, S, it.D, it.KD, it.M, it.T, it.W, it.U0, U)
         return o, states[-1].clone()
 
     def backward(ctx, dO, dfinal):
-        q, k, v, g, beta, states, D, KD, M, T, W, U0, U, P = ctx.saved_tensors
-        heads = Heads(q.size(0), v.size(0), v.size(0) // states.size(1))
+        q, k, v, g, beta, S, D, KD, M, T, W, U0, U = ctx.saved_tensors
+        dO = dO.contiguous()  # arrives as a transposed view; four products read it
+        z, heads = ctx.z, Heads(q.size(0), v.size(0), v.size(0) // ctx.z)
         gam_, tail_ = decays(g)
         Kt = heads.per_value(k, tail_.unsqueeze(-1))
-        S = chunk_major(states[:-1])
+        P = transition_matrix(Kt, W, gam_)
         gam, bg = gam_.unsqueeze(-1), (beta * gam_).unsqueeze(-1)
         # reverse scan: dS_i = Qs_i^T dO_i + P_i^T dS_{i+1}, with Qs = q Gam - M W
         Qg = heads.per_value(q, gam)                                      # q Gam [N, C, dk]
         Y = M.mT @ dO                                               # [N, C, dv]
         X = torch.baddbmm(Qg.mT @ dO, W.mT, Y, alpha=-1)            # [N, dk, dv]
-        z = states.size(1)
         P, X = P.unflatten(0, (z, -1)), X.unflatten(0, (z, -1))
-        dS = torch.empty_like(states)                                  # [n + 1, z, dk, dv]
+        dS = S.new_empty((P.size(1) + 1, z, *S.shape[1:]))             # [n + 1, z, dk, dv]
         dS[-1] = 0 if dfinal is None else dfinal
         for i in range(P.size(1) - 1, -1, -1):
             torch.baddbmm(X[:, i], P[:, i].mT, dS[i + 1], out=dS[i])
