@@ -40,10 +40,15 @@ def test_merged_model_equals_adapter_model_and_unmerge_restores():
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["per_expert", "shared"])
-def test_expert_adapters_match_merged_weights_reference(shared):
-    """The grouped low-rank maths == the reference kernel on W + s B A, outputs and gradients."""
+@pytest.mark.parametrize("impl", ["loop", "autograd"])
+@pytest.mark.parametrize("limit", [0.8, None], ids=["limit", "nolimit"])
+def test_expert_adapters_match_merged_weights_reference(shared, impl, limit):
+    """Both implementations of the grouped low-rank maths == the reference kernel on W + s B A,
+    outputs and gradients (x, the four factors, the routing probs and, unfrozen, the weights)."""
     from megamoe.layers.grouped_gemm import swiglu_experts_reference
-    from megamoe.lora.experts import ExpertLoRA, lora_swiglu_experts, merged_weights
+    from megamoe.lora.experts import ExpertLoRA, lora_swiglu_experts, lora_swiglu_experts_autograd, merged_weights
+
+    kernel = lora_swiglu_experts if impl == "loop" else lora_swiglu_experts_autograd
 
     gen = torch.Generator().manual_seed(0)
     e, h, f, r, n = 3, 12, 10, 4, 9
@@ -56,18 +61,26 @@ def test_expert_adapters_match_merged_weights_reference(shared):
     factors = [rnd(*lead, r, h), rnd(*lead, 2 * f, r), rnd(*lead, r, f), rnd(*lead, h, r)]
     counts = [5, 0, 8]  # an expert without rows
     idx = torch.randint(0, n, (13,), generator=gen)
-    probs = torch.rand(13, generator=gen)
+    probs = torch.rand(13, generator=gen).requires_grad_(True)
     grad_out = torch.randn(n, h, generator=gen)
     lora = ExpertLoRA(*factors, scale=1.5)
 
-    out = lora_swiglu_experts(x, idx, counts, probs, w1.detach(), w2.detach(), lora, n, limit=0.8)
-    got = torch.autograd.grad((out * grad_out).sum(), [x, *factors])
+    out = kernel(x, idx, counts, probs, w1.detach(), w2.detach(), lora, n, limit=limit)
+    got = torch.autograd.grad((out * grad_out).sum(), [x, probs, *factors])
     m1, m2 = merged_weights(w1.detach(), w2.detach(), lora)
-    ref = swiglu_experts_reference(x, idx, counts, probs, m1, m2, n, limit=0.8)
-    want = torch.autograd.grad((ref * grad_out).sum(), [x, *factors])
+    ref = swiglu_experts_reference(x, idx, counts, probs, m1, m2, n, limit=limit)
+    want = torch.autograd.grad((ref * grad_out).sum(), [x, probs, *factors])
     assert rel_err(out, ref) <= REL
-    for name, a, b in zip(["x", "A1", "B1", "A2", "B2"], got, want):
+    for name, a, b in zip(["x", "probs", "A1", "B1", "A2", "B2"], got, want):
         assert b.abs().sum() > 0 and rel_err(a, b) <= REL, name
+    # unfrozen base weights: their gradients too
+    out = kernel(x, idx, counts, probs, w1, w2, lora, n, limit=limit)
+    got = torch.autograd.grad((out * grad_out).sum(), [w1, w2])
+    ref = swiglu_experts_reference(x, idx, counts, probs, w1 + (m1 - w1).detach(), w2 + (m2 - w2).detach(), n,
+                                   limit=limit)
+    want = torch.autograd.grad((ref * grad_out).sum(), [w1, w2])
+    for name, a, b in zip(["W1", "W2"], got, want):
+        assert rel_err(a, b) <= REL, name
 
 
 def test_targets_freezing_and_names():

@@ -18,6 +18,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from megamoe.config import GDNConfig, KDAConfig
 from megamoe.layers.linear_attention.chunk_delta import chunk_delta_rule
 
 
@@ -71,16 +72,22 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     hf_gdn, hf_kda = peers()
+    # the chunk lengths the mixers use for these head dims
+    c_gdn = GDNConfig(key_head_dim=args.dim, value_head_dim=args.dim).resolved_chunk_size()
+    c_kda = KDAConfig().chunk_size
     cases = {
-        "gdn": (lambda *x: chunk_delta_rule(*x)[0], lambda *x: hf_gdn(*x[:3], g=x[3], beta=x[4])[0], False),
-        "kda": (lambda *x: chunk_delta_rule(*x)[0], lambda *x: hf_kda(*x[:3], g=x[3], beta=x[4])[0], True),
+        "gdn": (lambda *x: chunk_delta_rule(*x, chunk_size=c_gdn)[0], lambda *x: hf_gdn(*x[:3], g=x[3], beta=x[4])[0],
+                False),
+        "kda": (lambda *x: chunk_delta_rule(*x, chunk_size=c_kda)[0], lambda *x: hf_kda(*x[:3], g=x[3], beta=x[4])[0],
+                True),
     }
     speedups = {}
     for name, (ours, peer, per_channel) in cases.items():
         inputs = make_inputs(args.t, args.heads, args.dim, per_channel)
         t_ours, t_peer, diff = bench(ours, peer, inputs, args.runs)
         speedups[name] = t_peer / t_ours
-        print(f"{name}: T={args.t} H={args.heads} D={args.dim} fwd+bwd median of {args.runs}: "
+        chunk = c_gdn if name == "gdn" else c_kda
+        print(f"{name}: T={args.t} H={args.heads} D={args.dim} chunk={chunk} fwd+bwd median of {args.runs}: "
               f"megamoe {t_ours * 1e3:.1f} ms, transformers {t_peer * 1e3:.1f} ms, "
               f"speedup {speedups[name]:.2f}x (max abs diff of output and grads {diff:.1e})")
     print(f"gdn_speedup_vs_hf={speedups['gdn']:.2f} kda_speedup_vs_hf={speedups['kda']:.2f}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Training-step throughput and memory: megamoe against transformers' Qwen3-Next, same weights.
 
-    python tools/bench_train.py [--runs 5] [--seq 512] [--batch 2] [--recompute core]
+    python tools/bench_train.py [--runs 5] [--seq 512] [--batch 2] [--recompute mlp]
 
 The peer (/work/shared/BENCHMARKS.md): ``Qwen3NextForCausalLM`` (experts on grouped_mm,
 sdpa attention, GDN on its torch chunk fallback), fp32, batch 2 x 512, vocab 1000, random
@@ -90,7 +90,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="alternating processes per side")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--recompute", default="", help="megamoe's train.recompute parts, comma-separated (e.g. core)")
+    p.add_argument("--recompute", default="", help="megamoe's train.recompute parts, comma-separated (e.g. mlp)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = Path(tmp) / "qwen3_next"

@@ -12,6 +12,11 @@ holds its experts' slices (and under ETP its f-slice of B1's rows and A2's colum
 down term is a partial sum over ETP exactly like the base output. The low-rank terms are
 computed on the rows, never as a merged weight: memory is that of the rows, and the frozen
 weights get no gradient. ``merged_weights`` is the definition (merge and the tests use it).
+
+Two implementations: ``_LoopLoRAExperts``, the per-expert loop of the base ``loop`` kernel with
+the low-rank products added to each expert's GEMMs and a hand-written backward (CPU, and
+wherever torch's grouped GEMM is not usable), and plain autograd over whole-batch products
+(``lora_swiglu_experts_autograd``: with adapter dropout, or grouped GEMMs on accelerators).
 """
 from __future__ import annotations
 
@@ -70,6 +75,18 @@ def lora_swiglu_experts(x, idx, counts: Sequence[int], probs, w1, w2, lora: Expe
 
     x [N, h], idx [S], counts [E] ints, probs [S] | None, w1 [E, 2f, h], w2 [E, h, f] -> [out_rows, h].
     """
+    dropped = lora.dropout > 0 and lora.training
+    if dropped or _grouped_mm_ok(x, w1):
+        return lora_swiglu_experts_autograd(x, idx, counts, probs, w1, w2, lora, out_rows, limit)
+    if probs is not None:
+        probs = probs.to(x.dtype)
+    return _LoopLoRAExperts.apply(x, idx, probs, w1, w2, lora.a1, lora.b1, lora.a2, lora.b2, list(counts), out_rows,
+                                  limit, lora.scale)
+
+
+def lora_swiglu_experts_autograd(x, idx, counts: Sequence[int], probs, w1, w2, lora: ExpertLoRA, out_rows: int,
+                                 limit: float | None = None) -> torch.Tensor:
+    """The same maths as whole-batch products under autograd (dropout, grouped GEMMs)."""
     rows = x.index_select(0, idx)
     gate_up = expert_linear(rows, w1, counts) + lora.low_rank(rows, lora.a1, lora.b1, counts)
     gate, up = clamp_gate_up(*gate_up.chunk(2, dim=-1), limit)
@@ -85,3 +102,96 @@ def merged_weights(w1: torch.Tensor, w2: torch.Tensor, lora: ExpertLoRA) -> tupl
     d1 = torch.matmul(lora.b1.float(), lora.a1.float()) * lora.scale  # [E|1, 2f, h]
     d2 = torch.matmul(lora.b2.float(), lora.a2.float()) * lora.scale
     return w1.float() + d1, w2.float() + d2
+
+
+class _LoopLoRAExperts(torch.autograd.Function):
+    """Per expert e on its rows xr [n, h] (A, B the expert's factors or the shared pair)::
+
+        pre = xr W1^T + s (xr A1^T) B1^T          act = silu(gate) up (* prob)
+        y   = act W2^T + s (act A2^T) B2^T        out[rows] += y
+
+    Saves the gate|up pre-activations and the two rank-r products ``xr A1^T`` [S, r] and
+    ``act A2^T`` [S, r]; the frozen weights get a gradient only if they require one."""
+
+    @staticmethod
+    def forward(ctx, x, idx, probs, w1, w2, a1, b1, a2, b2, counts, out_rows, limit, scale):
+        per_expert = a1.dim() == 3
+        fac = (lambda t, e: t[e]) if per_expert else (lambda t, e: t)  # noqa: E731
+        out = x.new_zeros(out_rows, x.size(-1))
+        pre = x.new_empty(idx.numel(), w1.size(1))
+        xa = x.new_empty(idx.numel(), a1.size(-2))
+        aa = x.new_empty(idx.numel(), a2.size(-2))
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sl = slice(start, start + n)
+            rows = idx[sl]
+            xr = x.index_select(0, rows)
+            torch.mm(xr, fac(a1, e).t(), out=xa[sl])
+            gu = torch.mm(xr, w1[e].t(), out=pre[sl]).addmm_(xa[sl], fac(b1, e).t(), alpha=scale)
+            gate, up = gu.chunk(2, dim=-1)
+            if limit is not None:
+                gate.clamp_(max=limit)
+                up.clamp_(-limit, limit)
+            act = F.silu(gate).mul_(up)
+            if probs is not None:
+                act.mul_(probs[sl, None])
+            torch.mm(act, fac(a2, e).t(), out=aa[sl])
+            y = torch.mm(act, w2[e].t()).addmm_(aa[sl], fac(b2, e).t(), alpha=scale)
+            out.index_add_(0, rows, y)
+            start += n
+        ctx.counts, ctx.limit, ctx.scale = counts, limit, scale
+        ctx.save_for_backward(x, idx, probs, w1, w2, a1, b1, a2, b2, pre, xa, aa)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, idx, probs, w1, w2, a1, b1, a2, b2, pre, xa, aa = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        s, per_expert = ctx.scale, a1.dim() == 3
+        fac = (lambda t, e: t[e]) if per_expert else (lambda t, e: t)  # noqa: E731
+        dout = dout.contiguous()
+        dx = torch.zeros_like(x)
+        dprobs = None if probs is None else torch.empty_like(probs)
+        dw1 = torch.zeros_like(w1) if need[3] else None
+        dw2 = torch.zeros_like(w2) if need[4] else None
+        da1, db1, da2, db2 = (torch.zeros_like(t) for t in (a1, b1, a2, b2))
+        start = 0
+        for e, n in enumerate(ctx.counts):
+            if n == 0:
+                continue
+            sl = slice(start, start + n)
+            rows = idx[sl]
+            gate, up = pre[sl].chunk(2, dim=-1)
+            silu = F.silu(gate)
+            act = silu * up
+            dy = dout.index_select(0, rows)
+            # down: y = act_p W2^T + s (act_p A2^T) B2^T, act_p = act * prob
+            dyb = torch.mm(dy, fac(b2, e))                                      # [n, r]
+            d_act = torch.mm(dy, w2[e]).addmm_(dyb, fac(a2, e), alpha=s)        # d act_p
+            if probs is not None:
+                torch.linalg.vecdot(d_act, act, out=dprobs[sl])
+                act.mul_(probs[sl, None])
+                d_act.mul_(probs[sl, None])
+            fac(db2, e).addmm_(dy.t(), aa[sl], alpha=s)
+            fac(da2, e).addmm_(dyb.t(), act, alpha=s)
+            if dw2 is not None:
+                torch.mm(dy.t(), act, out=dw2[e])
+            d_pre = torch.empty_like(pre[sl])
+            d_gate, d_up = d_pre.chunk(2, dim=-1)
+            torch.mul(d_act, silu, out=d_up)
+            torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
+            if ctx.limit is not None:  # clamped entries pass no gradient
+                d_gate.mul_(gate < ctx.limit)
+                d_up.mul_(up.abs() < ctx.limit)
+            # gate|up: pre = xr W1^T + s (xr A1^T) B1^T
+            xr = x.index_select(0, rows)
+            dpb = torch.mm(d_pre, fac(b1, e))                                   # [n, r]
+            fac(db1, e).addmm_(d_pre.t(), xa[sl], alpha=s)
+            fac(da1, e).addmm_(dpb.t(), xr, alpha=s)
+            if dw1 is not None:
+                torch.mm(d_pre.t(), xr, out=dw1[e])
+            dx.index_add_(0, rows, torch.mm(d_pre, w1[e]).addmm_(dpb, fac(a1, e), alpha=s))
+            start += n
+        return dx, None, dprobs, dw1, dw2, da1, db1, da2, db2, None, None, None, None
