@@ -122,6 +122,45 @@ def swiglu_experts_grouped_mm(x, idx, counts: Sequence[int], probs, w1, w2, out_
 
 # ---- per-expert loop with a fused backward -----------------------------------------------
 
+def expert_slices(counts: Sequence[int]):
+    """(expert, slice of its grouped rows) for every expert that has rows."""
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            yield e, slice(start, start + n)
+        start += n
+
+
+def swiglu_recompute(gate_up: torch.Tensor):
+    """(gate, up, silu(gate), silu(gate) * up) from saved pre-activations [n, 2f]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    silu = F.silu(gate)
+    return gate, up, silu, silu * up
+
+
+def swiglu_act_(gate_up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """silu(gate) * up of pre-activations [n, 2f] (clamped in place with a limit) -> [n, f]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if limit is not None:
+        gate.clamp_(max=limit)
+        up.clamp_(-limit, limit)
+    return F.silu(gate).mul_(up)
+
+
+def swiglu_pre_grad(d_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, silu: torch.Tensor,
+                    limit: float | None) -> torch.Tensor:
+    """d(gate|up) [n, 2f] from d(silu(gate) * up) [n, f] (overwritten); clamped entries (saved
+    pre-activations at the bound) pass no gradient."""
+    d_pre = torch.empty(d_act.size(0), 2 * d_act.size(1), dtype=d_act.dtype, device=d_act.device)
+    d_gate, d_up = d_pre.chunk(2, dim=-1)
+    torch.mul(d_act, silu, out=d_up)
+    torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
+    if limit is not None:
+        d_gate.mul_(gate < limit)
+        d_up.mul_(up.abs() < limit)
+    return d_pre
+
+
 class _LoopExperts(torch.autograd.Function):
     """Saves only the gate|up pre-activations [S, 2f]; recomputes the SwiGLU in backward.
     With a ``limit`` the saved pre-activations are the clamped ones: a value at the bound was
@@ -131,22 +170,12 @@ class _LoopExperts(torch.autograd.Function):
     def forward(ctx, x, idx, probs, w1, w2, counts, out_rows, limit):
         out = x.new_zeros(out_rows, x.size(-1))
         pre = x.new_empty(idx.numel(), w1.size(1))  # gate|up pre-activations, grouped rows
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            sl = slice(start, start + n)
+        for e, sl in expert_slices(counts):
             rows = idx[sl]
-            gu = torch.mm(x.index_select(0, rows), w1[e].t(), out=pre[sl])
-            gate, up = gu.chunk(2, dim=-1)
-            if limit is not None:
-                gate.clamp_(max=limit)
-                up.clamp_(-limit, limit)
-            act = F.silu(gate).mul_(up)
+            act = swiglu_act_(torch.mm(x.index_select(0, rows), w1[e].t(), out=pre[sl]), limit)
             if probs is not None:
                 act.mul_(probs[sl, None])
             out.index_add_(0, rows, torch.mm(act, w2[e].t()))
-            start += n
         ctx.counts, ctx.limit = counts, limit
         ctx.save_for_backward(x, idx, probs, w1, w2, pre)
         return out
@@ -159,17 +188,12 @@ class _LoopExperts(torch.autograd.Function):
         # every expert with rows writes its whole weight gradient; only empty ones need zeros
         dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
         dprobs = None if probs is None else torch.empty_like(probs)
-        start = 0
-        for e, n in enumerate(ctx.counts):
-            if n == 0:
-                dw1[e].zero_()
-                dw2[e].zero_()
-                continue
-            sl = slice(start, start + n)
+        for e in (e for e, n in enumerate(ctx.counts) if n == 0):
+            dw1[e].zero_()
+            dw2[e].zero_()
+        for e, sl in expert_slices(ctx.counts):
             rows = idx[sl]
-            gate, up = pre[sl].chunk(2, dim=-1)
-            silu = F.silu(gate)
-            act = silu * up
+            gate, up, silu, act = swiglu_recompute(pre[sl])
             dy = dout.index_select(0, rows)
             d_act = torch.mm(dy, w2[e])  # gradient wrt the (weighted) activation
             if probs is not None:
@@ -179,16 +203,9 @@ class _LoopExperts(torch.autograd.Function):
                 d_act.mul_(p)
             else:
                 torch.mm(dy.t(), act, out=dw2[e])
-            d_pre = torch.empty_like(pre[sl])
-            d_gate, d_up = d_pre.chunk(2, dim=-1)
-            torch.mul(d_act, silu, out=d_up)
-            torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
-            if ctx.limit is not None:  # clamped entries pass no gradient
-                d_gate.mul_(gate < ctx.limit)
-                d_up.mul_(up.abs() < ctx.limit)
+            d_pre = swiglu_pre_grad(d_act, gate, up, silu, ctx.limit)
             torch.mm(d_pre.t(), x.index_select(0, rows), out=dw1[e])
             dx.index_add_(0, rows, torch.mm(d_pre, w1[e]))
-            start += n
         return dx, None, dprobs, dw1, dw2, None, None, None
 
 

@@ -26,7 +26,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from megamoe.layers.grouped_gemm import grouped_mm_support
+from megamoe.layers.grouped_gemm import (expert_slices, grouped_mm_support, swiglu_act_, swiglu_pre_grad,
+                                         swiglu_recompute)
 from megamoe.layers.mlp import clamp_gate_up
 
 
@@ -121,26 +122,17 @@ class _LoopLoRAExperts(torch.autograd.Function):
         pre = x.new_empty(idx.numel(), w1.size(1))
         xa = x.new_empty(idx.numel(), a1.size(-2))
         aa = x.new_empty(idx.numel(), a2.size(-2))
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            sl = slice(start, start + n)
+        for e, sl in expert_slices(counts):
             rows = idx[sl]
             xr = x.index_select(0, rows)
             torch.mm(xr, fac(a1, e).t(), out=xa[sl])
             gu = torch.mm(xr, w1[e].t(), out=pre[sl]).addmm_(xa[sl], fac(b1, e).t(), alpha=scale)
-            gate, up = gu.chunk(2, dim=-1)
-            if limit is not None:
-                gate.clamp_(max=limit)
-                up.clamp_(-limit, limit)
-            act = F.silu(gate).mul_(up)
+            act = swiglu_act_(gu, limit)
             if probs is not None:
                 act.mul_(probs[sl, None])
             torch.mm(act, fac(a2, e).t(), out=aa[sl])
             y = torch.mm(act, w2[e].t()).addmm_(aa[sl], fac(b2, e).t(), alpha=scale)
             out.index_add_(0, rows, y)
-            start += n
         ctx.counts, ctx.limit, ctx.scale = counts, limit, scale
         ctx.save_for_backward(x, idx, probs, w1, w2, a1, b1, a2, b2, pre, xa, aa)
         return out
@@ -157,15 +149,9 @@ class _LoopLoRAExperts(torch.autograd.Function):
         dw1 = torch.zeros_like(w1) if need[3] else None
         dw2 = torch.zeros_like(w2) if need[4] else None
         da1, db1, da2, db2 = (torch.zeros_like(t) for t in (a1, b1, a2, b2))
-        start = 0
-        for e, n in enumerate(ctx.counts):
-            if n == 0:
-                continue
-            sl = slice(start, start + n)
+        for e, sl in expert_slices(ctx.counts):
             rows = idx[sl]
-            gate, up = pre[sl].chunk(2, dim=-1)
-            silu = F.silu(gate)
-            act = silu * up
+            gate, up, silu, act = swiglu_recompute(pre[sl])
             dy = dout.index_select(0, rows)
             # down: y = act_p W2^T + s (act_p A2^T) B2^T, act_p = act * prob
             dyb = torch.mm(dy, fac(b2, e))                                      # [n, r]
@@ -178,13 +164,7 @@ class _LoopLoRAExperts(torch.autograd.Function):
             fac(da2, e).addmm_(dyb.t(), act, alpha=s)
             if dw2 is not None:
                 torch.mm(dy.t(), act, out=dw2[e])
-            d_pre = torch.empty_like(pre[sl])
-            d_gate, d_up = d_pre.chunk(2, dim=-1)
-            torch.mul(d_act, silu, out=d_up)
-            torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
-            if ctx.limit is not None:  # clamped entries pass no gradient
-                d_gate.mul_(gate < ctx.limit)
-                d_up.mul_(up.abs() < ctx.limit)
+            d_pre = swiglu_pre_grad(d_act, gate, up, silu, ctx.limit)
             # gate|up: pre = xr W1^T + s (xr A1^T) B1^T
             xr = x.index_select(0, rows)
             dpb = torch.mm(d_pre, fac(b1, e))                                   # [n, r]
@@ -193,5 +173,4 @@ class _LoopLoRAExperts(torch.autograd.Function):
             if dw1 is not None:
                 torch.mm(d_pre.t(), xr, out=dw1[e])
             dx.index_add_(0, rows, torch.mm(d_pre, w1[e]).addmm_(dpb, fac(a1, e), alpha=s))
-            start += n
         return dx, None, dprobs, dw1, dw2, da1, db1, da2, db2, None, None, None, None
