@@ -21,11 +21,15 @@ k k^T and q k^T are computed once per key head and shared by its value heads.
 Subnormal floats: on CPU every arithmetic operation that reads or makes a subnormal takes a
 micro-code assist (~100x slower), and strong decays (Qwen3-Next initialises per-head rates
 up to 16, i.e. about -20 per token) push most of D, T and W into that range: the op then ran
-3-6x slower. Every factor here is a decay between two positions times O(1) numbers, so the
-op drops, as exact zeros, the decays below exp(UNDERFLOW) and the entries of T whose
-positions are further apart than that (``keep``), and builds T by blocks masked as they
-grow, so no product of kept factors gets near the subnormal range. What is dropped is below
-exp(-20) ~ 2e-9 of a term kept beside it, under fp32 rounding. (GPU kernels flush subnormals.)
+3-6x slower. Every product here is a chain of decays between positions times O(1) numbers,
+so the op drops, as exact zeros, the decays below exp(UNDERFLOW) = exp(-29) and the entries
+of T whose positions are further apart than that, and builds T from 4-token blocks masked as
+they grow: no product of (at most three) kept factors gets below exp(-87), the smallest
+normal float. Each dropped term is below exp(-29) ~ 3e-13 times its O(1) factors. The gradient
+of a log decay is a sum of off-diagonal terms only (d exp(G_i - G_i) / dG = 0), so for a
+head decaying by -20 per token it is itself ~1e-9 and a tighter cut (exp(-20) was tried)
+shows in it at 4e-5; at exp(-29) it matches a float64 recurrence to 1e-6.
+(GPU kernels flush subnormals.)
 """
 from __future__ import annotations
 
@@ -34,8 +38,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-UNDERFLOW = -20.0  # log decays below this are exact zeros (see the module docstring)
-LEAF = 16          # T's diagonal blocks solved directly (the fastest split on CPU)
+# log decays below this are exact zeros: three kept factors multiply to >= exp(-87) > FLT_MIN
+UNDERFLOW = -29.0
+LEAF = 4  # T's diagonal blocks solved directly: paths of at most 3 kept factors inside one
 
 
 def decay_exp(x: torch.Tensor) -> torch.Tensor:
@@ -205,11 +210,15 @@ class ChunkGatedDelta(torch.autograd.Function):
         dbeta = (dA * KD).sum(-1) + dKb_k * gam_ + (dVb * v).sum(-1)
         dA.mul_(beta.unsqueeze(-1))                                    # d(k k^T D)
         E = (dA * KD).addcmul_(dM, M)                            # dD * D
+        # D_ii = exp(0) does not depend on G: its O(1) term would enter both sums below and
+        # cancel only up to rounding, swamping the tiny dG of fast-decaying heads
+        E.diagonal(dim1=-2, dim2=-1).zero_()
         dG = E.sum(-1) - E.sum(-2)
         dv = dVb * beta.unsqueeze(-1)
         dKK, dQK = heads.per_key(dA.mul_(D)), heads.per_key(dM.mul_(D))  # [Nk, C, C]
         dG += dKb_k * beta * gam_ + (dQg * Qg).sum(-1)
         de = (dKt * kv).sum(-1) * tail_                              # through exp(G_C - G_j)
+        de[:, -1] = 0.0                                                # exp(G_C - G_C): constant, as above
         dG -= de
         dG[:, -1] += de.sum(-1) + dgam_end * gam_[:, -1]
         dg = dG.flip(-1).cumsum(-1).flip(-1)                           # G = cumsum(g)
