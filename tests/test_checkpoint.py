@@ -160,10 +160,13 @@ def load_case(ckpt: str, tp: int) -> dict:
 
 
 def test_reshard_tp2_to_dp2(pool, tmp_path):
-    """Saved at TP=2 (DP=1), loaded at TP=1 x DP=2 with ZeRO-1: same weights on every rank,
-    the optimizer state split between the ranks and complete."""
+    """Saved at TP=2 (DP=1), loaded at TP=1 x DP=2 with ZeRO-1: same weights on every rank
+    (the MoE layers' aux-loss-free expert biases, moved by the 3 steps, included), the
+    optimizer state split between the ranks and complete."""
     out = pool(2).run(reshard_case, str(tmp_path), 2, True)[0]
     saved = out["weights"]
+    biases = {n: t for n, t in saved.items() if n.endswith("router.expert_bias")}
+    assert len(biases) == 3 and all(t.dtype == torch.float32 and t.abs().sum() > 0 for t in biases.values())
     ckpt = str(tmp_path / "step_00000003")
     dp2 = pool(2).run(load_case, ckpt, 1)
     for rank_result in dp2:

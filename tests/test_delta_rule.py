@@ -51,7 +51,7 @@ def compare(got, ref) -> dict:
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
-@pytest.mark.parametrize("t,use_h0", [(1, True), (63, False), (64, True), (65, True), (500, True)])
+@pytest.mark.parametrize("t,use_h0", [(1, True), (63, False), (63, True), (64, True), (65, True), (500, True)])
 def test_chunked_and_recurrent_match_naive(per_channel, t, use_h0):
     inputs = make_inputs(t, per_channel, seed=t)
     ref = run_with_grads(naive_delta_rule, inputs, use_h0)

@@ -35,11 +35,13 @@ def x_of(seed: int, t: int = 12) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("letter", ["D", "I"])
-def test_sparse_equals_dense_mask_reference(letter):
-    """Forward, input gradient and every parameter gradient (fp32)."""
+@pytest.mark.parametrize("t", [1, 12, 63, 64, 65])
+def test_sparse_equals_dense_mask_reference(letter, t):
+    """Forward, input gradient and every parameter gradient (fp32), at lengths below, at and
+    above the top-k, the key pool and 64."""
     sparse, dense = build_mixer(letter, model(letter)), build_mixer(letter, model(letter))
     dense.dense_reference = True
-    xs, xd = (x_of(0).requires_grad_(True) for _ in range(2))
+    xs, xd = (x_of(0, t).requires_grad_(True) for _ in range(2))
     ys, yd = full_forward(sparse, xs), full_forward(dense, xd)
     assert rel_err(ys, yd) <= REL
     g = torch.randn(ys.shape, generator=torch.Generator().manual_seed(1))

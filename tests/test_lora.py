@@ -83,6 +83,26 @@ def test_expert_adapters_match_merged_weights_reference(shared, impl, limit):
         assert rel_err(a, b) <= REL, name
 
 
+def test_adapter_dropout_trains_stochastically_and_evaluates_exactly():
+    """dropout > 0: in training two passes differ and adapters (experts' included, through the
+    autograd expert path) get gradients; in eval the model equals the same adapters without dropout."""
+    from megamoe.lora import lora_parameters
+
+    cfg = lora_model_config("GeAe")
+    ids = token_batches(1, 2, 10, cfg.vocab_size)[0]
+    plain = build_lora_model(cfg).eval()
+    dropped = build_lora_model(cfg, dropout=0.5)
+    torch.manual_seed(0)
+    a, b = dropped(ids), dropped(ids)
+    assert rel_err(a, b) > 1e-3
+    a.square().mean().backward()
+    grads = {n: p.grad for n, p in lora_parameters(dropped)}
+    assert all(g is not None for g in grads.values())
+    assert grads["layers.0.mlp.experts.gate_up_lora_A"].abs().sum() > 0
+    with torch.no_grad():
+        assert rel_err(dropped.eval()(ids), plain(ids)) <= REL
+
+
 def test_targets_freezing_and_names():
     from megamoe.lora import LoRAConfig, apply_lora, lora_parameters
     from megamoe.lora.adapters import has_lora

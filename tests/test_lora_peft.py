@@ -61,3 +61,35 @@ def test_peft_export_round_trip_qwen3_next(tmp_path):
     with torch.no_grad():
         merged = load_hf_model(tmp_path / "merged")(input_ids=ids).logits
     assert (ours - merged).abs().max() <= ATOL
+
+
+def test_rslora_scale_and_peft_export(tmp_path):
+    """rsLoRA: the adapters are scaled by alpha / sqrt(rank); the exported adapter says
+    use_rslora and PEFT gives the same logits (per-expert adapters on qwen3_moe's experts)."""
+    import json
+
+    from peft import PeftModel
+
+    from megamoe.convert import from_hf, to_hf
+    from megamoe.convert.verify import load_hf_model
+    from megamoe.lora import LoRAConfig, apply_lora, export_peft
+    from tests.test_convert_qwen import tiny_qwen3_moe
+
+    tiny_qwen3_moe().save_pretrained(tmp_path / "hf")
+    model = from_hf(tmp_path / "hf")
+    to_hf(model, tmp_path / "back")
+    apply_lora(model, LoRAConfig(rank=4, alpha=8, rslora=True))
+    scales = {m.lora_scale for m in model.modules() if hasattr(m, "lora_scale")}
+    assert scales == {8 / 4 ** 0.5}
+    randomize_adapters(model, std=0.2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(ids)
+    export_peft(model, tmp_path / "peft")
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["use_rslora"] is True
+    hf = load_hf_model(tmp_path / "back")
+    with torch.no_grad():
+        base = hf(input_ids=ids).logits
+        theirs = PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()(input_ids=ids).logits
+    assert (ours - base).abs().max() > 1e-2
+    assert (ours - theirs).abs().max() <= ATOL

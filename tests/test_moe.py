@@ -7,6 +7,8 @@ import math
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +85,28 @@ def test_group_limited_routing_by_hand(score_topk, expected):
     weights, idx = select_experts(scores, cfg)
     assert sorted(idx[0].tolist()) == expected
     assert torch.allclose(weights, scores.gather(1, idx) * 2.0)
+
+
+def test_router_runs_in_fp32_in_a_bf16_model():
+    """bf16 weights and activations: logits, scores, routing weights and the expert bias stay fp32."""
+    from megamoe.layers.moe import MoELayer
+    from megamoe.model import build_context
+    from megamoe.parallel.groups import ParallelGroups
+    from megamoe.weights import initialize
+
+    cfg = ModelConfig(hidden_size=H, layout="Ae", params_dtype="bfloat16",
+                      moe=MoEConfig(num_experts=6, top_k=2, moe_ffn_hidden_size=8, expert_bias=True,
+                                    score_function="sigmoid"))
+    layer = MoELayer(cfg.moe, build_context(cfg), 0)
+    initialize(layer, ParallelGroups(), seed=0)
+    x = torch.randn(2 * 5, H, generator=torch.Generator().manual_seed(0)).bfloat16()
+    assert layer.router.weight.dtype == torch.bfloat16 and layer.router.expert_bias.dtype == torch.float32
+    assert layer.router.logits(x).dtype == torch.float32
+    routing = layer.router(x, 2)
+    assert routing.weights.dtype == torch.float32
+    ref = torch.sigmoid(x.float() @ layer.router.weight.float().t())  # the fp32 scores the choice is made on
+    assert torch.equal(routing.idx.sort(-1).values, ref.topk(2, -1).indices.sort(-1).values)
+    assert layer(x.view(2, 5, H)).dtype == torch.bfloat16
 
 
 def test_expert_bias_changes_the_choice_not_the_weight():
@@ -281,3 +305,19 @@ def test_1t_preset_builds_on_meta_fast_and_small():
     assert out["active"] == pytest.approx(active, rel=1e-12) and 30e9 < active < 35e9
     assert out["seconds"] < 30, out
     assert out["rss_mib"] < 2048, out
+
+
+def test_show_model_cli_reports_the_hand_count():
+    """tools/show_model.py prints the 1T preset's layout and budget (built on meta) with the
+    exact totals of the hand count."""
+    from megamoe.recipe import load_recipe
+
+    repo = Path(__file__).resolve().parent.parent
+    t = time.time()
+    out = subprocess.run([sys.executable, str(repo / "tools/show_model.py"), "--config", "moe_1t"], check=True,
+                         capture_output=True, text=True, cwd=repo).stdout
+    seconds = time.time() - t
+    total, active = hand_count_moe_1t(load_recipe("moe_1t").model)
+    assert f"total parameters: {total:,}  active per token: {round(active):,}" in out
+    assert "layers.60     Me" in out and "summary: 1.03T total" in out
+    assert seconds < 30

@@ -12,14 +12,15 @@ def monitored_run(log_dir: str, steps: int) -> list[float]:
     from megamoe.data.synthetic import SyntheticDataset
     from megamoe.training.trainer import Trainer
 
-    recipe = tiny_recipe(ParallelConfig(tp=2, sequence_parallel=True), steps=steps)
+    # TP=2 with SP all-gathers the sequence; EP=2 (on the same two ranks) exchanges tokens all-to-all
+    recipe = tiny_recipe(ParallelConfig(tp=2, sequence_parallel=True, ep=2, etp=1), steps=steps)
     recipe.logging.latency_histograms = True
     recipe.logging.heatmap_interval = 2
     trainer = Trainer(recipe, SyntheticDataset(64, 16, seed=3))
     return [h["loss"] for h in trainer.fit(log_dir)]
 
 
-def test_tensorboard_scalars_and_latency_histograms(pool, tmp_path):
+def test_tensorboard_scalars_heatmaps_and_latency_histograms(pool, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     pool(2).run(monitored_run, str(tmp_path), 4)
@@ -34,6 +35,18 @@ def test_tensorboard_scalars_and_latency_histograms(pool, tmp_path):
     assert {"latency_ms/all_gather/layer0", "latency_ms/all_gather/layer3"} <= set(hist), hist
     h = acc.Histograms("latency_ms/all_gather/layer0")[-1].histogram_value
     assert h.num > 0 and h.min >= 0
+    # the MoE layers' token exchange
+    a2a = [t for t in tags["histograms"] if t.startswith("latency_ms/all_to_all/layer")]
+    assert {"latency_ms/all_to_all/layer0", "latency_ms/all_to_all/layer2", "latency_ms/all_to_all/layer3"} <= set(a2a), a2a
+    assert acc.Histograms("latency_ms/all_to_all/layer0")[-1].histogram_value.num > 0
+    # per-layer expert metrics, and the layers x experts load heatmap every heatmap_interval steps
+    for name in ("imbalance", "router_entropy", "dropped_tokens"):
+        assert any(t.startswith(f"moe/{name}") for t in tags["scalars"]), tags["scalars"]
+    assert "moe/expert_load" in tags["images"], tags["images"]
+    images = acc.Images("moe/expert_load")
+    assert [e.step for e in images] == [2, 4]
+    assert images[-1].height > 0 and images[-1].width > 0
+    assert images[-1].encoded_image_string[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def nan_run(ckpt_dir: str) -> dict:

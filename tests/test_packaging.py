@@ -55,6 +55,28 @@ def test_tools_use_public_package_only():
         assert not bad, f"{p.relative_to(REPO)} imports {sorted(bad)}"
 
 
+def setup_lists() -> dict:
+    """install_requires and extras_require as written in setup.py (literals, not executed)."""
+    for node in ast.walk(ast.parse((REPO / "setup.py").read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup":
+            return {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords
+                    if kw.arg in ("install_requires", "extras_require")}
+    raise AssertionError("setup.py has no setup(...) call")
+
+
+def test_dependencies_and_extras_never_apex():
+    lists = setup_lists()
+    names = {re.split(r"[<>=\[ ]", r)[0] for r in lists["install_requires"]}
+    assert {"torch", "megatron-core", "einops", "safetensors", "omegaconf", "tensorboard", "sentencepiece",
+            "timm", "tqdm"} <= names
+    assert "megatron-core>=0.16.1" in lists["install_requires"]
+    assert not any(r.startswith("torch==") for r in lists["install_requires"])  # the GPU machine has another torch
+    extras = lists["extras_require"]
+    assert {"te", "fla", "hf", "dev"} <= set(extras)
+    everything = [r for reqs in [lists["install_requires"], *extras.values()] for r in reqs]
+    assert not any(re.split(r"[<>=\[ ]", r)[0].lower() == "apex" for r in everything)  # PyPI's apex is another project
+
+
 def test_wheel_installs_mapped_subpackages(tmp_path):
     wheel_dir = tmp_path / "wheel"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",

@@ -83,13 +83,13 @@ def test_tp2_equals_tp1(pool, sp, tied):
     assert len(results[0]) > 10  # every gradient was compared
 
 
-def vocab_ce_case(vocab: int, seed: int = 0) -> dict:
+def vocab_ce_case(vocab: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> dict:
     from megamoe.parallel.cross_entropy import vocab_parallel_cross_entropy
     from megamoe.parallel.groups import build_groups
 
     groups = build_groups(ParallelConfig(tp=2))
     gen = torch.Generator().manual_seed(seed)
-    full = torch.randn(3, 7, vocab, generator=gen, dtype=torch.float64)
+    full = torch.randn(3, 7, vocab, generator=gen, dtype=torch.float64).to(dtype)
     labels = torch.randint(0, vocab, (3, 7), generator=gen)
     labels[0, :3] = -100
     labels[1, 2] = vocab - 1  # the last real entry, next to the padding
@@ -99,7 +99,7 @@ def vocab_ce_case(vocab: int, seed: int = 0) -> dict:
     loss = vocab_parallel_cross_entropy(local, labels, groups.tp, vocab)
     ref_in = full.clone().requires_grad_(True)
     ref = F.cross_entropy(ref_in.transpose(1, 2), labels, ignore_index=-100, reduction="none")
-    w = torch.randn(3, 7, generator=gen, dtype=torch.float64)
+    w = torch.randn(3, 7, generator=gen, dtype=torch.float64).to(dtype)
     (loss * w).sum().backward()
     (ref * w).sum().backward()
     ref_grad_local = torch.cat([ref_in.grad, ref_in.grad.new_zeros(3, 7, padded - vocab)], -1)
@@ -109,7 +109,10 @@ def vocab_ce_case(vocab: int, seed: int = 0) -> dict:
 
 
 @pytest.mark.parametrize("vocab", [64, 37])
-def test_vocab_parallel_cross_entropy(pool, vocab):
-    for errs in pool(2).run(vocab_ce_case, vocab):
-        assert errs["loss"] <= 1e-12 and errs["grad"] <= 1e-12, errs
+@pytest.mark.parametrize("dtype,rel", [(torch.float64, 1e-12), (torch.float32, REL)], ids=["fp64", "fp32"])
+def test_vocab_parallel_cross_entropy(pool, vocab, dtype, rel):
+    """Loss and logit gradient at TP=2 (padding past the vocabulary, ignored labels) against
+    torch's cross-entropy on the full logits: exact in fp64, rel <= 1e-5 in fp32."""
+    for errs in pool(2).run(vocab_ce_case, vocab, 0, dtype):
+        assert errs["loss"] <= rel and errs["grad"] <= rel, errs
         assert errs["ignored_zero"] == 0.0

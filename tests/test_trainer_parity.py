@@ -78,5 +78,7 @@ def test_four_process_tp_ep_pp_matches_single(pool, reference, tmp_path):
     """TP=2 with sequence parallelism x PP=2, experts over EP=2 (expert grid etp1 x ep2)."""
     layout = ParallelConfig(tp=2, pp=2, ep=2, sequence_parallel=True)
     losses = pool(4).run(run_recipe, tiny_recipe(layout), str(tmp_path))
+    assert all(curve == losses[0] for curve in losses)  # every rank reports the same global loss
+    assert len(losses[0]) == len(reference) == STEPS
     diff = max(abs(a - b) for a, b in zip(losses[0], reference))
     assert diff <= TOL, f"tp2-sp x pp2 x ep2: loss curve differs from single-process by {diff:.2e}"
