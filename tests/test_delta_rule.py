@@ -182,15 +182,18 @@ class SubnormalOutputs:
         self.mode, self.counts = Mode(), counts
 
 
-@pytest.mark.parametrize("rate", [3.0, 20.0, 30.0], ids=["fast", "qwen3-next-init", "faster"])
+@pytest.mark.parametrize("rate", [3.0, 16.0, 24.0], ids=["slow", "qwen3-next-init", "faster"])
 def test_per_head_op_makes_no_subnormals(rate):
     """Strong decays (Qwen3-Next initialises rates up to 16: about -20 per token) made most of the
     chunk matrices subnormal, and every CPU operation on a subnormal is ~100x slower. The fused
     per-head op cuts decays below exp(-29) to exact zeros and masks T as it builds it, so no
     operation of its forward or backward writes a subnormal value, and it still equals the naive
     recurrence (the log-decay gradients included, which for such heads are ~1e-9)."""
-    inputs = list(make_inputs(200, False, seed=17, b=2, hk=2, hv=4, dk=32, dv=32))
-    inputs[3] = -rate * torch.rand(inputs[3].shape, generator=torch.Generator().manual_seed(5))
+    inputs = list(make_inputs(200, False, seed=17, b=2, hk=2, hv=4, dk=64, dv=64))
+    # as Gated DeltaNet makes them: g = -A softplus(a + dt_bias), per-head A up to ``rate``
+    gen = torch.Generator().manual_seed(5)
+    A = torch.linspace(1.0, rate, 4)
+    inputs[3] = -A * F.softplus(torch.randn(inputs[3].shape, generator=gen) + 1.0)
     inputs[3][:, ::11] = -0.01  # slow steps among the fast ones
     xs = [x.clone().requires_grad_(True) for x in inputs]
     watch = SubnormalOutputs()

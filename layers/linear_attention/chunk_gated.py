@@ -23,9 +23,10 @@ micro-code assist (~100x slower), and strong decays (Qwen3-Next initialises per-
 up to 16, i.e. about -20 per token) push most of D, T and W into that range: the op then ran
 3-6x slower. Every product here is a chain of decays between positions times O(1) numbers,
 so the op drops, as exact zeros, the decays below exp(UNDERFLOW) = exp(-29) and the entries
-of T whose positions are further apart than that, and builds T from 4-token blocks masked as
-they grow: no product of (at most three) kept factors gets below exp(-87), the smallest
-normal float. Each dropped term is below exp(-29) ~ 3e-13 times its O(1) factors. The gradient
+of T whose positions are further apart than that, builds T from 2-token blocks masked as they
+grow, and sets P = 0 for chunks that decay by more than exp(-58) in all: no product it forms
+has more than two kept factors, so none gets near exp(-87), the smallest normal float (the
+remaining 29 nats are margin for the O(1) factors beside them). Each dropped term is below exp(-29) ~ 3e-13 times its O(1) factors. The gradient
 of a log decay is a sum of off-diagonal terms only (d exp(G_i - G_i) / dG = 0), so for a
 head decaying by -20 per token it is itself ~1e-9 and a tighter cut (exp(-20) was tried)
 shows in it at 4e-5; at exp(-29) it matches a float64 recurrence to 1e-6.
@@ -38,9 +39,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-# log decays below this are exact zeros: three kept factors multiply to >= exp(-87) > FLT_MIN
+# log decays below this are exact zeros: two kept factors multiply to >= exp(-58), far above FLT_MIN
 UNDERFLOW = -29.0
-LEAF = 4  # T's diagonal blocks solved directly: paths of at most 3 kept factors inside one
+LEAF = 2  # T's diagonal blocks solved directly (one kept factor each); larger ones chain more
 
 
 def decay_exp(x: torch.Tensor) -> torch.Tensor:
@@ -120,6 +121,7 @@ class Intra:
         self.KD, self.M = heads.per_value(KK) * self.D, heads.per_value(QK) * self.D
         self.KD.diagonal(dim1=-2, dim2=-1).zero_()                     # A = beta KD is strictly lower
         # every gradient through KD and M is multiplied by D, so none needs masking
+        self.g = g
         self.gam, self.tail = decays(g)
         self.Kt = heads.per_value(k, self.tail.unsqueeze(-1))          # k_j exp(G_C - G_j)
         self.T = unit_lower_inverse(self.KD * beta.unsqueeze(-1), self.D > 0)
@@ -128,12 +130,16 @@ class Intra:
 
     def transition(self):
         """P = Gam_C I - Kt^T W [N, dk, dk] and R = Kt^T U0 [N, dk, dv]."""
-        return transition_matrix(self.Kt, self.W, self.gam), self.Kt.mT @ self.U0
+        return transition_matrix(self.Kt, self.W, self.gam, self.g), self.Kt.mT @ self.U0
 
 
-def transition_matrix(Kt: torch.Tensor, W: torch.Tensor, gam: torch.Tensor) -> torch.Tensor:
-    """P = Gam_C I - Kt^T W [N, dk, dk]: what a chunk does to the state it starts from."""
-    P = (Kt.mT @ W).neg_()
+def transition_matrix(Kt: torch.Tensor, W: torch.Tensor, gam: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """P = Gam_C I - Kt^T W [N, dk, dk]: what a chunk does to the state it starts from. Every
+    term of ``Kt^T W`` is about exp(G_C) (exp(G_C - G_j) times exp(G_j)), so a chunk that decays
+    by more than 2 UNDERFLOW in all forgets its start state: P = 0 there, and the product,
+    which would be made of subnormals, is not formed."""
+    remembers = (g.sum(-1) >= 2 * UNDERFLOW).to(Kt.dtype)          # [N]
+    P = (Kt.mT @ (W * remembers[:, None, None])).neg_()
     P.diagonal(dim1=-2, dim2=-1).add_(gam[:, -1:])
     return P
 
@@ -181,7 +187,7 @@ class ChunkGatedDelta(torch.autograd.Function):
         z, heads = ctx.z, Heads(q.size(0), v.size(0), v.size(0) // ctx.z)
         gam_, tail_ = decays(g)
         Kt = heads.per_value(k, tail_.unsqueeze(-1))
-        P = transition_matrix(Kt, W, gam_)
+        P = transition_matrix(Kt, W, gam_, g)
         gam, bg = gam_.unsqueeze(-1), (beta * gam_).unsqueeze(-1)
         # reverse scan: dS_i = Qs_i^T dO_i + P_i^T dS_{i+1}, with Qs = q Gam - M W
         Qg = heads.per_value(q, gam)                                      # q Gam [N, C, dk]
