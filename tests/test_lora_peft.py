@@ -20,9 +20,22 @@ from tests.lora_utils import randomize_adapters
 ATOL = 1e-4
 
 
-def test_peft_export_round_trip_qwen3_next(tmp_path):
+def assert_peft_matches(ours, ids, tmp_path):
+    """PEFT's adapter (``tmp_path/peft``) on the converted-back HF model (``tmp_path/back``) gives
+    our adapter model's logits, which differ from the base model's (the adapters matter)."""
     from peft import PeftModel
 
+    from megamoe.convert.verify import load_hf_model
+
+    hf = load_hf_model(tmp_path / "back")
+    with torch.no_grad():
+        base = hf(input_ids=ids).logits
+        theirs = PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()(input_ids=ids).logits
+    assert (ours - base).abs().max() > 1e-2
+    assert (ours - theirs).abs().max() <= ATOL
+
+
+def test_peft_export_round_trip_qwen3_next(tmp_path):
     from megamoe.convert import from_hf, to_hf
     from megamoe.convert.verify import load_hf_model
     from megamoe.lora import LoRAConfig, apply_lora, export_peft, lora_parameters, merge
@@ -49,12 +62,7 @@ def test_peft_export_round_trip_qwen3_next(tmp_path):
     export_peft(model, tmp_path / "peft")
     with pytest.raises(CheckpointError, match="unmerged LoRA"):
         to_hf(model, tmp_path / "refused")
-    hf = load_hf_model(tmp_path / "back")
-    with torch.no_grad():
-        base = hf(input_ids=ids).logits
-        theirs = PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()(input_ids=ids).logits
-    assert (ours - base).abs().max() > 1e-2
-    assert (ours - theirs).abs().max() <= ATOL
+    assert_peft_matches(ours, ids, tmp_path)
 
     merge(model)
     to_hf(model, tmp_path / "merged")
@@ -68,10 +76,7 @@ def test_rslora_scale_and_peft_export(tmp_path):
     use_rslora and PEFT gives the same logits (per-expert adapters on qwen3_moe's experts)."""
     import json
 
-    from peft import PeftModel
-
     from megamoe.convert import from_hf, to_hf
-    from megamoe.convert.verify import load_hf_model
     from megamoe.lora import LoRAConfig, apply_lora, export_peft
     from tests.test_convert_qwen import tiny_qwen3_moe
 
@@ -87,9 +92,4 @@ def test_rslora_scale_and_peft_export(tmp_path):
         ours = model(ids)
     export_peft(model, tmp_path / "peft")
     assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["use_rslora"] is True
-    hf = load_hf_model(tmp_path / "back")
-    with torch.no_grad():
-        base = hf(input_ids=ids).logits
-        theirs = PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()(input_ids=ids).logits
-    assert (ours - base).abs().max() > 1e-2
-    assert (ours - theirs).abs().max() <= ATOL
+    assert_peft_matches(ours, ids, tmp_path)
