@@ -1,6 +1,7 @@
 """Training at DP, TP, SP, PP (and combinations) follows the single-process loss curve."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -82,3 +83,16 @@ def test_four_process_tp_ep_pp_matches_single(pool, reference, tmp_path):
     assert len(losses[0]) == len(reference) == STEPS
     diff = max(abs(a - b) for a, b in zip(losses[0], reference))
     assert diff <= TOL, f"tp2-sp x pp2 x ep2: loss curve differs from single-process by {diff:.2e}"
+
+
+def test_interleaved_virtual_stages_match_single(pool, reference, tmp_path):
+    """PP=2 with two virtual stages per rank (interleaved 1F1B over four layout stages): rank 0
+    holds stages 0 and 2, rank 1 stages 1 and 3. The cuts change nothing at pp=1, so the
+    reference is the same model."""
+    recipe = tiny_recipe(ParallelConfig(pp=2, vpp=2))
+    recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, layout="Ge|Ad|Se|Ge"))
+    losses = pool(2).run(run_recipe, recipe, str(tmp_path))
+    assert losses[0] == losses[1]
+    assert len(losses[0]) == len(reference) == STEPS
+    diff = max(abs(a - b) for a, b in zip(losses[0], reference))
+    assert diff <= TOL, f"pp2 x vpp2 interleaved: loss curve differs from single-process by {diff:.2e}"

@@ -42,14 +42,12 @@ class TrainConfig:
     precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     recompute: List[str] = field(default_factory=list)  # any of: layer, mixer, mlp, core
     nan_max_consecutive: int = 5  # skipped non-finite steps in a row before save-and-stop
-    pipeline_schedule: str = "1f1b"  # 1f1b, or interleaved (needs parallel.vpp > 1)
     device: str = "auto"  # auto: cuda if available, else cpu
 
     def validate(self, path: str = "train") -> None:
         for name in ("steps", "micro_batch_size", "global_batch_size", "nan_max_consecutive"):
             check_positive(f"{path}.{name}", getattr(self, name))
         check_choice(f"{path}.precision", self.precision, PRECISIONS)
-        check_choice(f"{path}.pipeline_schedule", self.pipeline_schedule, ("1f1b", "interleaved"))
         check_choice(f"{path}.device", self.device, ("auto", "cpu", "cuda"))
         for part in self.recompute:
             check_choice(f"{path}.recompute", part, ("layer", "mixer", "mlp", "core"))
