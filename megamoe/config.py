@@ -113,7 +113,9 @@ class VisionParallelConfig:
     mode ``replicated``: every rank of the LM's tensor-parallel group encodes all images of its
     batch; ``split``: the images of a batch are divided over that group (balanced by patch
     count) and the projected features all-gathered, so each rank encodes about 1/tp of them.
-    timm encoders are not tensor-parallel: ``tp`` must be 1.
+    ``tp``: 1, or the LM's ``parallel.tp`` to split every attention and MLP block of the
+    encoder over that group (Megatron-style, ``megamoe.vision.tensor_parallel``; mode
+    ``replicated``: the ranks of the group cooperate on every image).
     """
 
     mode: str = "replicated"
@@ -121,8 +123,13 @@ class VisionParallelConfig:
 
     def validate(self, path: str = "model.vision.parallel") -> None:
         check_choice(f"{path}.mode", self.mode, ("replicated", "split"))
-        check(self.tp == 1, f"{path}.tp", self.tp,
-              "timm encoders run data-parallel (mode replicated or split); tensor parallelism is not supported")
+        check_positive(f"{path}.tp", self.tp)
+        check(self.tp == 1 or self.mode == "replicated", f"{path}.mode", self.mode,
+              f"must be replicated with tp={self.tp} (the encoder's tensor-parallel ranks share every image)")
+
+    def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.vision.parallel") -> None:
+        check(self.tp in (1, parallel.tp), f"{path}.tp", self.tp,
+              f"must be 1 or the language model's parallel.tp={parallel.tp} (the encoder splits over its group)")
 
 
 @dataclass
@@ -203,6 +210,7 @@ class VisionConfig:
 
     def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.vision") -> None:
         self.parallel.validate(f"{path}.parallel")
+        self.parallel.validate_parallel(parallel, f"{path}.parallel")
 
 
 @dataclass

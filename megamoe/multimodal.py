@@ -109,7 +109,8 @@ class MultimodalModel(LanguageModel):
         self.vision = None
         if pre_process:
             split = vision_split_group if vision_split_group is not None else self.groups.tp
-            self.vision = VisionTower(cfg.vision, cfg.hidden_size, split_group=split, init_std=cfg.init_std,
+            self.vision = VisionTower(cfg.vision, cfg.hidden_size, split_group=split, tp_group=self.groups.tp,
+                                      init_std=cfg.init_std,
                                       dtype=DTYPES[cfg.params_dtype], device=device)
 
     # ---- pieces -------------------------------------------------------------------------

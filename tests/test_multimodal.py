@@ -191,7 +191,7 @@ def test_vit_plus_language_model_learns_shape_captions():
 
 # ---- split mode over 2 gloo ranks -------------------------------------------------------------
 
-def split_case(sp: bool, num_images: int, seed: int = 0) -> dict:
+def split_case(sp: bool, num_images: int, seed: int = 0, vision_parallel: dict | None = None) -> dict:
     from megamoe.config import ParallelConfig
     from megamoe.model import shift_labels
     from megamoe.parallel.groups import build_groups
@@ -199,8 +199,8 @@ def split_case(sp: bool, num_images: int, seed: int = 0) -> dict:
     from megamoe.weights import finalize_grads
 
     groups = build_groups(ParallelConfig(tp=2, sequence_parallel=sp))
-    cfg = tiny_mm(vision=dict(parallel=C.VisionParallelConfig(mode="split")))
-    ref = build(cfg, seed)
+    cfg = tiny_mm(vision=dict(parallel=C.VisionParallelConfig(**(vision_parallel or dict(mode="split")))))
+    ref = build(tiny_mm(), seed)
     model = build(cfg, seed, groups, sequence_parallel=sp)
     ids, images = batch(seed)
     if num_images == 1:  # only the last image: one rank has nothing to encode
@@ -227,3 +227,14 @@ def test_vision_split_over_tp_ranks_equals_single(pool, sp, num_images):
         bad = {k: v for k, v in errs.items() if v > 1e-5}
         assert not bad, f"rank {rank}: relative errors over 1e-5: {bad}"
     assert sum(k.startswith("grad vision.") for k in results[0]) > 20  # every vision gradient compared
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_vision_tensor_parallel_model_equals_single(pool, sp):
+    """The encoder split over the LM's TP group (model.vision.parallel.tp=2) inside the whole
+    multimodal model: logits, loss and every gradient equal the single-process model's."""
+    results = pool(2).run(split_case, sp, 3, vision_parallel=dict(tp=2))
+    for rank, errs in enumerate(results):
+        bad = {k: v for k, v in errs.items() if v > 1e-5}
+        assert not bad, f"rank {rank}: relative errors over 1e-5: {bad}"
+    assert sum(k.startswith("grad vision.") for k in results[0]) > 20

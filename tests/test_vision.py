@@ -199,7 +199,9 @@ def test_vision_config_errors_are_one_line():
         (dict(image_token_id=-1), r"^model.vision.image_token_id=-1 is invalid: set the id"),
         (dict(image_token_id=50), r"^model.vision.image_token_id=50 is invalid: must be < vocab_size=50"),
         (dict(image_token_id=3, projector="qformer"), r"^model.vision.projector='qformer' is invalid: allowed"),
-        (dict(image_token_id=3, parallel=dict(tp=2)), r"^model.vision.parallel.tp=2 is invalid: timm encoders"),
+        (dict(image_token_id=3, parallel=dict(tp=0)), r"^model.vision.parallel.tp=0 is invalid: must be a positive"),
+        (dict(image_token_id=3, parallel=dict(tp=2, mode="split")),
+         r"^model.vision.parallel.mode='split' is invalid: must be replicated with tp=2"),
         (dict(image_token_id=3, parallel=dict(mode="sharded")), r"^model.vision.parallel.mode='sharded'"),
     ]
     from megamoe.config import VisionParallelConfig

@@ -19,7 +19,8 @@ from torch import nn
 
 from megamoe.config import VisionConfig
 from megamoe.errors import ConfigError
-from megamoe.parallel.sharding import mark_init
+from megamoe.parallel.groups import ParallelGroups
+from megamoe.parallel.sharding import gather_full, mark_init, sharding
 from megamoe.vision.checkpoint import load_encoder_weights
 
 
@@ -49,6 +50,11 @@ def _create(cfg: VisionConfig, path: str):
 def _keep_current(param: torch.Tensor):
     """Init rule that keeps the value the parameter has (timm's seeded init or loaded weights)."""
     return lambda shape, gen: param.detach().clone()
+
+
+def _gather_current(param: torch.Tensor, tp_group):
+    """Init rule for a tensor-parallel piece: the full tensor, gathered from every rank's piece."""
+    return lambda shape, gen: gather_full(param, ParallelGroups(tp=tp_group))
 
 
 class TimmEncoder(nn.Module):
@@ -112,10 +118,12 @@ class TimmEncoder(nn.Module):
             if native:
                 self.model.merger = None
 
-    def mark_init_rules(self) -> None:
-        """``megamoe.weights.initialize`` keeps the encoder's weights as built or loaded."""
+    def mark_init_rules(self, tp_group=None) -> None:
+        """``megamoe.weights.initialize`` keeps the encoder's weights as built or loaded. A rule
+        returns the full tensor: for pieces split over ``tp_group`` it gathers them (a collective;
+        ``initialize`` visits parameters in the same order on every rank)."""
         for p in self.parameters():
-            mark_init(p, _keep_current(p))
+            mark_init(p, _keep_current(p) if not sharding(p) else _gather_current(p, tp_group))
 
     # ---- forward ------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The vision tower: timm encoder + projector, with its own data-parallel placement.
+"""The vision tower: timm encoder + projector, with its own parallel placement.
 
 ``VisionTower(cfg, out_dim)`` maps a list of preprocessed images (each ``[3, H_i, W_i]``,
 sizes may differ) to language-model tokens ``[sum_i n_i, out_dim]`` in image order, where
@@ -12,6 +12,9 @@ batch, i.e. the language model's TP group):
   encodes and projects its own, and the tokens are all-gathered (padded to the largest
   share). Each rank's gradient covers its own images, so every tower parameter is marked
   ``mark_tp_partial_grad`` and ``megamoe.weights.finalize_grads`` sums it over the group.
+
+With ``cfg.parallel.tp > 1`` the encoder's attention and MLP blocks are split over
+``tp_group`` (the language model's TP group) instead, see ``megamoe.vision.tensor_parallel``.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from megamoe.parallel.sharding import mark_tp_partial_grad
 from megamoe.vision.encoder import TimmEncoder
 from megamoe.vision.preprocess import ImagePreprocessor
 from megamoe.vision.projector import PatchMerger, build_projector
+from megamoe.vision.tensor_parallel import shard_encoder
 
 
 def assign_images(token_counts: list[int], ranks: int) -> list[list[int]]:
@@ -44,7 +48,7 @@ def assign_images(token_counts: list[int], ranks: int) -> list[list[int]]:
 class VisionTower(nn.Module):
     """images: list of [3, H, W] -> tokens [N, out_dim]; see the module docstring."""
 
-    def __init__(self, cfg: VisionConfig, out_dim: int, *, split_group=None, init_std: float = 0.02,
+    def __init__(self, cfg: VisionConfig, out_dim: int, *, split_group=None, tp_group=None, init_std: float = 0.02,
                  dtype: torch.dtype = torch.float32, device=None, path: str = "model.vision"):
         super().__init__()
         self.cfg, self.out_dim, self.path = cfg, out_dim, path
@@ -54,7 +58,10 @@ class VisionTower(nn.Module):
         if cfg.weights and not on_meta:
             self.encoder.load(cfg)
         self._adopt_native_merger(loaded=bool(cfg.weights) and not on_meta)
-        self.encoder.mark_init_rules()
+        self.tp_group = tp_group if cfg.parallel.tp > 1 else None
+        if cfg.parallel.tp > 1:  # after loading: the loaded weights are what is split
+            shard_encoder(self.encoder.model, self.tp_group, path)
+        self.encoder.mark_init_rules(self.tp_group)
         if cfg.freeze:
             self.encoder.requires_grad_(False)
         self.split_group = split_group if cfg.parallel.mode == "split" else None

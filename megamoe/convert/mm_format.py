@@ -22,7 +22,7 @@ from megamoe.convert.hf_io import INDEX, write_index, write_sharded
 from megamoe.convert.st_io import nbytes, read_tensor
 from megamoe.errors import CheckpointError
 from megamoe.parallel.groups import ParallelGroups
-from megamoe.parallel.pieces import all_pieces, assemble, my_ranks, piece_key, unchanged
+from megamoe.parallel.pieces import all_pieces, assemble, my_ranks, piece_key, stored_rules, unchanged
 from megamoe.parallel.sharding import Shard, _split_one, split_full
 
 FORMAT = "megamoe-safetensors"
@@ -101,10 +101,11 @@ class ConvertedCheckpoint:
     def load_into(self, targets: list[tuple], groups: ParallelGroups) -> None:
         """targets: (tensor, name, rules); each rank reads its pieces or reassembles."""
         for dest, name, rules in targets:
-            if unchanged(rules, self.sizes, groups):
+            src = stored_rules(rules, "model", name, self.sizes, self.files.__contains__)
+            if src == rules and unchanged(rules, self.sizes, groups):
                 piece = self.read(piece_key("model", name, rules, my_ranks(groups), self.sizes))
             else:
-                piece = split_full(self.full(name, rules), rules, groups)
+                piece = split_full(self.full(name, src), rules, groups)
             if tuple(piece.shape) != tuple(dest.shape):
                 raise CheckpointError(f"{self.path}: tensor {name} has shape {list(piece.shape)}, "
                                       f"the model holds {list(dest.shape)}")

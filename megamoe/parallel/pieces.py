@@ -60,3 +60,12 @@ def assemble(read: Callable[[str], torch.Tensor], kind: str, name: str, rules, s
         return _join_one(parts, rule)
 
     return build(0, {})
+
+
+def stored_rules(rules, kind: str, name: str, sizes: dict[str, int], has_key: Callable[[str], bool]):
+    """The rules a tensor was stored under: the model's, or none when it was stored whole and
+    the model now splits it (a vision tower converted replicated, trained with
+    ``model.vision.parallel.tp > 1``). The whole tensor is then read and split."""
+    if not rules or has_key(piece_key(kind, name, rules, {r.group: 0 for r in rules}, sizes)):
+        return rules
+    return () if has_key(f"{kind}/{name}") else rules

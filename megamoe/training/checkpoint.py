@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from megamoe.errors import CheckpointError
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.pieces import (all_pieces, assemble, layout_sizes, my_ranks, piece_key,
-                                     unchanged)
+                                     stored_rules, unchanged)
 from megamoe.parallel.sharding import sharding, split_full
 
 log = logging.getLogger(__name__)
@@ -203,10 +203,12 @@ def _load_into(path: Path, targets: list[tuple], groups: ParallelGroups, old_siz
     """Load ``targets`` (tensor, kind, name, rules) in place. A tensor split as before is read
     as this rank's own piece; otherwise every old piece is read, the full tensor reassembled
     and the new piece kept. Reads go in batches of about ``batch_bytes`` to bound memory."""
+    stored = set(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
     batch, size = [], 0
-    for target in targets:
+    for dest, kind, name, rules in targets:
+        target = (dest, kind, name, rules, stored_rules(rules, kind, name, old_sizes, stored.__contains__))
         batch.append(target)
-        t, rules = target[0], target[3]
+        t, rules = target[0], target[4]
         pieces = 1 if unchanged(rules, old_sizes, groups) else len(all_pieces(rules, old_sizes))
         size += t.numel() * t.element_size() * pieces
         if size >= batch_bytes:
@@ -219,18 +221,18 @@ def _load_into(path: Path, targets: list[tuple], groups: ParallelGroups, old_siz
 def _load_batch(path: Path, batch: list[tuple], groups: ParallelGroups, old_sizes) -> None:
     request: dict[str, torch.Tensor] = {}
     resharded = []
-    for dest, kind, name, rules in batch:
-        if unchanged(rules, old_sizes, groups):
+    for dest, kind, name, rules, src in batch:
+        if src == rules and unchanged(rules, old_sizes, groups):
             request[piece_key(kind, name, rules, my_ranks(groups), old_sizes)] = dest
             continue
-        resharded.append((dest, kind, name, rules))
-        for combo in all_pieces(rules, old_sizes):
-            request[piece_key(kind, name, rules, combo, old_sizes)] = None
+        resharded.append((dest, kind, name, rules, src))
+        for combo in all_pieces(src, old_sizes):
+            request[piece_key(kind, name, src, combo, old_sizes)] = None
     if resharded:
         _fill_placeholders(path, request)
     _dcp_load(path, request)
-    for dest, kind, name, rules in resharded:
-        piece = split_full(assemble(request.__getitem__, kind, name, rules, old_sizes), rules, groups)
+    for dest, kind, name, rules, src in resharded:
+        piece = split_full(assemble(request.__getitem__, kind, name, src, old_sizes), rules, groups)
         if piece.shape != dest.shape:
             raise CheckpointError(f"{path}: tensor {name} has shape {tuple(piece.shape)} after resharding, "
                                   f"the model holds {tuple(dest.shape)}")
