@@ -163,6 +163,7 @@ def training_checkpoint_case(root: str) -> dict:
         return {"logits": rel_err(logits, whole(ids, images)), "split logits": logits}
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's note on a one-process read
 def test_training_checkpoint_of_a_replicated_tower_resumes_split(pool, tmp_path):
     """... and the split tower's checkpoint reads back in one process (what export-hf does):
     the encoder keeps its split rules with a group of one and reassembles the pieces."""
