@@ -179,3 +179,16 @@ def test_training_checkpoint_of_a_replicated_tower_resumes_split(pool, tmp_path)
     ids, images = batch(0)
     with torch.no_grad():
         assert rel_err(one(ids, images), results[0]["split logits"]) <= 1e-6
+
+
+def test_lora_targets_do_not_depend_on_the_encoder_split():
+    """With the encoder's linears made parallel (vision tp=2), LoRA's default targets ("*")
+    still select the language model's modules only, as with a replicated tower."""
+    from megamoe.lora import LoRAConfig, apply_lora
+    from tests.test_multimodal import build, tiny_mm
+
+    chosen = []
+    for tp in (1, 2):
+        model = apply_lora(build(tiny_mm(vision=dict(parallel=VisionParallelConfig(tp=tp))), 0), LoRAConfig(rank=2))
+        chosen.append(sorted(n for n, _ in model.named_parameters() if "lora_" in n))
+    assert chosen[0] == chosen[1] and chosen[0] and not any(n.startswith("vision.") for n in chosen[0])

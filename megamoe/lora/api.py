@@ -22,8 +22,12 @@ from megamoe.weights import initialize
 
 
 def adaptable_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Every linear role and routed-experts block by name, in model order."""
-    return {name: m for name, m in model.named_modules() if is_adaptable(m) or has_lora(m)}
+    """Every linear role and routed-experts block of the language model by name, in model order.
+    The vision tower (``vision.*``) is not adapted: it trains, freezes or scales its learning
+    rate by ``model.vision``, and its linears are parallel ones only under
+    ``model.vision.parallel.tp > 1``, which must not change what the targets select."""
+    return {name: m for name, m in model.named_modules()
+            if (is_adaptable(m) or has_lora(m)) and not (name == "vision" or name.startswith("vision."))}
 
 
 def _matches(name: str, pattern: str) -> bool:
