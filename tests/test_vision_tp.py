@@ -38,10 +38,9 @@ def vision_config(name: str, tp: int) -> VisionConfig:
 
 def tower_case(names: list[str]) -> dict:
     from megamoe.config import ParallelConfig
-    from megamoe.parallel.groups import build_groups
+    from megamoe.parallel.groups import ParallelGroups, build_groups
     from megamoe.parallel.sharding import gather_full
     from megamoe.vision import VisionTower
-    from megamoe.parallel.groups import ParallelGroups
     from megamoe.weights import finalize_grads, initialize
 
     groups = build_groups(ParallelConfig(tp=2))

@@ -58,10 +58,9 @@ class VisionTower(nn.Module):
         if cfg.weights and not on_meta:
             self.encoder.load(cfg)
         self._adopt_native_merger(loaded=bool(cfg.weights) and not on_meta)
-        self.tp_group = tp_group if cfg.parallel.tp > 1 else None
         if cfg.parallel.tp > 1:  # after loading: the loaded weights are what is split
-            shard_encoder(self.encoder.model, self.tp_group, path)
-        self.encoder.mark_init_rules(self.tp_group)
+            shard_encoder(self.encoder.model, tp_group, path)
+        self.encoder.mark_init_rules(tp_group)  # split pieces gather over it; whole tensors keep theirs
         if cfg.freeze:
             self.encoder.requires_grad_(False)
         self.split_group = split_group if cfg.parallel.mode == "split" else None

@@ -102,7 +102,7 @@ class ConvertedCheckpoint:
         """targets: (tensor, name, rules); each rank reads its pieces or reassembles."""
         for dest, name, rules in targets:
             src = stored_rules(rules, "model", name, self.sizes, self.files.__contains__)
-            if src == rules and unchanged(rules, self.sizes, groups):
+            if unchanged(rules, self.sizes, groups, src):
                 piece = self.read(piece_key("model", name, rules, my_ranks(groups), self.sizes))
             else:
                 piece = split_full(self.full(name, src), rules, groups)

@@ -40,8 +40,11 @@ def all_pieces(rules, sizes: dict[str, int]) -> list[dict[str, int]]:
     return combos
 
 
-def unchanged(rules, old_sizes: dict[str, int], groups: ParallelGroups) -> bool:
-    """The tensor is split now as it was when stored: a rank reads its own piece."""
+def unchanged(rules, old_sizes: dict[str, int], groups: ParallelGroups, stored=None) -> bool:
+    """The tensor is split now as it was when stored: a rank reads its own piece. ``stored``:
+    the rules it was stored under when they may differ from the model's (``stored_rules``)."""
+    if stored is not None and tuple(stored) != tuple(rules):
+        return False
     return all(old_sizes.get(r.group, 1) == groups.size(r.group) for r in rules)
 
 

@@ -203,33 +203,33 @@ def _load_into(path: Path, targets: list[tuple], groups: ParallelGroups, old_siz
     """Load ``targets`` (tensor, kind, name, rules) in place. A tensor split as before is read
     as this rank's own piece; otherwise every old piece is read, the full tensor reassembled
     and the new piece kept. Reads go in batches of about ``batch_bytes`` to bound memory."""
-    stored = set(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    meta = SafeFileSystemReader(str(path)).read_metadata()  # read once: keys for stored_rules, shapes
+    has_key = meta.state_dict_metadata.__contains__
     batch, size = [], 0
     for dest, kind, name, rules in targets:
-        target = (dest, kind, name, rules, stored_rules(rules, kind, name, old_sizes, stored.__contains__))
-        batch.append(target)
-        t, rules = target[0], target[4]
-        pieces = 1 if unchanged(rules, old_sizes, groups) else len(all_pieces(rules, old_sizes))
-        size += t.numel() * t.element_size() * pieces
+        src = stored_rules(rules, kind, name, old_sizes, has_key)
+        batch.append((dest, kind, name, rules, src))
+        pieces = 1 if unchanged(rules, old_sizes, groups, src) else len(all_pieces(src, old_sizes))
+        size += dest.numel() * dest.element_size() * pieces
         if size >= batch_bytes:
-            _load_batch(path, batch, groups, old_sizes)
+            _load_batch(path, batch, groups, old_sizes, meta)
             batch, size = [], 0
     if batch:
-        _load_batch(path, batch, groups, old_sizes)
+        _load_batch(path, batch, groups, old_sizes, meta)
 
 
-def _load_batch(path: Path, batch: list[tuple], groups: ParallelGroups, old_sizes) -> None:
+def _load_batch(path: Path, batch: list[tuple], groups: ParallelGroups, old_sizes, meta) -> None:
     request: dict[str, torch.Tensor] = {}
     resharded = []
     for dest, kind, name, rules, src in batch:
-        if src == rules and unchanged(rules, old_sizes, groups):
+        if unchanged(rules, old_sizes, groups, src):
             request[piece_key(kind, name, rules, my_ranks(groups), old_sizes)] = dest
             continue
         resharded.append((dest, kind, name, rules, src))
         for combo in all_pieces(src, old_sizes):
             request[piece_key(kind, name, src, combo, old_sizes)] = None
     if resharded:
-        _fill_placeholders(path, request)
+        _fill_placeholders(path, request, meta)
     _dcp_load(path, request)
     for dest, kind, name, rules, src in resharded:
         piece = split_full(assemble(request.__getitem__, kind, name, src, old_sizes), rules, groups)
@@ -250,9 +250,10 @@ def _dcp_load(path: Path, request: dict[str, torch.Tensor]) -> None:
         raise CheckpointError(f"{path}: cannot load checkpoint ({first[:300]})") from None
 
 
-def _fill_placeholders(path: Path, request: dict) -> None:
-    """Allocate the request's ``None`` entries with the shapes/dtypes the checkpoint records."""
-    meta = SafeFileSystemReader(str(path)).read_metadata()
+def _fill_placeholders(path: Path, request: dict, meta=None) -> None:
+    """Allocate the request's ``None`` entries with the shapes/dtypes the checkpoint records
+    (``meta``: its DCP metadata when the caller has read it already)."""
+    meta = meta or SafeFileSystemReader(str(path)).read_metadata()
     for key in [k for k, v in request.items() if v is None]:
         entry = meta.state_dict_metadata.get(key)
         if entry is None:
