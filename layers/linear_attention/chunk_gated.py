@@ -1,6 +1,6 @@
 """The chunked gated delta rule with one decay per head (Gated DeltaNet), as one autograd op
 with a hand-written backward that keeps its inputs, the chunk-start states, ``T``, ``W``,
-``U0``, ``U`` and ``P`` and recomputes the rest (autograd through the chunked form kept ~8x more).
+``U0`` and ``U`` and recomputes the rest (autograd through the chunked form kept ~8x more).
 
 Shapes inside: chunks flattened over (batch, head, chunk); value heads share key heads::
 
@@ -13,8 +13,8 @@ D_ij = exp(G_i - G_j) for j <= i; chunk_delta.py derives the WY form)::
 
     A = beta_i (k k^T)_ij D_ij (strictly lower)     M = (q k^T)_ij D_ij (lower)    T = (I + A)^-1
     W = T (beta Gam k),  U0 = T (beta v)             Kt_j = k_j exp(G_C - G_j)
-    S' = (Gam_C I - Kt^T W) S + Kt^T U0              (the only sequential step, on [dk, dk] x [dk, dv])
-    U = U0 - W S;   o = (q Gam) S + M U
+    U = U0 - W S;   S' = Gam_C S + Kt^T U            (the only sequential step: two [C, d] products)
+    o = (q Gam) S + M U
 
 k k^T and q k^T are computed once per key head and shared by its value heads.
 
@@ -24,8 +24,7 @@ up to 16, i.e. about -20 per token) push most of D, T and W into that range: the
 3-6x slower. Every product here is a chain of decays between positions times O(1) numbers,
 so the op drops, as exact zeros, the decays below exp(UNDERFLOW) = exp(-29) and the entries
 of T whose positions are further apart than that, builds T from 2-token blocks masked as they
-grow, and sets P = 0 for chunks that decay by more than exp(-58) in all: no product it forms
-has more than two kept factors, so none gets near exp(-87), the smallest normal float (the
+grow: no product it forms has more than two kept factors, so none gets near exp(-87), the smallest normal float (the
 remaining 29 nats are margin for the O(1) factors beside them). Each dropped term is below exp(-29) ~ 3e-13 times its O(1) factors. The gradient
 of a log decay is a sum of off-diagonal terms only (d exp(G_i - G_i) / dG = 0), so for a
 head decaying by -20 per token it is itself ~1e-9 and a tighter cut (exp(-20) was tried)
@@ -128,36 +127,50 @@ class Intra:
         Kb = heads.per_value(k, (beta * self.gam).unsqueeze(-1))       # beta Gam k [N, C, dk]
         self.W, self.U0 = self.T @ Kb, self.T @ (v * beta.unsqueeze(-1))  # [N, C, dk], [N, C, dv]
 
-    def transition(self):
-        """P = Gam_C I - Kt^T W [N, dk, dk] and R = Kt^T U0 [N, dk, dv]."""
-        return transition_matrix(self.Kt, self.W, self.gam, self.g), self.Kt.mT @ self.U0
 
+def scan_chunks(W: torch.Tensor, U0: torch.Tensor, Kt: torch.Tensor, decay: torch.Tensor, h0: torch.Tensor):
+    """The sequential step, chunk by chunk from S_0 = h0 [z, dk, dv]::
 
-def transition_matrix(Kt: torch.Tensor, W: torch.Tensor, gam: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """P = Gam_C I - Kt^T W [N, dk, dk]: what a chunk does to the state it starts from. Every
-    term of ``Kt^T W`` is about exp(G_C) (exp(G_C - G_j) times exp(G_j)), so a chunk that decays
-    by more than 2 UNDERFLOW in all forgets its start state: P = 0 there, and the product,
-    which would be made of subnormals, is not formed."""
-    remembers = (g.sum(-1) >= 2 * UNDERFLOW).to(Kt.dtype)          # [N]
-    P = (Kt.mT @ (W * remembers[:, None, None])).neg_()
-    P.diagonal(dim1=-2, dim2=-1).add_(gam[:, -1:])
-    return P
+        U_i = U0_i - W_i S_i,    S_{i+1} = Gam_C,i S_i + Kt_i^T U_i
 
-
-def scan_states(P: torch.Tensor, R: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
-    """states[0] = h0, states[i + 1] = P_i states[i] + R_i for P, R [N = z n, ...], h0 [z, dk, dv]
-    -> [n + 1, z, dk, dv] (chunk-major: each step writes one contiguous block)."""
+    W, Kt [N = z n, C, dk], U0 [N, C, dv], decay Gam_C [z n] -> (chunk-start states S
+    [N, dk, dv], U [N, C, dv], both in chunk order, and the final state [z, dk, dv]). Two
+    [C, d] products per step instead of the [dk, dk] transition P = Gam_C I - Kt^T W: forming
+    P and Kt^T U0 for every chunk and U afterwards cost more than the step saved."""
     z = h0.size(0)
-    P, R = P.unflatten(0, (z, -1)), R.unflatten(0, (z, -1))
-    states = R.new_empty((P.size(1) + 1, *h0.shape))
+    n = W.size(0) // z
+    Wz, U0z, Ktz, gz = W.unflatten(0, (z, n)), U0.unflatten(0, (z, n)), Kt.unflatten(0, (z, n)), decay.view(z, n, 1, 1)
+    states = h0.new_empty((n + 1, *h0.shape))                         # scan order: each step one block
+    Us = U0.new_empty((n, z, *U0.shape[1:]))
     states[0] = h0
-    for i in range(P.size(1)):
-        torch.baddbmm(R[:, i], P[:, i], states[i], out=states[i + 1])
-    return states
+    for i in range(n):
+        torch.baddbmm(U0z[:, i], Wz[:, i], states[i], alpha=-1, out=Us[i])
+        torch.baddbmm(states[i] * gz[:, i], Ktz[:, i].mT, Us[i], out=states[i + 1])
+    return chunk_major(states[:-1]), chunk_major(Us), states[-1]
+
+
+def scan_chunks_backward(W, Kt, decay, X, Y, dfinal, z: int):
+    """The reverse of ``scan_chunks``, from d(final state) ``dfinal`` (None: zero)::
+
+        dU_i = Y_i + Kt_i dS_{i+1},    dS_i = X_i + Gam_C,i dS_{i+1} - W_i^T dU_i
+
+    with X = (q Gam)^T dO [N, dk, dv] and Y = M^T dO [N, C, dv], the parts that do not
+    depend on later chunks -> (dS of the chunk-end states [N, dk, dv], dU [N, C, dv] in chunk
+    order, dS_0 [z, dk, dv])."""
+    n = W.size(0) // z
+    Wz, Ktz, gz = W.unflatten(0, (z, n)), Kt.unflatten(0, (z, n)), decay.view(z, n, 1, 1)
+    Xz, Yz = X.unflatten(0, (z, n)), Y.unflatten(0, (z, n))
+    dS = X.new_empty((n + 1, z, *X.shape[1:]))                        # [n + 1, z, dk, dv]
+    dUs = Y.new_empty((n, z, *Y.shape[1:]))
+    dS[-1] = 0 if dfinal is None else dfinal
+    for i in range(n - 1, -1, -1):
+        torch.baddbmm(Yz[:, i], Ktz[:, i], dS[i + 1], out=dUs[i])
+        torch.baddbmm(torch.addcmul(Xz[:, i], dS[i + 1], gz[:, i]), Wz[:, i].mT, dUs[i], alpha=-1, out=dS[i])
+    return chunk_major(dS[1:]), chunk_major(dUs), dS[0]
 
 
 def chunk_major(states: torch.Tensor) -> torch.Tensor:
-    """[n, z, dk, dv] (scan order) -> [z n, dk, dv] (the order of the chunks)."""
+    """[n, z, ...] (scan order) -> [z n, ...] (the order of the chunks)."""
     return states.transpose(0, 1).reshape(-1, *states.shape[2:])
 
 
@@ -166,20 +179,17 @@ class ChunkGatedDelta(torch.autograd.Function):
 
     Kept for the backward besides the inputs and the chunk-start states S: D, KD, M, T, W, U0, U
     (recomputing them took about a third of the backward; 3 [C, C] and 3 [C, d] per chunk,
-    a fraction of what autograd kept). P, [dk, dk] per chunk, is recomputed."""
+    a fraction of what autograd kept)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0):
         heads = Heads(q.size(0), v.size(0), v.size(0) // h0.size(0))
         it = Intra(q, k, v, g, beta, heads)
-        P, R = it.transition()
-        states = scan_states(P, R, h0)
-        S = chunk_major(states[:-1])                                   # chunk-start states [N, dk, dv]
-        U = torch.baddbmm(it.U0, it.W, S, alpha=-1)                    # U0 - W S
+        S, U, final = scan_chunks(it.W, it.U0, it.Kt, it.gam[:, -1], h0)   # S: chunk-start states
         o = torch.baddbmm(it.M @ U, heads.per_value(q, it.gam.unsqueeze(-1)), S)  # M U + (q Gam) S
         ctx.z = h0.size(0)
         ctx.save_for_backward(q, k, v, g, beta, S, it.D, it.KD, it.M, it.T, it.W, it.U0, U)
-        return o, states[-1].clone()
+        return o, final.clone()
 
     def backward(ctx, dO, dfinal):
         q, k, v, g, beta, S, D, KD, M, T, W, U0, U = ctx.saved_tensors
@@ -187,19 +197,9 @@ class ChunkGatedDelta(torch.autograd.Function):
         z, heads = ctx.z, Heads(q.size(0), v.size(0), v.size(0) // ctx.z)
         gam_, tail_ = decays(g)
         Kt = heads.per_value(k, tail_.unsqueeze(-1))
-        P = transition_matrix(Kt, W, gam_, g)
         gam, bg = gam_.unsqueeze(-1), (beta * gam_).unsqueeze(-1)
-        # reverse scan: dS_i = Qs_i^T dO_i + P_i^T dS_{i+1}, with Qs = q Gam - M W
         Qg = heads.per_value(q, gam)                                      # q Gam [N, C, dk]
-        Y = M.mT @ dO                                               # [N, C, dv]
-        X = torch.baddbmm(Qg.mT @ dO, W.mT, Y, alpha=-1)            # [N, dk, dv]
-        P, X = P.unflatten(0, (z, -1)), X.unflatten(0, (z, -1))
-        dS = S.new_empty((P.size(1) + 1, z, *S.shape[1:]))             # [n + 1, z, dk, dv]
-        dS[-1] = 0 if dfinal is None else dfinal
-        for i in range(P.size(1) - 1, -1, -1):
-            torch.baddbmm(X[:, i], P[:, i].mT, dS[i + 1], out=dS[i])
-        dSe = chunk_major(dS[1:])                                      # d(end states) [N, dk, dv]
-        dU = torch.baddbmm(Y, Kt, dSe)                              # [N, C, dv]
+        dSe, dU, dS0 = scan_chunks_backward(W, Kt, gam_[:, -1], Qg.mT @ dO, M.mT @ dO, dfinal, z)
         dQg = dO @ S.mT                                                # [N, C, dk]
         dM = dO @ U.mT                                                 # [N, C, C]
         dKt = U @ dSe.mT                                               # [N, C, dk]
@@ -231,7 +231,7 @@ class ChunkGatedDelta(torch.autograd.Function):
         dk = torch.baddbmm(torch.baddbmm(dKK @ k, dKK.mT, k), dQK.mT, q)
         dk += heads.per_key(dKb.mul_(bg).addcmul_(dKt, tail_.unsqueeze(-1)))
         dq = torch.baddbmm(heads.per_key(dQg.mul_(gam)), dQK, k)
-        return dq, dk, dv, dg, dbeta, dS[0]
+        return dq, dk, dv, dg, dbeta, dS0
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, chunk_size: int = 64):
