@@ -209,6 +209,52 @@ class _LoopExperts(torch.autograd.Function):
         return dx, None, dprobs, dw1, dw2, None, None, None
 
 
+class _SharedSwiGLUAdd(torch.autograd.Function):
+    """``y + p * down(silu(gate x) * up x)`` with ``p = sigmoid(x g^T)`` (or 1): a shared expert
+    added to the routed output. Like the loop kernel it applies ``p`` to the intermediate and
+    saves only the gate|up pre-activations; the output GEMM accumulates into ``y`` (no
+    separate multiply and add over [T, h]) and the backward writes d(gate|up) in one buffer.
+
+    y, x [T, h]; w1 [2f, h]; w2 [h, f]; gate_w [1, h] | None."""
+
+    @staticmethod
+    def forward(ctx, y, x, w1, w2, gate_w, limit):
+        pre = torch.mm(x, w1.t())
+        act = swiglu_act_(pre, limit)
+        p = None if gate_w is None else torch.sigmoid(torch.mm(x, gate_w.t()))  # [T, 1]
+        if p is not None:
+            act.mul_(p)
+        ctx.limit = limit
+        ctx.save_for_backward(x, w1, w2, gate_w, pre, p)
+        return torch.addmm(y, act, w2.t())
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w1, w2, gate_w, pre, p = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dout = dout.contiguous()
+        gate, up, silu, act = swiglu_recompute(pre)
+        d_act = torch.mm(dout, w2)
+        dgate_w = dlogit = None
+        if p is not None:
+            dlogit = torch.linalg.vecdot(d_act, act).unsqueeze_(1).mul_(p * (1 - p))  # d(x g^T)
+            dgate_w = torch.mm(dlogit.t(), x) if need[4] else None
+            act.mul_(p)
+            d_act.mul_(p)
+        dw2 = torch.mm(dout.t(), act) if need[3] else None
+        d_pre = swiglu_pre_grad(d_act, gate, up, silu, ctx.limit)
+        dw1 = torch.mm(d_pre.t(), x) if need[2] else None
+        dx = torch.mm(d_pre, w1)
+        if dlogit is not None:
+            dx.addmm_(dlogit, gate_w)
+        return dout, dx, dw1, dw2, dgate_w, None
+
+
+def shared_swiglu_add(y, x, w1, w2, gate_w=None, limit: float | None = None) -> torch.Tensor:
+    """y + [sigmoid(x gate_w^T)] * SwiGLU(x) for y, x [T, h] (see ``_SharedSwiGLUAdd``)."""
+    return _SharedSwiGLUAdd.apply(y, x, w1, w2, gate_w, limit)
+
+
 def swiglu_experts_loop(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: int,
                         limit: float | None = None) -> torch.Tensor:
     if probs is not None:

@@ -29,7 +29,9 @@ from megamoe.parallel import comm
 from megamoe.parallel.sharding import mark_init, mark_tp_partial_grad, normal_init
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mlp
 from megamoe.layers.dispatch import DISPATCHERS
+from megamoe.layers.grouped_gemm import shared_swiglu_add
 from megamoe.layers.mlp import SwiGLUMLP
+from megamoe.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from megamoe.layers.router import TopKRouter, attach_aux_loss
 
 
@@ -58,12 +60,29 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor, info: ForwardInfo | None = None) -> torch.Tensor:
         out = self.routed(x)
+        if self._fuse_shared(x):
+            fc1, fc2 = self.shared_experts.linear_fc1, self.shared_experts.linear_fc2
+            h = x.size(-1)
+            return shared_swiglu_add(out.reshape(-1, h), x.reshape(-1, h), fc1.weight, fc2.weight, self.shared_gate,
+                                     self.cfg.swiglu_limit).view(x.shape)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_gate is not None:
                 shared = shared * torch.sigmoid(F.linear(x, self.shared_gate))
             out = out + shared
         return out
+
+    def _fuse_shared(self, x: torch.Tensor) -> bool:
+        """The shared expert as one fused op with the routed output (``shared_swiglu_add``)
+        where it is a plain one-rank SwiGLU next to the loop kernel (CPU) outside autocast;
+        under TP, with biases, or with its linears replaced (LoRA, another backend) it runs
+        as modules."""
+        mlp = self.shared_experts
+        if mlp is None or self.tp_size > 1 or torch.is_autocast_enabled(x.device.type):
+            return False
+        fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+        return (type(fc1) is ColumnParallelLinear and type(fc2) is RowParallelLinear and fc1.bias is None
+                and fc2.bias is None and self.experts.resolved_kernel() == "loop")
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' part: [b, s, h] -> [b, s, h] (with its aux losses attached)."""

@@ -321,3 +321,35 @@ def test_show_model_cli_reports_the_hand_count():
     assert f"total parameters: {total:,}  active per token: {round(active):,}" in out
     assert "layers.60     Me" in out and "summary: 1.03T total" in out
     assert seconds < 30
+
+
+@pytest.mark.parametrize("gate", [True, False])
+@pytest.mark.parametrize("limit", [None, 0.05])  # 0.05: about half the pre-activations clamp
+def test_fused_shared_expert_equals_the_modules(gate, limit):
+    """The one-rank shared expert runs fused with the routed output (``shared_swiglu_add``);
+    it must give the modules' result: output and every gradient (shared gate included)."""
+    from megamoe.parallel.linear import ColumnParallelLinear
+
+    fused = moe_layer(num_shared_experts=1, shared_expert_gate=gate, swiglu_limit=limit)
+    assert fused._fuse_shared(torch.zeros(1))
+    plain = moe_layer(num_shared_experts=1, shared_expert_gate=gate, swiglu_limit=limit)
+    plain.load_state_dict(fused.state_dict())
+
+    class Unfused(ColumnParallelLinear):  # any other class of linear takes the module path
+        pass
+
+    plain.shared_experts.linear_fc1.__class__ = Unfused
+    assert not plain._fuse_shared(torch.zeros(1))
+    x = torch.randn(2, 7, H, generator=torch.Generator().manual_seed(3))
+    dy = torch.randn(2, 7, H, generator=torch.Generator().manual_seed(4))
+    outs = []
+    for layer in (fused, plain):
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        y.backward(dy)
+        outs.append((y, xi.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    (y1, dx1, g1), (y2, dx2, g2) = outs
+    assert rel_err(y1, y2) <= 1e-6 and rel_err(dx1, dx2) <= 1e-6
+    assert g1.keys() == g2.keys() and ("shared_gate" in g1) == gate
+    for name in g1:
+        assert rel_err(g1[name], g2[name]) <= 1e-6, name

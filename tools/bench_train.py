@@ -11,9 +11,15 @@ forward+backward steps; sides alternate over ``--rounds`` rounds and the medians
 Memory is the step's peak resident memory above the process's RSS once the model is loaded
 (activations, gradients, workspaces; the weights are the same on both sides); absolute peaks
 are printed too. Last line: ``train_speedup_vs_hf=X peak_mem_ratio_vs_hf=Y``.
+
+Both children run with the same glibc allocator settings (``ALLOCATOR_ENV``): freed memory
+stays in the heap instead of going back to the kernel, so a step does not pay page faults
+for buffers the previous step released. Without them the faults' system time varied from
+25 to 250 ms per step on this machine, and that noise, not either model, decided the ratio.
 """
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -27,6 +33,9 @@ CONFIG = dict(vocab_size=1000, hidden_size=256, num_hidden_layers=8,
               num_experts_per_tok=4, moe_intermediate_size=256, shared_expert_intermediate_size=256,
               intermediate_size=512, norm_topk_prob=True, tie_word_embeddings=False, decoder_sparse_step=1,
               mlp_only_layers=[])
+
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36),
+                 "MALLOC_TOP_PAD_": str(1 << 30)}
 
 CHILD = r"""
 import gc, json, statistics, sys, time
@@ -80,7 +89,7 @@ def save_peer(out: Path) -> None:
 
 def measure(side: str, hf_dir: Path, runs: int, batch: int, seq: int, recompute: str) -> dict:
     out = subprocess.run([sys.executable, "-c", CHILD, side, str(hf_dir), str(runs), str(batch), str(seq), recompute],
-                         check=True, capture_output=True, text=True)
+                         check=True, capture_output=True, text=True, env={**os.environ, **ALLOCATOR_ENV})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -92,6 +92,13 @@ class Heads:
             return xv.expand(-1, self.rep, -1, *x.shape[1:]).reshape(-1, *x.shape[1:])
         return (xv * factor.view(Nk // self.n, self.rep, self.n, *factor.shape[1:])).view(-1, *x.shape[1:])
 
+    def dot_per_value(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """sum over the last dim of x [N, ..., d] times ``per_value(y)`` for y [Nk, ..., d],
+        without materialising the expanded y -> [N, ...]."""
+        Nk = y.size(0)
+        xv = x.view(Nk // self.n, self.rep, self.n, *x.shape[1:])
+        return torch.linalg.vecdot(xv, y.view(Nk // self.n, 1, self.n, *y.shape[1:])).view(x.shape[:-1])
+
     def per_key(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the value heads of each key head: [N, ...] -> [Nk, ...]."""
         if self.rep == 1:
@@ -117,7 +124,7 @@ class Intra:
         # first: an exp with a subnormal result is slow) and above the diagonal
         self.D = F.threshold_(diff.clamp_(UNDERFLOW - 1, 0.0).exp_(), math.exp(UNDERFLOW), 0.0).tril_()
         KK, QK = k @ k.mT, q @ k.mT                                    # [Nk, C, C], per key head
-        self.KD, self.M = heads.per_value(KK) * self.D, heads.per_value(QK) * self.D
+        self.KD, self.M = heads.per_value(KK, self.D), heads.per_value(QK, self.D)
         self.KD.diagonal(dim1=-2, dim2=-1).zero_()                     # A = beta KD is strictly lower
         # every gradient through KD and M is multiplied by D, so none needs masking
         self.g = g
@@ -211,9 +218,8 @@ class ChunkGatedDelta(torch.autograd.Function):
         dA = torch.baddbmm(dKb @ W.mT, dVb, U0.mT).neg_()
         dA.diagonal(dim1=-2, dim2=-1).zero_()                          # A is strictly lower
         # through A = beta (k k^T) D and M = (q k^T) D
-        kv = heads.per_value(k)
-        dKb_k = (dKb * kv).sum(-1)                                     # sum_d dKb k, per token
-        dbeta = (dA * KD).sum(-1) + dKb_k * gam_ + (dVb * v).sum(-1)
+        dKb_k = heads.dot_per_value(dKb, k)                            # sum_d dKb k, per token
+        dbeta = torch.linalg.vecdot(dA, KD) + dKb_k * gam_ + torch.linalg.vecdot(dVb, v)
         dA.mul_(beta.unsqueeze(-1))                                    # d(k k^T D)
         E = (dA * KD).addcmul_(dM, M)                            # dD * D
         # D_ii = exp(0) does not depend on G: its O(1) term would enter both sums below and
@@ -222,8 +228,8 @@ class ChunkGatedDelta(torch.autograd.Function):
         dG = E.sum(-1) - E.sum(-2)
         dv = dVb * beta.unsqueeze(-1)
         dKK, dQK = heads.per_key(dA.mul_(D)), heads.per_key(dM.mul_(D))  # [Nk, C, C]
-        dG += dKb_k * beta * gam_ + (dQg * Qg).sum(-1)
-        de = (dKt * kv).sum(-1) * tail_                              # through exp(G_C - G_j)
+        dG += dKb_k * beta * gam_ + torch.linalg.vecdot(dQg, Qg)
+        de = heads.dot_per_value(dKt, k) * tail_                             # through exp(G_C - G_j)
         de[:, -1] = 0.0                                                # exp(G_C - G_C): constant, as above
         dG -= de
         dG[:, -1] += de.sum(-1) + dgam_end * gam_[:, -1]
