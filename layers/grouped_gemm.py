@@ -161,6 +161,23 @@ def swiglu_pre_grad(d_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, s
     return d_pre
 
 
+def swiglu_rows_backward(dy, pre, w2, p, limit: float | None, dw2=None, dp=None) -> torch.Tensor:
+    """Backward of rows ``down(p * silu(gate) * up)`` from their output gradient dy [n, h], the
+    saved pre-activations [n, 2f], w2 [h, f] and the row weights p [n, 1] | None (the SwiGLU is
+    recomputed). Writes d w2 into ``dw2`` [h, f] and d p into ``dp`` [n] when given; returns
+    d(gate|up) [n, 2f]."""
+    gate, up, silu, act = swiglu_recompute(pre)
+    d_act = torch.mm(dy, w2)  # gradient wrt the (weighted) activation
+    if p is not None:
+        if dp is not None:
+            torch.linalg.vecdot(d_act, act, out=dp)
+        act.mul_(p)
+        d_act.mul_(p)
+    if dw2 is not None:
+        torch.mm(dy.t(), act, out=dw2)
+    return swiglu_pre_grad(d_act, gate, up, silu, limit)
+
+
 class _LoopExperts(torch.autograd.Function):
     """Saves only the gate|up pre-activations [S, 2f]; recomputes the SwiGLU in backward.
     With a ``limit`` the saved pre-activations are the clamped ones: a value at the bound was
@@ -193,17 +210,8 @@ class _LoopExperts(torch.autograd.Function):
             dw2[e].zero_()
         for e, sl in expert_slices(ctx.counts):
             rows = idx[sl]
-            gate, up, silu, act = swiglu_recompute(pre[sl])
-            dy = dout.index_select(0, rows)
-            d_act = torch.mm(dy, w2[e])  # gradient wrt the (weighted) activation
-            if probs is not None:
-                p = probs[sl, None]
-                torch.linalg.vecdot(d_act, act, out=dprobs[sl])
-                torch.mm(dy.t(), act.mul_(p), out=dw2[e])
-                d_act.mul_(p)
-            else:
-                torch.mm(dy.t(), act, out=dw2[e])
-            d_pre = swiglu_pre_grad(d_act, gate, up, silu, ctx.limit)
+            p, dp = (None, None) if probs is None else (probs[sl, None], dprobs[sl])
+            d_pre = swiglu_rows_backward(dout.index_select(0, rows), pre[sl], w2[e], p, ctx.limit, dw2=dw2[e], dp=dp)
             torch.mm(d_pre.t(), x.index_select(0, rows), out=dw1[e])
             dx.index_add_(0, rows, torch.mm(d_pre, w1[e]))
         return dx, None, dprobs, dw1, dw2, None, None, None
@@ -233,19 +241,15 @@ class _SharedSwiGLUAdd(torch.autograd.Function):
         x, w1, w2, gate_w, pre, p = ctx.saved_tensors
         need = ctx.needs_input_grad
         dout = dout.contiguous()
-        gate, up, silu, act = swiglu_recompute(pre)
-        d_act = torch.mm(dout, w2)
-        dgate_w = dlogit = None
-        if p is not None:
-            dlogit = torch.linalg.vecdot(d_act, act).unsqueeze_(1).mul_(p * (1 - p))  # d(x g^T)
-            dgate_w = torch.mm(dlogit.t(), x) if need[4] else None
-            act.mul_(p)
-            d_act.mul_(p)
-        dw2 = torch.mm(dout.t(), act) if need[3] else None
-        d_pre = swiglu_pre_grad(d_act, gate, up, silu, ctx.limit)
+        dw2 = torch.empty_like(w2) if need[3] else None
+        dlogit = None if p is None else p.new_empty(p.size(0))
+        d_pre = swiglu_rows_backward(dout, pre, w2, p, ctx.limit, dw2=dw2, dp=dlogit)
         dw1 = torch.mm(d_pre.t(), x) if need[2] else None
         dx = torch.mm(d_pre, w1)
-        if dlogit is not None:
+        dgate_w = None
+        if p is not None:
+            dlogit = dlogit.unsqueeze_(1).mul_(p * (1 - p))  # d(x g^T)
+            dgate_w = torch.mm(dlogit.t(), x) if need[4] else None
             dx.addmm_(dlogit, gate_w)
         return dout, dx, dw1, dw2, dgate_w, None
 

@@ -24,8 +24,8 @@ up to 16, i.e. about -20 per token) push most of D, T and W into that range: the
 3-6x slower. Every product here is a chain of decays between positions times O(1) numbers,
 so the op drops, as exact zeros, the decays below exp(UNDERFLOW) = exp(-29) and the entries
 of T whose positions are further apart than that, builds T from 2-token blocks masked as they
-grow: no product it forms has more than two kept factors, so none gets near exp(-87), the smallest normal float (the
-remaining 29 nats are margin for the O(1) factors beside them). Each dropped term is below exp(-29) ~ 3e-13 times its O(1) factors. The gradient
+grow: no product it forms has more than two kept factors, so none gets near exp(-87), the
+smallest normal float (the remaining 29 nats are margin for the O(1) factors beside them). Each dropped term is below exp(-29) ~ 3e-13 times its O(1) factors. The gradient
 of a log decay is a sum of off-diagonal terms only (d exp(G_i - G_i) / dG = 0), so for a
 head decaying by -20 per token it is itself ~1e-9 and a tighter cut (exp(-20) was tried)
 shows in it at 4e-5; at exp(-29) it matches a float64 recurrence to 1e-6.
@@ -127,7 +127,6 @@ class Intra:
         self.KD, self.M = heads.per_value(KK, self.D), heads.per_value(QK, self.D)
         self.KD.diagonal(dim1=-2, dim2=-1).zero_()                     # A = beta KD is strictly lower
         # every gradient through KD and M is multiplied by D, so none needs masking
-        self.g = g
         self.gam, self.tail = decays(g)
         self.Kt = heads.per_value(k, self.tail.unsqueeze(-1))          # k_j exp(G_C - G_j)
         self.T = unit_lower_inverse(self.KD * beta.unsqueeze(-1), self.D > 0)
