@@ -23,9 +23,10 @@ Kernels:
 - ``grouped_mm``: torch's grouped GEMM (``F.grouped_mm`` / ``torch._grouped_mm``) over the
   whole permuted batch; availability and dtype support are probed at run time, and widths
   whose rows are not multiples of 16 bytes (which it rejects) run the loop instead.
-- ``loop``: per-expert ``mm`` with a hand-written backward; each expert's rows stay in
-  cache through gather, both GEMMs, the SwiGLU and the scatter, which on CPU is faster
-  than whole-batch passes (see docs/performance.md).
+- ``loop``: per-expert ``mm`` into grouped buffers with a hand-written backward; one gather,
+  one SwiGLU pass (fused by ``megamoe.fusion`` where it is active) and one scatter-add over
+  the whole batch between the GEMM loops. On CPU this beat both torch's grouped GEMM and a
+  per-expert pipeline of small elementwise ops (see docs/performance.md).
 ``auto`` picks ``grouped_mm`` on accelerators where the probe passes, ``loop`` otherwise.
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.errors import ConfigError
+from megamoe.fusion import active as fusion_active, fused
 from megamoe.layers.mlp import clamp_gate_up
 
 KERNELS = ("reference", "grouped_mm", "loop")
@@ -161,77 +163,125 @@ def swiglu_pre_grad(d_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, s
     return d_pre
 
 
-def swiglu_rows_backward(dy, pre, w2, p, limit: float | None, dw2=None, dp=None) -> torch.Tensor:
-    """Backward of rows ``down(p * silu(gate) * up)`` from their output gradient dy [n, h], the
-    saved pre-activations [n, 2f], w2 [h, f] and the row weights p [n, 1] | None (the SwiGLU is
-    recomputed). Writes d w2 into ``dw2`` [h, f] and d p into ``dp`` [n] when given; returns
-    d(gate|up) [n, 2f]."""
-    gate, up, silu, act = swiglu_recompute(pre)
-    d_act = torch.mm(dy, w2)  # gradient wrt the (weighted) activation
+@fused
+def swiglu_weighted(pre: torch.Tensor, p: torch.Tensor | None, limit: float | None) -> torch.Tensor:
+    """Fused: p * silu(gate) * up of pre-activations [n, 2f] (clamped with a limit; ``pre`` is
+    left as it is) and row weights p [n, 1] | None -> [n, f]."""
+    gate, up = clamp_gate_up(*pre.chunk(2, dim=-1), limit)
+    act = F.silu(gate) * up
+    return act if p is None else act * p
+
+
+@fused
+def swiglu_weighted_backward(d_act: torch.Tensor, pre: torch.Tensor, p: torch.Tensor | None, limit: float | None):
+    """Fused backward of ``swiglu_weighted`` from d(output) [n, f] -> (d(gate|up) [n, 2f],
+    d p [n] | None, the output again [n, f] for the down weight's gradient). Clamped entries
+    (at or beyond the bound) pass no gradient."""
+    gate0, up0 = pre.chunk(2, dim=-1)
+    gate, up = clamp_gate_up(gate0, up0, limit)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    act = silu * up
+    dp = None
     if p is not None:
-        if dp is not None:
-            torch.linalg.vecdot(d_act, act, out=dp)
+        dp = (d_act * act).sum(-1)
+        d_act, act = d_act * p, act * p
+    d_up = d_act * silu
+    d_gate = d_act * up * sig * (1 + gate * (1 - sig))
+    if limit is not None:
+        d_gate, d_up = d_gate * (gate0 < limit), d_up * (up0.abs() < limit)
+    return torch.cat([d_gate, d_up], dim=-1), dp, act
+
+
+def swiglu_forward(pre: torch.Tensor, p: torch.Tensor | None, limit: float | None, fuse: bool) -> torch.Tensor:
+    """p * SwiGLU of pre-activations [n, 2f] -> [n, f]: fused, or eagerly in place (a limit then
+    clamps ``pre`` itself, which is what ``swiglu_backward`` expects to find saved)."""
+    if fuse:
+        return swiglu_weighted(pre, p, limit)
+    act = swiglu_act_(pre, limit)
+    return act if p is None else act.mul_(p)
+
+
+def swiglu_backward(d_act: torch.Tensor, pre: torch.Tensor, p: torch.Tensor | None, limit: float | None,
+                    fuse: bool):
+    """Backward of ``swiglu_forward`` (the same ``fuse``) from d(output) [n, f] (overwritten
+    eagerly) -> (d(gate|up) [n, 2f], d p [n] | None, the output [n, f]). The SwiGLU is
+    recomputed from the saved pre-activations."""
+    if fuse:
+        return swiglu_weighted_backward(d_act, pre, p, limit)
+    gate, up, silu, act = swiglu_recompute(pre)
+    dp = None
+    if p is not None:
+        dp = torch.linalg.vecdot(d_act, act)
         act.mul_(p)
         d_act.mul_(p)
-    if dw2 is not None:
-        torch.mm(dy.t(), act, out=dw2)
-    return swiglu_pre_grad(d_act, gate, up, silu, limit)
+    return swiglu_pre_grad(d_act, gate, up, silu, limit), dp, act
 
 
 class _LoopExperts(torch.autograd.Function):
-    """Saves only the gate|up pre-activations [S, 2f]; recomputes the SwiGLU in backward.
-    With a ``limit`` the saved pre-activations are the clamped ones: a value at the bound was
-    clamped (or lay exactly on it, a measure-zero case) and gets no gradient."""
+    """Per-expert GEMMs over the grouped rows, whole-batch SwiGLU passes between them (fused
+    where ``megamoe.fusion`` is active). Saves only the gate|up pre-activations [S, 2f];
+    recomputes the SwiGLU and re-gathers the input rows in backward. Eagerly with a ``limit``
+    the saved pre-activations are the clamped ones: a value at the bound was clamped (or lay
+    exactly on it, a measure-zero case) and gets no gradient; the fused pass clamps on the fly
+    and masks the same entries."""
 
     @staticmethod
     def forward(ctx, x, idx, probs, w1, w2, counts, out_rows, limit):
-        out = x.new_zeros(out_rows, x.size(-1))
-        pre = x.new_empty(idx.numel(), w1.size(1))  # gate|up pre-activations, grouped rows
-        for e, sl in expert_slices(counts):
-            rows = idx[sl]
-            act = swiglu_act_(torch.mm(x.index_select(0, rows), w1[e].t(), out=pre[sl]), limit)
-            if probs is not None:
-                act.mul_(probs[sl, None])
-            out.index_add_(0, rows, torch.mm(act, w2[e].t()))
+        slices = list(expert_slices(counts))
+        rows = x.index_select(0, idx)                 # [S, h] grouped by expert
+        pre = x.new_empty(idx.numel(), w1.size(1))    # gate|up pre-activations [S, 2f]
+        for e, sl in slices:
+            torch.mm(rows[sl], w1[e].t(), out=pre[sl])
+        ctx.fuse = fusion_active(x.device)
+        act = swiglu_forward(pre, None if probs is None else probs[:, None], limit, ctx.fuse)  # [S, f]
+        y = torch.empty_like(rows)
+        for e, sl in slices:
+            torch.mm(act[sl], w2[e].t(), out=y[sl])
         ctx.counts, ctx.limit = counts, limit
         ctx.save_for_backward(x, idx, probs, w1, w2, pre)
-        return out
+        return x.new_zeros(out_rows, x.size(-1)).index_add_(0, idx, y)
 
     @staticmethod
     def backward(ctx, dout):
         x, idx, probs, w1, w2, pre = ctx.saved_tensors
-        dout = dout.contiguous()
-        dx = torch.zeros_like(x)
+        slices = list(expert_slices(ctx.counts))
+        dy = dout.contiguous().index_select(0, idx)   # [S, h]
+        d_act = x.new_empty(idx.numel(), w2.size(2))  # gradient wrt the (weighted) activation
+        for e, sl in slices:
+            torch.mm(dy[sl], w2[e], out=d_act[sl])
+        d_pre, dprobs, act = swiglu_backward(d_act, pre, None if probs is None else probs[:, None], ctx.limit,
+                                             ctx.fuse)
         # every expert with rows writes its whole weight gradient; only empty ones need zeros
         dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
-        dprobs = None if probs is None else torch.empty_like(probs)
         for e in (e for e, n in enumerate(ctx.counts) if n == 0):
             dw1[e].zero_()
             dw2[e].zero_()
-        for e, sl in expert_slices(ctx.counts):
-            rows = idx[sl]
-            p, dp = (None, None) if probs is None else (probs[sl, None], dprobs[sl])
-            d_pre = swiglu_rows_backward(dout.index_select(0, rows), pre[sl], w2[e], p, ctx.limit, dw2=dw2[e], dp=dp)
-            torch.mm(d_pre.t(), x.index_select(0, rows), out=dw1[e])
-            dx.index_add_(0, rows, torch.mm(d_pre, w1[e]))
-        return dx, None, dprobs, dw1, dw2, None, None, None
+        for e, sl in slices:
+            torch.mm(dy[sl].t(), act[sl], out=dw2[e])
+        del dy, act, d_act
+        rows = x.index_select(0, idx)
+        d_rows = torch.empty_like(rows)
+        for e, sl in slices:
+            torch.mm(d_pre[sl].t(), rows[sl], out=dw1[e])
+            torch.mm(d_pre[sl], w1[e], out=d_rows[sl])
+        return torch.zeros_like(x).index_add_(0, idx, d_rows), None, dprobs, dw1, dw2, None, None, None
 
 
 class _SharedSwiGLUAdd(torch.autograd.Function):
     """``y + p * down(silu(gate x) * up x)`` with ``p = sigmoid(x g^T)`` (or 1): a shared expert
     added to the routed output. Like the loop kernel it applies ``p`` to the intermediate and
     saves only the gate|up pre-activations; the output GEMM accumulates into ``y`` (no
-    separate multiply and add over [T, h]) and the backward writes d(gate|up) in one buffer.
+    separate multiply and add over [T, h]).
 
     y, x [T, h]; w1 [2f, h]; w2 [h, f]; gate_w [1, h] | None."""
 
     @staticmethod
     def forward(ctx, y, x, w1, w2, gate_w, limit):
         pre = torch.mm(x, w1.t())
-        act = swiglu_act_(pre, limit)
         p = None if gate_w is None else torch.sigmoid(torch.mm(x, gate_w.t()))  # [T, 1]
-        if p is not None:
-            act.mul_(p)
+        ctx.fuse = fusion_active(x.device)
+        act = swiglu_forward(pre, p, limit, ctx.fuse)
         ctx.limit = limit
         ctx.save_for_backward(x, w1, w2, gate_w, pre, p)
         return torch.addmm(y, act, w2.t())
@@ -241,14 +291,13 @@ class _SharedSwiGLUAdd(torch.autograd.Function):
         x, w1, w2, gate_w, pre, p = ctx.saved_tensors
         need = ctx.needs_input_grad
         dout = dout.contiguous()
-        dw2 = torch.empty_like(w2) if need[3] else None
-        dlogit = None if p is None else p.new_empty(p.size(0))
-        d_pre = swiglu_rows_backward(dout, pre, w2, p, ctx.limit, dw2=dw2, dp=dlogit)
+        d_pre, dp, act = swiglu_backward(torch.mm(dout, w2), pre, p, ctx.limit, ctx.fuse)
+        dw2 = torch.mm(dout.t(), act) if need[3] else None
         dw1 = torch.mm(d_pre.t(), x) if need[2] else None
         dx = torch.mm(d_pre, w1)
         dgate_w = None
         if p is not None:
-            dlogit = dlogit.unsqueeze_(1).mul_(p * (1 - p))  # d(x g^T)
+            dlogit = dp.unsqueeze(1).mul_(p * (1 - p))  # d(x g^T)
             dgate_w = torch.mm(dlogit.t(), x) if need[4] else None
             dx.addmm_(dlogit, gate_w)
         return dout, dx, dw1, dw2, dgate_w, None

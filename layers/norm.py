@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megamoe.fusion import active as fusion_active, fused
 from megamoe.parallel import comm
 from megamoe.parallel.groups import group_size
 from megamoe.parallel.sharding import Shard, const_init, mark_init, mark_tp_partial_grad, set_sharding
@@ -19,33 +20,80 @@ _GATES = {"silu": (torch.nn.functional.silu, torch.ops.aten.silu_backward),
           "sigmoid": (torch.sigmoid, lambda dy, g: dy * torch.sigmoid(g) * (1 - torch.sigmoid(g)))}
 
 
+def _gate_grad(dy, gate, act: str):
+    """d act(gate) / d gate times dy, from the gate alone (fp32)."""
+    sig = torch.sigmoid(gate)
+    return dy * sig * (1 + gate * (1 - sig)) if act == "silu" else dy * sig * (1 - sig)
+
+
+@fused
+def _norm_fused(x, weight, gate, eps: float, zero_centered: bool, act: str):
+    """Fused forward -> (out in x's dtype, 1/rms [..., 1] fp32 at least)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(dtype)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.to(dtype) + 1.0 if zero_centered else weight.to(dtype)
+    out = xf * rstd * w
+    if gate is not None:
+        out = out * _GATES[act][0](gate.to(dtype))
+    return out.to(x.dtype), rstd
+
+
+@fused
+def _norm_fused_backward(dy, x, weight, rstd, gate, zero_centered: bool, act: str):
+    """Fused backward -> (dx, dweight, dgate | None) in their inputs' dtypes."""
+    dtype = rstd.dtype
+    w = weight.to(dtype) + 1.0 if zero_centered else weight.to(dtype)
+    xhat = x.to(dtype) * rstd
+    dn = dy.to(dtype)
+    dgate = None
+    if gate is not None:
+        gf = gate.to(dtype)
+        dgate = _gate_grad(dn * xhat * w, gf, act).to(gate.dtype)
+        dn = dn * _GATES[act][0](gf)
+    dweight = (dn * xhat).reshape(-1, xhat.size(-1)).sum(0).to(weight.dtype)
+    dxhat = dn * w
+    dx = (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True)) * rstd
+    return dx.to(x.dtype), dweight, dgate
+
+
 class _RMSNormFn(torch.autograd.Function):
     """w * x / rms(x) [* act(gate)] in fp32, saving only x, the gate and 1/rms for the backward
-    (the unfused form keeps x, x / rms, the gate and its activation)."""
+    (the unfused form keeps x, x / rms, the gate and its activation). One fused pass each way
+    where ``megamoe.fusion`` is active."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, zero_centered, gate, act):
-        ctx.dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least
-        xf = x.to(ctx.dtype)
+        ctx.zero_centered, ctx.act = zero_centered, act
+        ctx.fuse = fusion_active(x.device)
+        if ctx.fuse:
+            out, rstd = _norm_fused(x, weight, gate, eps, zero_centered, act)
+            ctx.save_for_backward(x, weight, rstd, gate)
+            return out
+        dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least
+        xf = x.to(dtype)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        w = weight.to(ctx.dtype) + 1.0 if zero_centered else weight.to(ctx.dtype)
+        w = weight.to(dtype) + 1.0 if zero_centered else weight.to(dtype)
         out = (xf * rstd).mul_(w)
         if gate is not None:
-            out.mul_(_GATES[act][0](gate.to(ctx.dtype)))
+            out.mul_(_GATES[act][0](gate.to(dtype)))
         ctx.save_for_backward(x, weight, rstd, gate)
-        ctx.zero_centered, ctx.act = zero_centered, act
         return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd, gate = ctx.saved_tensors
-        w = weight.to(ctx.dtype) + 1.0 if ctx.zero_centered else weight.to(ctx.dtype)
-        xhat = x.to(ctx.dtype) * rstd
-        dn = dy.to(ctx.dtype)
+        if ctx.fuse:
+            dx, dweight, dgate = _norm_fused_backward(dy, x, weight, rstd, gate, ctx.zero_centered, ctx.act)
+            return dx, dweight, None, None, dgate, None
+        dtype = rstd.dtype
+        w = weight.to(dtype) + 1.0 if ctx.zero_centered else weight.to(dtype)
+        xhat = x.to(dtype) * rstd
+        dn = dy.to(dtype)
         dgate = None
         if gate is not None:
             fn, fn_backward = _GATES[ctx.act]
-            gf = gate.to(ctx.dtype)
+            gf = gate.to(dtype)
             dgate = fn_backward(dn * xhat * w, gf).to(gate.dtype)
             dn = dn * fn(gf)
         dweight = (dn * xhat).reshape(-1, xhat.size(-1)).sum(0).to(weight.dtype)

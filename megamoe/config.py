@@ -582,6 +582,7 @@ class ModelConfig:
     init_std: float = 0.02
     params_dtype: str = "float32"
     backend: str = "local"  # role provider: local (pure torch) or te (Transformer Engine)
+    fusion: Optional[str] = None  # auto | on | off: compiled elementwise kernels (megamoe.fusion); None: MEGAMOE_FUSION
     vision: Optional[VisionConfig] = None  # image encoder + projector (megamoe.multimodal)
 
     def parsed_layout(self) -> Layout:
@@ -595,6 +596,8 @@ class ModelConfig:
         check(self.init_std > 0, f"{path}.init_std", self.init_std, "must be > 0")
         check_choice(f"{path}.params_dtype", self.params_dtype, DTYPES)
         check_choice(f"{path}.backend", self.backend, ("local", "te"))
+        if self.fusion is not None:
+            check_choice(f"{path}.fusion", self.fusion, ("auto", "on", "off"))
         layout = parse_layout(self.layout, f"{path}.layout")
         self._validate_sections(layout, path)
         self._validate_residual(path)

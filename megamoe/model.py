@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import megamoe.layers  # noqa: F401  (registers the layout letters)
+from megamoe import fusion
 from megamoe.config import ModelConfig
 from megamoe.errors import ConfigError
 from megamoe.layers.backend import get_backend
@@ -173,6 +174,8 @@ class OutputLayer(nn.Module):
 def build_context(cfg: ModelConfig, groups: ParallelGroups | None = None, *,
                   sequence_parallel: bool = False, device=None) -> BuildContext:
     layout = cfg.validate()
+    if cfg.fusion is not None:  # process-wide, like Megatron's fusion flags
+        fusion.set_mode(cfg.fusion)
     return BuildContext(
         hidden_size=cfg.hidden_size, groups=groups or ParallelGroups(), backend=get_backend(cfg.backend),
         sequence_parallel=sequence_parallel, norm_eps=cfg.norm_eps, norm_zero_centered=cfg.norm_zero_centered,

@@ -7,7 +7,12 @@ import warnings
 import pytest
 import torch
 
-from tests.dist import DistPool
+# compiled fusion (megamoe.fusion) costs 5-20 s per kernel variant on a fresh machine; the suite
+# runs the eager kernels (gloo pools and subprocesses inherit this) and tests/test_fusion.py
+# checks the compiled ones against them
+os.environ.setdefault("MEGAMOE_FUSION", "off")
+
+from tests.dist import DistPool  # noqa: E402
 
 # one thread: tiny shapes gain little from two, and OpenMP threads spin badly when other
 # processes (the gloo pools, or other jobs) share the cores

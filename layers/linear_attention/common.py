@@ -13,17 +13,44 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megamoe.fusion import active as fusion_active, fused
 from megamoe.parallel.sharding import Shard, mark_init, set_sharding
 from megamoe.spec import BuildContext, ForwardInfo
 from megamoe.layers.linear_attention.chunk_delta import chunk_delta_rule
 from megamoe.layers.linear_attention.delta_rule import expand_key_heads, recurrent_delta_rule
 
 
+@fused
+def _conv_silu_fused(x, taps):
+    """Fused forward: x [b, t, c], taps [K, c] -> (silu(pre), pre) [b, t, c] each."""
+    kernel, t = taps.size(0), x.size(1)
+    xp = F.pad(x, (0, 0, kernel - 1, 0))  # tap j reads x_{t - (K-1-j)}
+    pre = xp[:, :t] * taps[0]
+    for j in range(1, kernel):
+        pre = pre + xp[:, j:j + t] * taps[j]
+    return F.silu(pre), pre
+
+
+@fused
+def _conv_silu_fused_backward(dy, x, taps, pre):
+    """Fused backward -> (dx [b, t, c], dtaps [K, c])."""
+    kernel, t = taps.size(0), x.size(1)
+    sig = torch.sigmoid(pre)
+    dpre = dy * sig * (1 + pre * (1 - sig))
+    ahead = F.pad(dpre, (0, 0, 0, kernel - 1))  # dx_t = sum_j dpre_{t + K-1-j} taps_j
+    dx = ahead[:, :t] * taps[kernel - 1]
+    for j in range(kernel - 1):
+        dx = dx + ahead[:, kernel - 1 - j:kernel - 1 - j + t] * taps[j]
+    xp = F.pad(x, (0, 0, kernel - 1, 0))
+    return dx, torch.stack([(dpre * xp[:, j:j + t]).sum((0, 1)) for j in range(kernel)])
+
+
 class _CausalConvSiLU(torch.autograd.Function):
     """silu(depthwise causal conv) from a zero state, as K shifted multiply-adds over [b, t, c]
     (channels last, no transposes, no padded copy: tap K-1-s reads the input s steps back).
     Saves the input and the pre-activation (recomputing it took a fifth of the backward).
-    torch's depthwise conv1d backward took ~10x longer on CPU."""
+    torch's depthwise conv1d backward took ~10x longer on CPU. One fused pass each way where
+    ``megamoe.fusion`` is active."""
 
     @staticmethod
     def _pre(x: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
@@ -36,7 +63,12 @@ class _CausalConvSiLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight):
+        ctx.fuse = fusion_active(x.device)
         taps = weight.t().contiguous()
+        if ctx.fuse:
+            y, pre = _conv_silu_fused(x, taps)
+            ctx.save_for_backward(x, taps, pre)
+            return y
         pre = _CausalConvSiLU._pre(x, taps)
         ctx.save_for_backward(x, taps, pre)
         return F.silu(pre)
@@ -44,6 +76,9 @@ class _CausalConvSiLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, taps, pre = ctx.saved_tensors
+        if ctx.fuse:
+            dx, dtaps = _conv_silu_fused_backward(dy, x, taps, pre)
+            return dx, dtaps.t()
         kernel, t = taps.size(0), x.size(1)
         dpre = torch.ops.aten.silu_backward(dy, pre)
         dx = dpre * taps[kernel - 1]
@@ -106,16 +141,38 @@ def conv_and_state(module: nn.Module, qkv: torch.Tensor, info: ForwardInfo):
     return qkv, state, None if state is None else state.get("recurrent")
 
 
+@fused
+def _l2norm_fused(x, eps: float, scale: float, heads_first: bool):
+    """Fused forward -> (scale x / norm in fp32 at least, 1/norm [..., 1])."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    rstd = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+    y = xf * (rstd * scale)
+    if heads_first:  # stored [b, h, t, d], returned as the [b, t, h, d] view of it
+        y = y.transpose(1, 2).contiguous().transpose(1, 2)
+    return y, rstd
+
+
+@fused
+def _l2norm_fused_backward(dy, x, rstd, scale: float):
+    y = x.to(rstd.dtype) * rstd
+    return (dy - y * (dy * y).sum(-1, keepdim=True)) * (rstd * scale)
+
+
 class _L2Norm(torch.autograd.Function):
     """Saves x and 1/norm only; y = scale x / norm, dx = scale (dy - y' sum(dy y')) / norm with
-    y' = x / norm."""
+    y' = x / norm. One fused pass each way where ``megamoe.fusion`` is active."""
 
     @staticmethod
     def forward(ctx, x, eps, scale, heads_first):
+        ctx.scale = scale
+        ctx.fuse = fusion_active(x.device)
+        if ctx.fuse:
+            y, rstd = _l2norm_fused(x, eps, scale, heads_first)
+            ctx.save_for_backward(x, rstd)
+            return y
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         rstd = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, rstd)  # x as given: bf16 stays bf16
-        ctx.scale = scale
         if scale != 1.0:
             rstd = rstd * scale
         if not heads_first:
@@ -127,6 +184,8 @@ class _L2Norm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, rstd = ctx.saved_tensors
+        if ctx.fuse:
+            return _l2norm_fused_backward(dy, x, rstd, ctx.scale), None, None, None
         y = x.to(rstd.dtype) * rstd
         dx = rstd * (dy - y * (dy * y).sum(-1, keepdim=True))
         return (dx if ctx.scale == 1.0 else dx * ctx.scale), None, None, None

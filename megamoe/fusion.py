@@ -1,0 +1,105 @@
+"""Fused elementwise kernels: pure tensor functions compiled with ``torch.compile``.
+
+The layers' hand-written backwards leave chains of elementwise passes between their GEMMs
+(SwiGLU and its gradient, RMSNorm, the short convolution, the L2 norm). Eager torch runs each
+link as its own pass over memory; inductor compiles a chain into one loop (C++/OpenMP on CPU,
+Triton on GPU). Megatron does the same with ``jit_fuser``. Only whole functions of plain
+tensors are compiled, never autograd graphs: each fused function sits inside an
+``autograd.Function`` whose backward calls its fused partner, and every one has an eager twin
+with the same contract that runs when fusion is off.
+
+The switch is per process (like Megatron's): ``MEGAMOE_FUSION`` = ``auto`` (default) | ``on``
+| ``off``, or ``model.fusion`` in a recipe (``set_mode``, applied when a model is built).
+``auto`` fuses CPU tensors when a C++ compiler is on PATH and leaves accelerator tensors to
+their own kernels (TE, fla; GPU fusion is untested here); ``on`` fuses on every device.
+Shapes are compiled symbolically (``dynamic=True``), so changing row counts do not recompile.
+The first call of each function compiles it (5-20 s per variant on 2 cores; inductor's
+on-disk cache makes later processes take ~2 s). If compiling fails (no working compiler), the
+function logs one warning and runs eagerly from then on; an error of the inputs themselves
+(a shape mismatch) is raised as the eager function raises it.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+
+import torch
+
+from megamoe.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "on", "off")
+_mode: str | None = None  # None: read MEGAMOE_FUSION on first use
+
+
+def set_mode(mode: str, field: str = "model.fusion") -> None:
+    if mode not in MODES:
+        raise ConfigError(f"{field}={mode!r} is invalid: allowed: {', '.join(MODES)}")
+    global _mode
+    _mode = mode
+
+
+def mode() -> str:
+    if _mode is None:
+        set_mode(os.environ.get("MEGAMOE_FUSION", "auto"), "MEGAMOE_FUSION")
+    return _mode
+
+
+@functools.lru_cache(maxsize=None)
+def _have_cxx() -> bool:
+    return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)
+
+
+def active(device: torch.device) -> bool:
+    """Whether fused functions run compiled for tensors on ``device``."""
+    m = mode()
+    if m == "off":
+        return False
+    return m == "on" or (device.type == "cpu" and _have_cxx())
+
+
+# a function meets several ranks, strides and optional inputs (a norm of [b, s, h] rows and
+# of [b, s, heads, d] head slices, with and without a gate); each variant is one more graph
+RECOMPILE_LIMIT = 64
+
+
+def _allow_variants() -> None:
+    import torch._dynamo
+
+    if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
+        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+
+
+class Fused:
+    """``fn`` compiled on first use where ``active`` for the first argument's device, ``fn``
+    itself elsewhere or after a failed compile."""
+
+    def __init__(self, fn):
+        self.fn, self.compiled, self.broken = fn, None, False
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args):
+        if self.broken or not active(args[0].device):
+            return self.fn(*args)
+        if self.compiled is None:
+            log.info("fusion: compiling %s (once per process; inductor caches it on disk)", self.fn.__qualname__)
+            _allow_variants()
+            self.compiled = torch.compile(self.fn, dynamic=True)
+        # callers run inside autograd Functions: detached inputs keep requires_grad out of the guards
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        try:
+            return self.compiled(*args)
+        except Exception as e:  # noqa: BLE001  (compiler failures have many types)
+            out = self.fn(*args)  # an error of the inputs themselves raises here, as it would eagerly
+            self.broken = True
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            log.warning("fusion: compiling %s failed (%s); it runs eagerly from now on", self.fn.__qualname__, first)
+            return out
+
+
+def fused(fn) -> Fused:
+    """Decorator: ``fn`` (a pure function of tensors and Python constants) as a ``Fused``."""
+    return Fused(fn)

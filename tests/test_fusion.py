@@ -1,0 +1,197 @@
+"""Compiled elementwise kernels (megamoe.fusion) against the eager ones they stand in for.
+
+Each fused autograd op (the expert SwiGLU, the fused shared expert, RMSNorm, the causal conv,
+the L2 norm) runs once with fusion on and once off on the same fp32 inputs: outputs and every
+gradient agree to 1e-5 relative. A hybrid MoE model (Gated DeltaNet, gated attention with
+q/k norms, routed + gated shared experts) agrees in loss and all gradients. The rest of the
+suite runs eagerly (tests/conftest.py); these tests skip where no C++ compiler is found.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megamoe import fusion
+from megamoe.config import GDNConfig, MoEConfig
+from megamoe.errors import ConfigError
+from tests.mixer_utils import tiny_model
+from tests.numerics import rel_err
+
+needs_compiler = pytest.mark.skipif(not fusion._have_cxx(), reason="no C++ compiler for inductor's CPU kernels")
+TOL = 1e-5
+
+
+@pytest.fixture
+def modes():
+    """run(fn) -> (fn's results with fusion on, with fusion off); the process mode is restored."""
+    before = fusion.mode()
+
+    def run(fn):
+        out = {}
+        for m in ("on", "off"):
+            fusion.set_mode(m)
+            out[m] = fn()
+        return out["on"], out["off"]
+
+    yield run
+    fusion.set_mode(before)
+
+
+def fwd_bwd(fn, inputs, seed=1234):
+    """(output, grads of inputs) of fn(*inputs) for a fixed random output gradient."""
+    inputs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    out = fn(*inputs)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    grads = torch.autograd.grad(out, [x for x in inputs if x.requires_grad], g, allow_unused=True)
+    return [out.detach(), *(d for d in grads if d is not None)]  # unused inputs (no probs, no gate) drop out
+
+
+def assert_close(fused, eager, tol=TOL):
+    assert len(fused) == len(eager)
+    for i, (a, b) in enumerate(zip(fused, eager)):
+        assert rel_err(a, b) <= tol, f"tensor {i}: rel err {rel_err(a, b):.2e}"
+
+
+def assert_compiled(*fns):
+    for f in fns:
+        assert f.compiled is not None and not f.broken, f"{f.__qualname__} did not run compiled"
+
+
+def randn(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# ---- ops ------------------------------------------------------------------------------------
+
+@needs_compiler
+@pytest.mark.parametrize("with_probs", [True, False])
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_expert_loop(modes, with_probs, limit):
+    from megamoe.layers import grouped_gemm as gg
+
+    counts = [5, 0, 9, 2]
+    idx = torch.randint(0, 7, (16,), generator=torch.Generator().manual_seed(1))
+    inputs = [randn(7, 8), randn(16, seed=2).sigmoid(), randn(4, 12, 8, seed=3, scale=0.5),
+              randn(4, 8, 6, seed=4, scale=0.5)]
+
+    def run():
+        return fwd_bwd(lambda x, p, w1, w2: gg.swiglu_experts_loop(x, idx, counts, p if with_probs else None, w1, w2,
+                                                                   7, limit), inputs)
+    fused, eager = modes(run)
+    assert_close(fused, eager)
+    assert_compiled(gg.swiglu_weighted, gg.swiglu_weighted_backward)
+
+
+@needs_compiler
+@pytest.mark.parametrize("gate,limit", [(True, None), (False, 0.5)])
+def test_shared_expert(modes, gate, limit):
+    from megamoe.layers import grouped_gemm as gg
+
+    inputs = [randn(10, 8), randn(10, 8, seed=1), randn(12, 8, seed=2, scale=0.5), randn(8, 6, seed=3, scale=0.5),
+              randn(1, 8, seed=4)]
+    fused, eager = modes(lambda: fwd_bwd(
+        lambda y, x, w1, w2, g: gg.shared_swiglu_add(y, x, w1, w2, g if gate else None, limit), inputs))
+    assert_close(fused, eager)
+
+
+@needs_compiler
+@pytest.mark.parametrize("zero_centered,act", [(False, None), (True, "silu"), (False, "sigmoid")])
+def test_rmsnorm(modes, zero_centered, act):
+    from megamoe.layers.norm import RMSNorm, _norm_fused
+
+    norm = RMSNorm(8, 1e-6, zero_centered)
+    with torch.no_grad():
+        norm.weight.copy_(randn(8, seed=5))
+    rows = randn(3, 5, 20)[..., 4:12]  # strided, like a head slice of a projection
+    inputs = [rows, norm.weight] + ([randn(3, 5, 8, seed=6)] if act else [])
+    fused, eager = modes(lambda: fwd_bwd(
+        lambda x, w, *g: RMSNorm.forward(norm, x, gate=g[0] if g else None, gate_act=act or "silu"), inputs))
+    assert_close(fused, eager)
+    assert_compiled(_norm_fused)
+
+
+@needs_compiler
+@pytest.mark.parametrize("t", [2, 19])
+def test_causal_conv(modes, t):
+    from megamoe.layers.linear_attention.common import _conv_silu_fused, causal_conv
+
+    inputs = [randn(2, t, 30)[..., :12], randn(12, 4, seed=1, scale=0.5)]  # t < K - 1 and t > K
+    fused, eager = modes(lambda: fwd_bwd(lambda x, w: causal_conv(x, w)[0], inputs))
+    assert_close(fused, eager)
+    assert_compiled(_conv_silu_fused)
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads_first", [True, False])
+def test_l2norm(modes, heads_first):
+    from megamoe.layers.linear_attention.common import _l2norm_fused, l2norm
+
+    x = randn(2, 7, 3, 16)
+    fused, eager = modes(lambda: fwd_bwd(lambda x: l2norm(x, scale=0.25, heads_first=heads_first), [x]))
+    assert_close(fused, eager)
+    assert_compiled(_l2norm_fused)
+    fusion.set_mode("on")
+    y = l2norm(x, heads_first=heads_first)
+    assert y.transpose(1, 2).is_contiguous() == heads_first  # the layout the chunked op reads
+
+
+# ---- a model ----------------------------------------------------------------------------------
+
+@needs_compiler
+def test_hybrid_moe_model(modes):
+    from megamoe.model import LanguageModel, shift_labels
+    from megamoe.parallel.groups import ParallelGroups
+    from megamoe.weights import initialize
+
+    cfg = tiny_model("GeAe", gdn=GDNConfig(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8,
+                                          chunk_size=8),
+                     moe=MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=16, num_shared_experts=1,
+                                   shared_expert_gate=True))
+    model = LanguageModel(cfg)
+    initialize(model, ParallelGroups(), seed=0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=shift_labels(ids))
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for _, p in sorted(model.named_parameters()) if p.grad is not None]
+
+    fused, eager = modes(run)
+    assert len(fused) > 20
+    assert_close(fused, eager)
+
+
+# ---- the switch -------------------------------------------------------------------------------
+
+def test_modes_and_errors(modes):
+    fusion.set_mode("off")
+    assert not fusion.active(torch.device("cpu"))
+    fusion.set_mode("on")
+    assert fusion.active(torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"model.fusion='fast' is invalid: allowed: auto, on, off"):
+        fusion.set_mode("fast")
+    cfg = tiny_model("Ad", fusion="fast")
+    with pytest.raises(ConfigError, match=r"model.fusion"):
+        cfg.validate()
+
+
+def test_a_failed_compile_falls_back_once(modes, caplog):
+    fusion.set_mode("on")
+    double = fusion.fused(lambda x: 2 * x)
+
+    def broken_compiler(*args):
+        raise RuntimeError("no compiler here\nsecond line")
+
+    double.compiled = broken_compiler
+    assert torch.equal(double(torch.ones(2)), torch.full((2,), 2.0))  # the eager result
+    assert double.broken
+    assert "compiling" in caplog.text and "no compiler here" in caplog.text and "second line" not in caplog.text
+
+
+def test_an_input_error_is_raised_as_eagerly(modes):
+    fusion.set_mode("on")
+    add = fusion.fused(lambda x, y: x + y)
+    with pytest.raises(RuntimeError, match="must match the size"):
+        add(torch.ones(2), torch.ones(3))
+    assert not add.broken
