@@ -23,10 +23,11 @@ Kernels:
 - ``grouped_mm``: torch's grouped GEMM (``F.grouped_mm`` / ``torch._grouped_mm``) over the
   whole permuted batch; availability and dtype support are probed at run time, and widths
   whose rows are not multiples of 16 bytes (which it rejects) run the loop instead.
-- ``loop``: per-expert ``mm`` into grouped buffers with a hand-written backward; one gather,
-  one SwiGLU pass (fused by ``megamoe.fusion`` where it is active) and one scatter-add over
-  the whole batch between the GEMM loops. On CPU this beat both torch's grouped GEMM and a
-  per-expert pipeline of small elementwise ops (see docs/performance.md).
+- ``loop``: per-expert ``mm`` into grouped buffers with a hand-written backward, over blocks
+  of consecutive experts (``BLOCK_ROWS`` rows or more): per block one gather, one SwiGLU pass
+  (fused by ``megamoe.fusion`` where it is active) and one scatter-add between the GEMM
+  loops. On CPU this beat torch's grouped GEMM, a per-expert pipeline of small elementwise
+  ops and whole-batch passes (see docs/performance.md).
 ``auto`` picks ``grouped_mm`` on accelerators where the probe passes, ``loop`` otherwise.
 """
 from __future__ import annotations
@@ -218,54 +219,83 @@ def swiglu_backward(d_act: torch.Tensor, pre: torch.Tensor, p: torch.Tensor | No
     return swiglu_pre_grad(d_act, gate, up, silu, limit), dp, act
 
 
+def expert_blocks(counts: Sequence[int], block_rows: int):
+    """Consecutive experts grouped until a block holds at least ``block_rows`` rows:
+    (slice of the block's grouped rows, [(expert, slice within the block)]) per block."""
+    block, start, rows = [], 0, 0
+    for e, sl in expert_slices(counts):
+        block.append((e, slice(sl.start - start, sl.stop - start)))
+        rows = sl.stop - start
+        if rows >= block_rows:
+            yield slice(start, start + rows), block
+            block, start = [], sl.stop
+    if block:
+        yield slice(start, start + rows), block
+
+
+# rows per block of the loop kernel: enough that the per-op cost of the SwiGLU passes is paid
+# for many experts at once, few enough that a block's buffers stay cached and come back from
+# the heap instead of being mapped afresh (whole-batch buffers at 64 experts x 4096 tokens
+# x top-8 made the layer 1.3x slower; see docs/performance.md)
+BLOCK_ROWS = 4096
+
+
 class _LoopExperts(torch.autograd.Function):
-    """Per-expert GEMMs over the grouped rows, whole-batch SwiGLU passes between them (fused
-    where ``megamoe.fusion`` is active). Saves only the gate|up pre-activations [S, 2f];
-    recomputes the SwiGLU and re-gathers the input rows in backward. Eagerly with a ``limit``
-    the saved pre-activations are the clamped ones: a value at the bound was clamped (or lay
-    exactly on it, a measure-zero case) and gets no gradient; the fused pass clamps on the fly
-    and masks the same entries."""
+    """Blocks of consecutive experts (``expert_blocks``): per block, per-expert GEMMs and one
+    SwiGLU pass over the block's rows (fused where ``megamoe.fusion`` is active), so the
+    rows stay in cache while the number of small ops stays low. Saves only the gate|up
+    pre-activations [S, 2f]; recomputes the SwiGLU and re-gathers the input rows in backward.
+    Eagerly with a ``limit`` the saved pre-activations are the clamped ones: a value at the
+    bound was clamped (or lay exactly on it, a measure-zero case) and gets no gradient; the
+    fused pass clamps on the fly and masks the same entries."""
 
     @staticmethod
     def forward(ctx, x, idx, probs, w1, w2, counts, out_rows, limit):
-        slices = list(expert_slices(counts))
-        rows = x.index_select(0, idx)                 # [S, h] grouped by expert
-        pre = x.new_empty(idx.numel(), w1.size(1))    # gate|up pre-activations [S, 2f]
-        for e, sl in slices:
-            torch.mm(rows[sl], w1[e].t(), out=pre[sl])
         ctx.fuse = fusion_active(x.device)
-        act = swiglu_forward(pre, None if probs is None else probs[:, None], limit, ctx.fuse)  # [S, f]
-        y = torch.empty_like(rows)
-        for e, sl in slices:
-            torch.mm(act[sl], w2[e].t(), out=y[sl])
+        out = x.new_zeros(out_rows, x.size(-1))
+        pre = x.new_empty(idx.numel(), w1.size(1))    # gate|up pre-activations [S, 2f]
+        for blk, experts in expert_blocks(counts, BLOCK_ROWS):
+            rows, pre_b = x.index_select(0, idx[blk]), pre[blk]
+            for e, sl in experts:
+                torch.mm(rows[sl], w1[e].t(), out=pre_b[sl])
+            act = swiglu_forward(pre_b, None if probs is None else probs[blk, None], limit, ctx.fuse)
+            y = torch.empty_like(rows)
+            for e, sl in experts:
+                torch.mm(act[sl], w2[e].t(), out=y[sl])
+            out.index_add_(0, idx[blk], y)
         ctx.counts, ctx.limit = counts, limit
         ctx.save_for_backward(x, idx, probs, w1, w2, pre)
-        return x.new_zeros(out_rows, x.size(-1)).index_add_(0, idx, y)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         x, idx, probs, w1, w2, pre = ctx.saved_tensors
-        slices = list(expert_slices(ctx.counts))
-        dy = dout.contiguous().index_select(0, idx)   # [S, h]
-        d_act = x.new_empty(idx.numel(), w2.size(2))  # gradient wrt the (weighted) activation
-        for e, sl in slices:
-            torch.mm(dy[sl], w2[e], out=d_act[sl])
-        d_pre, dprobs, act = swiglu_backward(d_act, pre, None if probs is None else probs[:, None], ctx.limit,
-                                             ctx.fuse)
+        dout = dout.contiguous()
+        dx = torch.zeros_like(x)
         # every expert with rows writes its whole weight gradient; only empty ones need zeros
         dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+        dprobs = None if probs is None else torch.empty_like(probs)
         for e in (e for e, n in enumerate(ctx.counts) if n == 0):
             dw1[e].zero_()
             dw2[e].zero_()
-        for e, sl in slices:
-            torch.mm(dy[sl].t(), act[sl], out=dw2[e])
-        del dy, act, d_act
-        rows = x.index_select(0, idx)
-        d_rows = torch.empty_like(rows)
-        for e, sl in slices:
-            torch.mm(d_pre[sl].t(), rows[sl], out=dw1[e])
-            torch.mm(d_pre[sl], w1[e], out=d_rows[sl])
-        return torch.zeros_like(x).index_add_(0, idx, d_rows), None, dprobs, dw1, dw2, None, None, None
+        for blk, experts in expert_blocks(ctx.counts, BLOCK_ROWS):
+            dy = dout.index_select(0, idx[blk])
+            d_act = x.new_empty(dy.size(0), w2.size(2))  # gradient wrt the (weighted) activation
+            for e, sl in experts:
+                torch.mm(dy[sl], w2[e], out=d_act[sl])
+            d_pre, dp, act = swiglu_backward(d_act, pre[blk], None if probs is None else probs[blk, None],
+                                             ctx.limit, ctx.fuse)
+            if dp is not None:
+                dprobs[blk] = dp
+            for e, sl in experts:
+                torch.mm(dy[sl].t(), act[sl], out=dw2[e])
+            rows = x.index_select(0, idx[blk])
+            d_rows = torch.empty_like(rows)
+            for e, sl in experts:
+                torch.mm(d_pre[sl].t(), rows[sl], out=dw1[e])
+                torch.mm(d_pre[sl], w1[e], out=d_rows[sl])
+            dx.index_add_(0, idx[blk], d_rows)
+        return dx, None, dprobs, dw1, dw2, None, None, None
 
 
 class _SharedSwiGLUAdd(torch.autograd.Function):

@@ -597,6 +597,8 @@ class ModelConfig:
         check_choice(f"{path}.params_dtype", self.params_dtype, DTYPES)
         check_choice(f"{path}.backend", self.backend, ("local", "te"))
         if self.fusion is not None:
+            # YAML 1.1 reads a bare on/off as a boolean, which OmegaConf then stores as 'True'/'False'
+            self.fusion = {"True": "on", "False": "off"}.get(str(self.fusion), self.fusion)
             check_choice(f"{path}.fusion", self.fusion, ("auto", "on", "off"))
         layout = parse_layout(self.layout, f"{path}.layout")
         self._validate_sections(layout, path)

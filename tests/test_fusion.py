@@ -66,8 +66,10 @@ def randn(*shape, seed=0, scale=1.0):
 @needs_compiler
 @pytest.mark.parametrize("with_probs", [True, False])
 @pytest.mark.parametrize("limit", [None, 0.5])
-def test_expert_loop(modes, with_probs, limit):
+def test_expert_loop(modes, with_probs, limit, monkeypatch):
     from megamoe.layers import grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "BLOCK_ROWS", 6)  # two blocks: experts 0 and 2, then 3
 
     counts = [5, 0, 9, 2]
     idx = torch.randint(0, 7, (16,), generator=torch.Generator().manual_seed(1))
@@ -174,6 +176,18 @@ def test_modes_and_errors(modes):
     cfg = tiny_model("Ad", fusion="fast")
     with pytest.raises(ConfigError, match=r"model.fusion"):
         cfg.validate()
+
+
+def test_recipe_key_sets_the_process_mode(modes):
+    from megamoe.model import build_context
+    from megamoe.recipe import load_recipe
+
+    for value, expected in [("off", "off"), ("on", "on"), ("auto", "auto")]:  # bare YAML on/off are booleans
+        recipe = load_recipe("tiny_train", [f"model.fusion={value}"])
+        assert recipe.model.fusion == expected
+        build_context(recipe.model)
+        assert fusion.mode() == expected
+    assert load_recipe("quickstart_vlm").model.fusion == "off"
 
 
 def test_a_failed_compile_falls_back_once(modes, caplog):

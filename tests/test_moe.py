@@ -35,11 +35,14 @@ def moe_layer(**kw):
 
 # ---- kernels -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kernel", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("kernel,block_rows", [("loop", 4096), ("loop", 4), ("grouped_mm", None)])
 @pytest.mark.parametrize("with_probs", [True, False])
-def test_expert_kernels_match_reference(kernel, with_probs):
+def test_expert_kernels_match_reference(kernel, block_rows, with_probs, monkeypatch):
+    from megamoe.layers import grouped_gemm
     from megamoe.layers.grouped_gemm import grouped_mm_support, swiglu_experts
 
+    if block_rows is not None:  # 4: blocks of one and of two experts (3 | 5 | 4 rows)
+        monkeypatch.setattr(grouped_gemm, "BLOCK_ROWS", block_rows)
     if kernel == "grouped_mm" and grouped_mm_support(torch.device("cpu"), torch.float32):
         pytest.skip(grouped_mm_support(torch.device("cpu"), torch.float32))
     gen = torch.Generator().manual_seed(0)
