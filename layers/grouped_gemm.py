@@ -222,15 +222,14 @@ def swiglu_backward(d_act: torch.Tensor, pre: torch.Tensor, p: torch.Tensor | No
 def expert_blocks(counts: Sequence[int], block_rows: int):
     """Consecutive experts grouped until a block holds at least ``block_rows`` rows:
     (slice of the block's grouped rows, [(expert, slice within the block)]) per block."""
-    block, start, rows = [], 0, 0
+    block, start = [], 0
     for e, sl in expert_slices(counts):
         block.append((e, slice(sl.start - start, sl.stop - start)))
-        rows = sl.stop - start
-        if rows >= block_rows:
-            yield slice(start, start + rows), block
+        if sl.stop - start >= block_rows:
+            yield slice(start, sl.stop), block
             block, start = [], sl.stop
     if block:
-        yield slice(start, start + rows), block
+        yield slice(start, start + block[-1][1].stop), block
 
 
 # rows per block of the loop kernel: enough that the per-op cost of the SwiGLU passes is paid

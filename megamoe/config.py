@@ -14,6 +14,8 @@ from typing import Any, Dict, List, Optional
 from megamoe.errors import ConfigError
 from megamoe.layout import MIXERS, MLPS, Layout, parse_layout
 
+FUSION_MODES = ("auto", "on", "off")  # megamoe.fusion's process-wide modes
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -599,7 +601,7 @@ class ModelConfig:
         if self.fusion is not None:
             # YAML 1.1 reads a bare on/off as a boolean, which OmegaConf then stores as 'True'/'False'
             self.fusion = {"True": "on", "False": "off"}.get(str(self.fusion), self.fusion)
-            check_choice(f"{path}.fusion", self.fusion, ("auto", "on", "off"))
+            check_choice(f"{path}.fusion", self.fusion, FUSION_MODES)
         layout = parse_layout(self.layout, f"{path}.layout")
         self._validate_sections(layout, path)
         self._validate_residual(path)

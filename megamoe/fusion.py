@@ -27,17 +27,15 @@ import shutil
 
 import torch
 
-from megamoe.errors import ConfigError
+from megamoe.config import FUSION_MODES, check_choice
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "on", "off")
 _mode: str | None = None  # None: read MEGAMOE_FUSION on first use
 
 
 def set_mode(mode: str, field: str = "model.fusion") -> None:
-    if mode not in MODES:
-        raise ConfigError(f"{field}={mode!r} is invalid: allowed: {', '.join(MODES)}")
+    check_choice(field, mode, FUSION_MODES)
     global _mode
     _mode = mode
 
