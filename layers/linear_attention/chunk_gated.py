@@ -22,10 +22,11 @@ Subnormal floats: on CPU every arithmetic operation that reads or makes a subnor
 micro-code assist (~100x slower), and strong decays (Qwen3-Next initialises per-head rates
 up to 16, i.e. about -20 per token) push most of D, T and W into that range: the op then ran
 3-6x slower. Every product here is a chain of decays between positions times O(1) numbers,
-so the op drops, as exact zeros, the decays below exp(UNDERFLOW) = exp(-29) and the entries
-of T whose positions are further apart than that, builds T from 2-token blocks masked as they
-grow: no product it forms has more than two kept factors, so none gets near exp(-87), the
-smallest normal float (the remaining 29 nats are margin for the O(1) factors beside them). Each dropped term is below exp(-29) ~ 3e-13 times its O(1) factors. The gradient
+so the op drops, as exact zeros, the decays below exp(UNDERFLOW) = exp(-29), and solves for
+T without decays (``decayed_inverse``: each term of T_ij carries the same factor D_ij, applied
+once afterwards): no product it forms has more than two kept factors, so none gets near
+exp(-87), the smallest normal float (the remaining 29 nats are margin for the O(1) factors
+beside them). Each dropped term is below exp(-29) ~ 3e-13 times its O(1) factors. The gradient
 of a log decay is a sum of off-diagonal terms only (d exp(G_i - G_i) / dG = 0), so for a
 head decaying by -20 per token it is itself ~1e-9 and a tighter cut (exp(-20) was tried)
 shows in it at 4e-5; at exp(-29) it matches a float64 recurrence to 1e-6.
@@ -40,7 +41,6 @@ import torch.nn.functional as F
 
 # log decays below this are exact zeros: two kept factors multiply to >= exp(-58), far above FLT_MIN
 UNDERFLOW = -29.0
-LEAF = 2  # T's diagonal blocks solved directly (one kept factor each); larger ones chain more
 
 
 def decay_exp(x: torch.Tensor) -> torch.Tensor:
@@ -49,33 +49,15 @@ def decay_exp(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(min=UNDERFLOW).exp_().mul_(x >= UNDERFLOW)
 
 
-def diagonal_blocks(x: torch.Tensor, size: int) -> torch.Tensor:
-    """[N, C, C] -> its C/size diagonal blocks [N, C/size, size, size] (a view)."""
-    N, C, _ = x.shape
-    nb = C // size
-    return torch.diagonal(x.view(N, nb, size, nb, size), dim1=1, dim2=3).permute(0, 3, 1, 2)
+def decayed_inverse(B: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """T = (I + B o D)^-1 for B [N, C, C] (only its strictly lower part is read) and the decay
+    matrix D (lower, unit diagonal, exactly zero where cut) -> [N, C, C], zero where D is.
 
-
-def unit_lower_inverse(A: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """T = (I + A)^-1 for A strictly lower triangular [N, C, C] (its diagonal and upper part are
-    ignored), zero where ``keep`` (bool: lower incl. the diagonal, minus positions too far
-    apart) is not, at every level: solve the LEAF diagonal blocks, then fill in the blocks
-    below the diagonal with T21 = -T22 A21 T11, doubling the block size up to the chunk."""
-    C = A.size(-1)
-    size = min(LEAF, C)
-    leaf = diagonal_blocks(A, size)
-    eye = torch.eye(size, dtype=A.dtype, device=A.device).expand(leaf.shape)
-    T = torch.zeros_like(A)
-    Tb = diagonal_blocks(T, size)
-    Tb.copy_(torch.linalg.solve_triangular(leaf, eye, upper=False, unitriangular=True))
-    Tb.mul_(diagonal_blocks(keep, size))
-    while size < C:
-        half, size = size, 2 * size
-        Tb, Ab, kb = (diagonal_blocks(x, size) for x in (T, A, keep))
-        k21 = kb[..., half:, :half]
-        t21 = (Ab[..., half:, :half] @ Tb[..., :half, :half]).mul_(k21)  # A21 T11
-        Tb[..., half:, :half] = (Tb[..., half:, half:] @ t21).mul_(k21).neg_()
-    return T
+    Every term of T_ij is a product along a path j < k1 < ... < i whose decays telescope to
+    D_ij, so T = (I + B)^-1 o D exactly, term by term: the triangular solve runs on O(1)
+    numbers (no decays, no subnormals) and the one multiply by D applies the cut."""
+    eye = torch.eye(B.size(-1), dtype=B.dtype, device=B.device).expand(B.shape)
+    return torch.linalg.solve_triangular(B, eye, upper=False, unitriangular=True).mul_(D)
 
 
 class Heads:
@@ -129,7 +111,7 @@ class Intra:
         # every gradient through KD and M is multiplied by D, so none needs masking
         self.gam, self.tail = decays(g)
         self.Kt = heads.per_value(k, self.tail.unsqueeze(-1))          # k_j exp(G_C - G_j)
-        self.T = unit_lower_inverse(self.KD * beta.unsqueeze(-1), self.D > 0)
+        self.T = decayed_inverse(heads.per_value(KK, beta.unsqueeze(-1)), self.D)
         Kb = heads.per_value(k, (beta * self.gam).unsqueeze(-1))       # beta Gam k [N, C, dk]
         self.W, self.U0 = self.T @ Kb, self.T @ (v * beta.unsqueeze(-1))  # [N, C, dk], [N, C, dv]
 
