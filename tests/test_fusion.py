@@ -1,7 +1,7 @@
 """Compiled elementwise kernels (megamoe.fusion) against the eager ones they stand in for.
 
 Each fused autograd op (the expert SwiGLU, the fused shared expert, RMSNorm, the causal conv,
-the L2 norm) runs once with fusion on and once off on the same fp32 inputs: outputs and every
+the L2 norm, the chunked gated delta rule's backward) runs once with fusion on and once off on the same fp32 inputs: outputs and every
 gradient agree to 1e-5 relative. A hybrid MoE model (Gated DeltaNet, gated attention with
 q/k norms, routed + gated shared experts) agrees in loss and all gradients. The rest of the
 suite runs eagerly (tests/conftest.py); these tests skip where no C++ compiler is found.
@@ -135,6 +135,21 @@ def test_l2norm(modes, heads_first):
     fusion.set_mode("on")
     y = l2norm(x, heads_first=heads_first)
     assert y.transpose(1, 2).is_contiguous() == heads_first  # the layout the chunked op reads
+
+
+@needs_compiler
+def test_gated_delta_rule_backward(modes):
+    """The per-head chunked op's backward runs its elementwise part fused (``intra_grads``):
+    value heads sharing key heads, a length that leaves a partial chunk, an initial state."""
+    from megamoe.layers.linear_attention.chunk_gated import chunk_gated_delta_rule, intra_grads
+    from tests.test_delta_rule import make_inputs
+
+    q, k, v, g, beta, h0 = make_inputs(45, False, seed=3, b=2, hk=2, hv=4, dk=16, dv=8, decay_scale=4.0)
+    fused, eager = modes(lambda: fwd_bwd(
+        lambda q, k, v, g, beta, h0: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, chunk_size=16)[0],
+        [q, k, v, g, beta, h0]))
+    assert_close(fused, eager)
+    assert_compiled(intra_grads)
 
 
 # ---- a model ----------------------------------------------------------------------------------

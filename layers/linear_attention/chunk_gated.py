@@ -39,6 +39,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megamoe.fusion import fused
+
 # log decays below this are exact zeros: two kept factors multiply to >= exp(-58), far above FLT_MIN
 UNDERFLOW = -29.0
 
@@ -63,8 +65,13 @@ def decayed_inverse(B: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
 class Heads:
     """Value heads sharing key heads: chunks ordered (batch, key head, value head, chunk)."""
 
-    def __init__(self, Nk: int, N: int, n: int):
-        self.n, self.rep = n, N // Nk                                  # chunks per sequence, value heads per key head
+    def __init__(self, rep: int, n: int):
+        self.rep, self.n = rep, n                                      # value heads per key head, chunks per sequence
+
+    @classmethod
+    def of(cls, q: torch.Tensor, v: torch.Tensor, z: int) -> "Heads":
+        """From q [Nk, ...], v [N, ...] and the number of (batch, value head) sequences z."""
+        return cls(v.size(0) // q.size(0), v.size(0) // z)
 
     def per_value(self, x: torch.Tensor, factor: torch.Tensor | None = None) -> torch.Tensor:
         """A per-key-head [Nk, ...] tensor for every value head [N, ...], times ``factor`` [N, ...]."""
@@ -162,6 +169,34 @@ def chunk_major(states: torch.Tensor) -> torch.Tensor:
     return states.transpose(0, 1).reshape(-1, *states.shape[2:])
 
 
+@fused
+def intra_grads(dA, dM, dKb, dVb, dKt, dQg, D, KD, M, Qg, k, v, beta, gam_, tail_, dgam_end, rep: int, n: int):
+    """The backward's elementwise part (one fused pass where ``megamoe.fusion`` is active), from
+    the gradients of the chunk products [N, C, C] / [N, C, d] through A = beta (k k^T) D,
+    M = (q k^T) D, Kb = beta Gam k, Vb = beta v, Kt = k exp(G_C - G) and q Gam, and of the
+    chunk-end decay ``dgam_end`` [N] -> (dbeta [N, C], dv [N, C, dv], dg [N, C], d(k k^T) and
+    d(q k^T) [Nk, C, C] per key head, the direct parts of dk and dq [Nk, C, dk])."""
+    heads = Heads(rep, n)
+    dA = dA.tril(-1)                                                   # A is strictly lower
+    dKb_k = heads.dot_per_value(dKb, k)                                # sum_d dKb k, per token
+    dbeta = torch.linalg.vecdot(dA, KD) + dKb_k * gam_ + torch.linalg.vecdot(dVb, v)
+    dA.mul_(beta.unsqueeze(-1))                                        # d(k k^T D)
+    # dD * D without its diagonal: D_ii = exp(0) does not depend on G, and its O(1) term would
+    # enter both sums below and cancel only up to rounding, swamping the tiny dG of fast heads
+    E = (dA * KD).addcmul_(dM, M).tril_(-1)
+    dG = E.sum(-1) - E.sum(-2)
+    dG += dKb_k * beta * gam_ + torch.linalg.vecdot(dQg, Qg)
+    de = heads.dot_per_value(dKt, k) * tail_                           # through exp(G_C - G_j)
+    de[:, -1] = 0.0                                                    # exp(G_C - G_C): constant, as above
+    dG -= de
+    dG[:, -1] += de.sum(-1) + dgam_end * gam_[:, -1]
+    dg = dG.flip(-1).cumsum(-1).flip(-1)                               # G = cumsum(g)
+    dKK, dQK = heads.per_key(dA.mul_(D)), heads.per_key(dM * D)
+    dk_direct = heads.per_key(dKb.mul((beta * gam_).unsqueeze(-1)).addcmul_(dKt, tail_.unsqueeze(-1)))
+    dq_direct = heads.per_key(dQg * gam_.unsqueeze(-1))
+    return dbeta, dVb * beta.unsqueeze(-1), dg, dKK, dQK, dk_direct, dq_direct
+
+
 class ChunkGatedDelta(torch.autograd.Function):
     """(q, k, v, g, beta, h0) as in the module docstring -> (o [N, C, dv], final state [z, dk, dv]), fp32.
 
@@ -171,7 +206,7 @@ class ChunkGatedDelta(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0):
-        heads = Heads(q.size(0), v.size(0), v.size(0) // h0.size(0))
+        heads = Heads.of(q, v, h0.size(0))
         it = Intra(q, k, v, g, beta, heads)
         S, U, final = scan_chunks(it.W, it.U0, it.Kt, it.gam[:, -1], h0)   # S: chunk-start states
         o = torch.baddbmm(it.M @ U, heads.per_value(q, it.gam.unsqueeze(-1)), S)  # M U + (q Gam) S
@@ -182,11 +217,10 @@ class ChunkGatedDelta(torch.autograd.Function):
     def backward(ctx, dO, dfinal):
         q, k, v, g, beta, S, D, KD, M, T, W, U0, U = ctx.saved_tensors
         dO = dO.contiguous()  # arrives as a transposed view; four products read it
-        z, heads = ctx.z, Heads(q.size(0), v.size(0), v.size(0) // ctx.z)
+        z, heads = ctx.z, Heads.of(q, v, ctx.z)
         gam_, tail_ = decays(g)
         Kt = heads.per_value(k, tail_.unsqueeze(-1))
-        gam, bg = gam_.unsqueeze(-1), (beta * gam_).unsqueeze(-1)
-        Qg = heads.per_value(q, gam)                                      # q Gam [N, C, dk]
+        Qg = heads.per_value(q, gam_.unsqueeze(-1))                       # q Gam [N, C, dk]
         dSe, dU, dS0 = scan_chunks_backward(W, Kt, gam_[:, -1], Qg.mT @ dO, M.mT @ dO, dfinal, z)
         dQg = dO @ S.mT                                                # [N, C, dk]
         dM = dO @ U.mT                                                 # [N, C, C]
@@ -197,27 +231,10 @@ class ChunkGatedDelta(torch.autograd.Function):
         # dA = -T^T dT T^T = -(T^T dW) W^T - (T^T dU) U0^T, two [C, d] x [d, C] products
         dKb, dVb = T.mT @ dW, T.mT @ dU
         dA = torch.baddbmm(dKb @ W.mT, dVb, U0.mT).neg_()
-        dA.diagonal(dim1=-2, dim2=-1).zero_()                          # A is strictly lower
-        # through A = beta (k k^T) D and M = (q k^T) D
-        dKb_k = heads.dot_per_value(dKb, k)                            # sum_d dKb k, per token
-        dbeta = torch.linalg.vecdot(dA, KD) + dKb_k * gam_ + torch.linalg.vecdot(dVb, v)
-        dA.mul_(beta.unsqueeze(-1))                                    # d(k k^T D)
-        E = (dA * KD).addcmul_(dM, M)                            # dD * D
-        # D_ii = exp(0) does not depend on G: its O(1) term would enter both sums below and
-        # cancel only up to rounding, swamping the tiny dG of fast-decaying heads
-        E.diagonal(dim1=-2, dim2=-1).zero_()
-        dG = E.sum(-1) - E.sum(-2)
-        dv = dVb * beta.unsqueeze(-1)
-        dKK, dQK = heads.per_key(dA.mul_(D)), heads.per_key(dM.mul_(D))  # [Nk, C, C]
-        dG += dKb_k * beta * gam_ + torch.linalg.vecdot(dQg, Qg)
-        de = heads.dot_per_value(dKt, k) * tail_                             # through exp(G_C - G_j)
-        de[:, -1] = 0.0                                                # exp(G_C - G_C): constant, as above
-        dG -= de
-        dG[:, -1] += de.sum(-1) + dgam_end * gam_[:, -1]
-        dg = dG.flip(-1).cumsum(-1).flip(-1)                           # G = cumsum(g)
-        dk = torch.baddbmm(torch.baddbmm(dKK @ k, dKK.mT, k), dQK.mT, q)
-        dk += heads.per_key(dKb.mul_(bg).addcmul_(dKt, tail_.unsqueeze(-1)))
-        dq = torch.baddbmm(heads.per_key(dQg.mul_(gam)), dQK, k)
+        dbeta, dv, dg, dKK, dQK, dk_direct, dq_direct = intra_grads(
+            dA, dM, dKb, dVb, dKt, dQg, D, KD, M, Qg, k, v, beta, gam_, tail_, dgam_end, heads.rep, heads.n)
+        dk = torch.baddbmm(torch.baddbmm(dKK @ k, dKK.mT, k), dQK.mT, q).add_(dk_direct)
+        dq = torch.baddbmm(dq_direct, dQK, k)
         return dq, dk, dv, dg, dbeta, dS0
 
 
