@@ -113,9 +113,9 @@ class Intra:
         # first: an exp with a subnormal result is slow) and above the diagonal
         self.D = F.threshold_(diff.clamp_(UNDERFLOW - 1, 0.0).exp_(), math.exp(UNDERFLOW), 0.0).tril_()
         KK, QK = k @ k.mT, q @ k.mT                                    # [Nk, C, C], per key head
+        # for the backward: A = beta KD below the diagonal (intra_grads drops the rest), M = QK D;
+        # every gradient through them is multiplied by D, so none needs masking
         self.KD, self.M = heads.per_value(KK, self.D), heads.per_value(QK, self.D)
-        self.KD.diagonal(dim1=-2, dim2=-1).zero_()                     # A = beta KD is strictly lower
-        # every gradient through KD and M is multiplied by D, so none needs masking
         self.gam, self.tail = decays(g)
         self.Kt = heads.per_value(k, self.tail.unsqueeze(-1))          # k_j exp(G_C - G_j)
         self.T = decayed_inverse(heads.per_value(KK, beta.unsqueeze(-1)), self.D)
