@@ -206,10 +206,7 @@ def test_per_head_op_makes_no_subnormals(rate):
     assert not watch.counts, f"ops wrote subnormal values: {watch.counts}"
     ref = run_with_grads(naive_delta_rule, inputs, True)
     errs = compare(run_with_grads(chunk_delta_rule, inputs, True, chunk_size=32), ref)
-    # the log-decay gradient of a fast head sums terms that nearly cancel: 1.6e-5 here at -3 per
-    # token, the same before T was solved without decays
-    dg = errs.pop("dg")
-    assert max(errs.values()) <= REL and dg <= 3 * REL, (errs, dg)
+    assert max(errs.values()) <= REL, errs
 
 
 @pytest.mark.parametrize("keys", ["aligned", "alternating"])

@@ -1,8 +1,8 @@
 """Compiled elementwise kernels (megamoe.fusion) against the eager ones they stand in for.
 
 Each fused autograd op (the expert SwiGLU, the fused shared expert, RMSNorm, the causal conv,
-the L2 norm, the chunked gated delta rule's backward) runs once with fusion on and once off on the same fp32 inputs: outputs and every
-gradient agree to 1e-5 relative. A hybrid MoE model (Gated DeltaNet, gated attention with
+the L2 norm, the chunked gated delta rule's backward) runs once with fusion on and once off on
+the same fp32 inputs: outputs and every gradient agree to 1e-5 relative. A hybrid MoE model (Gated DeltaNet, gated attention with
 q/k norms, routed + gated shared experts) agrees in loss and all gradients. The rest of the
 suite runs eagerly (tests/conftest.py); these tests skip where no C++ compiler is found.
 """
