@@ -49,7 +49,7 @@ def routing_case(update_expert_bias: bool, log_dir: str) -> dict:
     recipe = TrainRecipe(model=model, parallel=ParallelConfig(), data=DataConfig(kind="synthetic", seq_len=16),
                          train=TrainConfig(steps=50, micro_batch_size=2, global_batch_size=4, seed=3),
                          optim=OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2, weight_decay=0.0),
-                         logging=LoggingConfig(progress=False, latency_histograms=False),
+                         logging=LoggingConfig(progress=False, latency_interval=0),
                          lora=LoRAConfig(rank=4, targets=["mlp"], update_expert_bias=update_expert_bias))
     with contextlib.redirect_stdout(io.StringIO()):
         trainer = Trainer(recipe, SyntheticDataset(64, 16, seed=5))
@@ -84,7 +84,7 @@ def finetune_case(base: str, chat: str, run_dir: str, steps: int, extra: list[st
 
     overrides = [f"data.paths=[{chat}]", f"checkpoint.dir={run_dir}", f"logging.dir={run_dir}/tb",
                  f"train.steps={steps}", "logging.interval=1", "logging.progress=false",
-                 "logging.latency_histograms=false", *extra]
+                 "logging.latency_interval=0", *extra]
     if base:
         overrides.append(f"checkpoint.load={base}")
     out = io.StringIO()

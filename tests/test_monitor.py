@@ -14,7 +14,7 @@ def monitored_run(log_dir: str, steps: int) -> list[float]:
 
     # TP=2 with SP all-gathers the sequence; EP=2 (on the same two ranks) exchanges tokens all-to-all
     recipe = tiny_recipe(ParallelConfig(tp=2, sequence_parallel=True, ep=2, etp=1), steps=steps)
-    recipe.logging.latency_histograms = True
+    recipe.logging.latency_interval = 1
     recipe.logging.heatmap_interval = 2
     trainer = Trainer(recipe, SyntheticDataset(64, 16, seed=3))
     return [h["loss"] for h in trainer.fit(log_dir)]

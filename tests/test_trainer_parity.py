@@ -32,7 +32,7 @@ def tiny_recipe(parallel: ParallelConfig, steps: int = STEPS, **train) -> TrainR
                        # lr 3e-4: at 1e-3 and above this tiny MoE is chaotic (routing flips amplify fp32
                        # rounding differences between layouts past 1e-5 within 200 steps)
                        optim=OptimConfig(lr=3e-4, min_lr=3e-5, warmup_steps=5, clip_grad=1.0),
-                       checkpoint=CheckpointConfig(), logging=LoggingConfig(progress=False, latency_histograms=False))
+                       checkpoint=CheckpointConfig(), logging=LoggingConfig(progress=False, latency_interval=0))
 
 
 def run_recipe(recipe: TrainRecipe, log_dir: str) -> list[float]:

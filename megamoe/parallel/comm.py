@@ -37,14 +37,21 @@ _TAG: ContextVar = ContextVar("megamoe_comm_tag", default="model")
 
 
 class LatencyRecorder:
-    """Collects wall-clock seconds of all-gather / all-to-all calls by ``kind/tag`` while active.
+    """Collects seconds of all-gather / all-to-all calls by ``kind/tag`` while active.
 
     Tags come from ``tag_scope`` (the model sets one per layer); a collective issued in
-    backward carries the tag of its forward.
+    backward carries the tag of its forward. The trainer activates a recorder on sampled
+    steps only; when none is active a collective runs no timing code at all.
+
+    A CUDA collective is bracketed by two timing events on the current stream and read back
+    in ``drain`` (at log time, when the step's work is long done): timing never waits for the
+    device, so it does not serialise communication with compute. On CPU, where gloo
+    collectives return when complete, host clocks are exact.
     """
 
     def __init__(self):
         self.samples: dict[str, list[float]] = defaultdict(list)
+        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextmanager
     def active(self):
@@ -54,7 +61,28 @@ class LatencyRecorder:
         finally:
             _RECORDER.reset(token)
 
+    def time(self, kind: str, tag: str | None, fn, x: torch.Tensor, *args) -> torch.Tensor:
+        """``fn(x, *args)``, recording its latency under ``kind/tag``."""
+        key = f"{kind}/{tag or current_tag()}"
+        if x.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(x, *args)
+            end.record()
+            self._pending.append((key, start, end))
+            return out
+        t0 = time.perf_counter()
+        out = fn(x, *args)
+        self.samples[key].append(time.perf_counter() - t0)
+        return out
+
     def drain(self) -> dict[str, list[float]]:
+        """Samples since the last drain, in seconds. Reads the CUDA events back (waiting for
+        the last of them, which the finished step has normally passed already)."""
+        for key, start, end in self._pending:
+            end.synchronize()
+            self.samples[key].append(start.elapsed_time(end) / 1e3)
+        self._pending = []
         out, self.samples = dict(self.samples), defaultdict(list)
         return out
 
@@ -74,16 +102,7 @@ def current_tag() -> str:
 
 def _timed(kind: str, tag: str | None, fn, *args):
     rec = _RECORDER.get()
-    if rec is None:
-        return fn(*args)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = fn(*args)
-    if out.is_cuda:
-        torch.cuda.synchronize()
-    rec.samples[f"{kind}/{tag or current_tag()}"].append(time.perf_counter() - start)
-    return out
+    return fn(*args) if rec is None else rec.time(kind, tag, fn, *args)
 
 
 # ---- raw collectives (no autograd) -------------------------------------------------------

@@ -78,10 +78,11 @@ class LoggingConfig:
     dir: Optional[str] = None  # TensorBoard log dir; None: <checkpoint.dir>/tb or runs/<time>
     interval: int = 1  # steps between scalar logs
     heatmap_interval: int = 10  # steps between expert-load heatmaps
-    latency_histograms: bool = True  # time all-to-all / all-gather calls per layer
+    latency_interval: int = 10  # time all-to-all / all-gather calls per layer on every N-th step; 0: never
     peak_tflops: Optional[float] = None  # for MFU; None: known GPUs, or a measured matmul peak on CPU
     progress: bool = True  # console progress bar
 
     def validate(self, path: str = "logging") -> None:
         check_positive(f"{path}.interval", self.interval)
         check_positive(f"{path}.heatmap_interval", self.heatmap_interval)
+        check(self.latency_interval >= 0, f"{path}.latency_interval", self.latency_interval, "must be >= 0")

@@ -85,10 +85,15 @@ class Monitor:
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
+    def logs(self, step: int) -> bool:
+        """Whether step ``step`` writes TensorBoard events (the same answer on every rank)."""
+        return step % self.cfg.interval == 0 or step == self.total
+
     def log_step(self, step: int, scalars: dict[str, float], latencies: dict[str, list[float]] | None = None,
                  expert_load: dict[int, torch.Tensor] | None = None,
                  layer_scalars: dict[str, float] | None = None) -> None:
-        """``step`` is 1-based (the number of optimizer steps done)."""
+        """``step`` is 1-based (the number of optimizer steps done). The JSONL line and the
+        progress bar follow every step; the events only steps where ``logs(step)``."""
         if not self.enabled:
             return
         self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
@@ -97,7 +102,7 @@ class Monitor:
             self.bar.update(step - self.bar.n)
             self.bar.set_postfix(loss=f"{scalars.get('loss', float('nan')):.4f}",
                                  lr=f"{scalars.get('lr', 0):.2e}")
-        if step % self.cfg.interval and step != self.total:
+        if not self.logs(step):
             return
         for k, v in scalars.items():
             self.writer.add_scalar(f"train/{k}", v, step)

@@ -7,6 +7,7 @@ and any layout reproduces the single-process run.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -83,7 +84,8 @@ class Trainer:
         self.optimizer = DistributedOptimizer(named, self.groups, self.optim_cfg)
         self._maybe_resume()
         self.after_step_hooks: list[Callable[[Trainer], None]] = []
-        self.recorder = comm.LatencyRecorder()
+        # communication latencies on every latency_interval-th step; None: no timing code at all
+        self.recorder = comm.LatencyRecorder() if recipe.logging.latency_interval else None
         self.vision = getattr(self.chunks[0], "vision", None) if self.first else None
         self._preprocess = self.vision.preprocessor() if self.vision is not None else None
         self.has_moe = any(k.mlp == "e" for k in recipe.model.parsed_layout().layers)
@@ -139,7 +141,8 @@ class Trainer:
             self.after_step_hooks.append(lambda t: [update_expert_bias(c, t.groups) for c in t.chunks])
 
     def moe_report(self) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
-        """Per-layer expert load (for the heatmap) and scalars, gathered to rank 0 (a collective)."""
+        """Per-layer expert load (for the heatmap) and scalars over the steps since the last report,
+        gathered to rank 0 (a collective; the trainer calls it on logging steps only)."""
         if not self.has_moe:
             return {}, {}
         from megamoe.moe import moe_metrics
@@ -246,6 +249,13 @@ class Trainer:
             loss_sum += x.detach().double().cpu() * total_tokens.double().cpu()
         return loss_sum
 
+    def _timing(self):
+        """The latency recorder on sampled steps, else nothing."""
+        every = self.recipe.logging.latency_interval
+        if self.recorder is None or (self.step + 1) % every:
+            return contextlib.nullcontext()
+        return self.recorder.active()
+
     def train_step(self, micro: list[dict]) -> dict:
         """Forward, backward, gradient sync, clip and update on one global batch."""
         if len(micro) != self.n_micro:
@@ -255,7 +265,7 @@ class Trainer:
         total_tokens = comm.all_reduce_tensor(torch.tensor(float(local_tokens), dtype=torch.float64),
                                               self.groups.dp_cp).to(torch.float32).clamp(min=1)
         self.optimizer.zero_grad()
-        with self.recorder.active():
+        with self._timing():
             loss_sum = self._forward_backward(micro, total_tokens.to(self.device))
         sync_grads(self.chunks, self.groups)
         norm = global_grad_norm(self.chunks, self.groups)
@@ -293,9 +303,10 @@ class Trainer:
         return 6.0 * (b.active - embed)
 
     def _gather_latencies(self) -> dict[str, list[float]]:
-        mine = {f"rank{self.rank}/{k}": v for k, v in self.recorder.drain().items()}
-        if not self.recipe.logging.latency_histograms:
+        """The samples of every rank since the last call, on rank 0 (a collective)."""
+        if self.recorder is None:
             return {}
+        mine = {f"rank{self.rank}/{k}": v for k, v in self.recorder.drain().items()}
         gathered = [None] * self.world if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         out: dict[str, list[float]] = {}
@@ -323,8 +334,12 @@ class Trainer:
                 metrics = self.train_step(data(self.consumed))
                 metrics.update(memory_gib())
                 metrics["mfu"] = flops * metrics["tokens_per_s"] / (peak * 1e12 * self.world)
-                load, moe_scalars = self.moe_report()
-                monitor.log_step(self.step, metrics, self._gather_latencies(), load, moe_scalars)
+                # the reports are collectives with host syncs: only on steps that write them
+                load, moe_scalars, latencies = {}, {}, {}
+                if monitor.logs(self.step):
+                    load, moe_scalars = self.moe_report()
+                    latencies = self._gather_latencies()
+                monitor.log_step(self.step, metrics, latencies, load, moe_scalars)
                 history.append(metrics)
                 if self.nan_streak >= self.train.nan_max_consecutive:
                     path = self.save()
