@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -77,7 +76,20 @@ def test_dependencies_and_extras_never_apex():
     assert not any(re.split(r"[<>=\[ ]", r)[0].lower() == "apex" for r in everything)  # PyPI's apex is another project
 
 
-def test_wheel_installs_mapped_subpackages(tmp_path):
+COMMANDS = ("pretrain", "finetune", "convert", "generate", "verify", "plan")
+
+
+def test_every_package_folder_has_an_init():
+    """find_packages silently leaves out a folder without __init__.py (megamoe/training once)."""
+    missing = [str(d.relative_to(REPO)) for folder in ("megamoe", "layers", "vision")
+               for d in [REPO / folder, *(REPO / folder).rglob("*")]
+               if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py")) and not (d / "__init__.py").exists()]
+    assert not missing, f"package folders without __init__.py: {missing}"
+
+
+def test_wheel_installs_every_module_and_the_commands(tmp_path):
+    """The wheel, installed into a fresh venv and run from a folder outside the checkout,
+    imports every module it holds and every console entry point answers --help."""
     wheel_dir = tmp_path / "wheel"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(wheel_dir), str(REPO)], check=True, cwd=tmp_path)
@@ -87,19 +99,36 @@ def test_wheel_installs_mapped_subpackages(tmp_path):
     assert "megamoe/recipes/tiny_dense.yaml" in names
     top = {n.split("/")[0] for n in names}
     assert not top & {"layers", "vision", "tools", "tests", "pretrain_scripts", "docs"}, top
+    # every .py of the package folders is in the wheel (a folder without __init__.py would be missing)
+    sources = {f"megamoe/{p.relative_to(REPO / 'megamoe')}" for p in (REPO / "megamoe").rglob("*.py")}
+    sources |= {f"megamoe/{p.relative_to(REPO)}" for f in ("layers", "vision") for p in (REPO / f).rglob("*.py")}
+    assert not sources - set(names), sorted(sources - set(names))
+    modules = sorted(n[:-3].replace("/", ".").removesuffix(".__init__") for n in names if n.endswith(".py"))
+    assert "megamoe.training.trainer" in modules and "megamoe.commands.convert" in modules
 
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True)
-    # dependencies (torch, ...) come from this environment's site-packages, appended after the
-    # new venv's own, so the installed wheel is what 'import megamoe' finds
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index",
+                    str(wheel)], check=True)
+    # dependencies (torch, ...) come from this environment's site-packages folders (a venv may
+    # chain to another's), appended after the new venv's own, so the installed wheel is what
+    # 'import megamoe' finds; the checkout itself is on no path
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
-    Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    code = ("import megamoe, megamoe.layers, megamoe.vision, megamoe.model; "
-            "print(megamoe.__file__); print(megamoe.layers.__file__)")
+    deps = [p for p in sys.path if p.endswith("site-packages") and not p.startswith(str(REPO) + "/megamoe")]
+    Path(site, "deps.pth").write_text("\n".join(deps) + "\n")
+    code = ("import importlib, sys\n"
+            "for m in sys.argv[1:]:\n"
+            "    f = importlib.import_module(m).__file__\n"
+            "    assert f.startswith(sys.prefix), (m, f)\n"
+            "print(len(sys.argv) - 1)")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    out = subprocess.run([str(py), "-c", code], check=True, capture_output=True, text=True,
-                         cwd=tmp_path, env=env).stdout.split()
-    assert all(str(venv) in line for line in out), out
+    out = subprocess.run([str(py), "-c", code, *modules], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == str(len(modules))
+    for name in COMMANDS:
+        script = venv / "bin" / f"megamoe-{name}"
+        assert script.is_file(), f"the wheel installs no console script megamoe-{name}"
+        shown = subprocess.run([str(script), "--help"], capture_output=True, text=True, cwd=tmp_path, env=env)
+        assert shown.returncode == 0 and "usage:" in shown.stdout and "--debug" in shown.stdout, (name, shown.stderr)

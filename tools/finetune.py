@@ -1,38 +1,7 @@
 #!/usr/bin/env python
 """Fine-tune a model from existing weights (a converted HF checkpoint or a training checkpoint).
-
-    python tools/convert.py import-hf HF_DIR ckpt/base
-    python tools/finetune.py --config RECIPE checkpoint.load=ckpt/base data.kind=sft data.paths=[chat.jsonl]
-    torchrun --nproc-per-node 2 tools/finetune.py --config RECIPE parallel.tp=2 checkpoint.load=ckpt/base
-
-Everything else is as in tools/pretrain.py (recipe + key=value overrides).
-"""
-import torch.distributed as dist
-
-from megamoe.cli import recipe_parser, run_main
-from megamoe.errors import ConfigError
-from megamoe.training.checkpoint import latest_checkpoint
-from megamoe.training.entry import load_train_recipe, run_training
-
-
-def main() -> None:
-    args = recipe_parser(__doc__.strip().splitlines()[0]).parse_args()
-    recipe = load_train_recipe(args.config, args.overrides)
-    c = recipe.checkpoint
-    resuming = c.dir and c.resume and latest_checkpoint(c.dir) is not None
-    if not c.load and not resuming:
-        raise ConfigError("checkpoint.load is not set: fine-tuning starts from existing weights "
-                          "(tools/convert.py import-hf HF_DIR OUT, then checkpoint.load=OUT)")
-    summary = run_training(recipe)
-    if summary["trainer"].rank == 0:
-        last = summary["last"]
-        print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {last.get('loss', float('nan')):.4f}")
-        print(f"TensorBoard logs: {summary['log_dir']}")
-        if c.dir:
-            print(f"checkpoints: {c.dir}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
+Same as the installed ``megamoe-finetune`` (megamoe/commands/finetune.py); see --help."""
+from megamoe.commands.finetune import cli
 
 if __name__ == "__main__":
-    run_main(main)
+    cli()

@@ -1,25 +1,7 @@
 #!/usr/bin/env python
 """Print the plan of a run without starting it: layout, parameter budget, parallel grid and
-per-stage memory per rank.
-
-    python tools/plan.py --config moe_1t --world-size 1024 parallel.tp=8 parallel.pp=16 parallel.ep=64
-"""
-from megamoe.cli import recipe_parser, run_main
-from megamoe.config import validate_model_parallel
-from megamoe.plan import describe, memory_plan
-from megamoe.training.entry import load_train_recipe
-
-
-def main() -> None:
-    p = recipe_parser(__doc__.strip().splitlines()[0])
-    p.add_argument("--world-size", type=int, default=1, help="number of ranks (GPUs) of the run")
-    args = p.parse_args()
-    recipe = load_train_recipe(args.config, args.overrides, validate=False)
-    validate_model_parallel(recipe.model, recipe.parallel)
-    print(describe(recipe.model))
-    print(memory_plan(recipe.model, recipe.parallel, args.world_size, recipe.train.micro_batch_size,
-                      recipe.data.seq_len))
-
+Same as the installed ``megamoe-plan`` (megamoe/commands/plan.py); see --help."""
+from megamoe.commands.plan import cli
 
 if __name__ == "__main__":
-    run_main(main)
+    cli()

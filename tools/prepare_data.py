@@ -9,10 +9,9 @@ Formats: jsonl (a "text" field per line; --text-key to change), paragraphs (blan
 blocks), lines (one document per line); auto = jsonl for .jsonl/.json, paragraphs otherwise.
 A malformed record stops the run with FILE:LINE and leaves no output. See docs/data.md.
 """
-import argparse
 import json
 
-from megamoe.cli import run_main
+from megamoe.cli import run_main, tool_parser
 from megamoe.data import TokenFile, load_tokenizer, write_token_file
 from megamoe.data.records import FORMATS
 
@@ -26,8 +25,8 @@ def show(path: str, tokenizer_spec: str | None) -> None:
         print(f"document 0: {tok.decode(tf.document(0).tolist())!r}")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    p = tool_parser(__doc__.splitlines()[0])
     p.add_argument("inputs", nargs="*", help="text or JSONL files (.gz allowed)")
     p.add_argument("--output", help="token directory to write (written atomically)")
     p.add_argument("--tokenizer", help="'byte', a SentencePiece .model, a tokenizer.json or a tokenizer directory")
@@ -37,7 +36,7 @@ def main() -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--show", metavar="DIR", help="print a token directory's header and first document")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.show:
         return show(args.show, args.tokenizer)
     if not (args.inputs and args.output and args.tokenizer):

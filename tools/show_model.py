@@ -31,12 +31,12 @@ def smoke_step(model_cfg, seq_len: int, batch: int) -> None:
           f"grad norm {grad_norm:.4f}, {time.time() - t:.2f}s")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = recipe_parser(__doc__.strip().splitlines()[0])
     p.add_argument("--step", action="store_true", help="build the model and run one forward+backward")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     recipe = load_recipe(args.config, args.overrides)
     validate_model_parallel(recipe.model, recipe.parallel)
     print(describe(recipe.model))

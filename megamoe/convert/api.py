@@ -125,7 +125,7 @@ def _hf_plan(entries: list[Entry], dtype_of) -> list[tuple[str, torch.dtype, tup
 
 
 def _write_hf(out_dir, family: Family, cfg: ModelConfig, hf_config: dict | None, shapes_dtypes,
-              read_full, overwrite: bool, progress: bool) -> Path:
+              read_full, overwrite: bool, progress: bool, shard_bytes: int = 5 << 30) -> Path:
     config = family.config_to_hf(cfg, hf_config)
     entries = _plan(family, cfg, config, None)
     check_plan(entries, {n: s for n, (s, _) in shapes_dtypes.items()}, None, "export")
@@ -138,7 +138,7 @@ def _write_hf(out_dir, family: Family, cfg: ModelConfig, hf_config: dict | None,
             yield from zip(e.hf, (o.contiguous() for o in outs))
             bar.update(1)
 
-    path = write_hf_dir(out_dir, config, planned, stream(), overwrite=overwrite)
+    path = write_hf_dir(out_dir, config, planned, stream(), shard_bytes=shard_bytes, overwrite=overwrite)
     bar.close()
     return path
 
@@ -191,7 +191,7 @@ def open_megamoe_checkpoint(path: str | Path):
 
 
 def export_hf(ckpt_dir: str | Path, out_dir: str | Path, *, family: str | None = None,
-              overwrite: bool = False, progress: bool = True) -> Path:
+              overwrite: bool = False, progress: bool = True, shard_bytes: int = 5 << 30) -> Path:
     """A megamoe checkpoint (converted or from training) -> an HF directory."""
     meta, cfg, tensors, read_full = open_megamoe_checkpoint(ckpt_dir)
     origin = meta.get("hf") or {}
@@ -202,4 +202,4 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, *, family: str | None =
     # tensors are exported in the model's parameter dtype (model.params_dtype)
     shapes = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
     return _write_hf(out_dir, fam, cfg, origin.get("config"), shapes,
-                     lambda n: read_full(n).to(shapes[n][1]), overwrite, progress)
+                     lambda n: read_full(n).to(shapes[n][1]), overwrite, progress, shard_bytes)

@@ -1,0 +1,71 @@
+"""Convert checkpoints between HF and megamoe, streaming one tensor at a time.
+
+    megamoe-convert import-hf HF_DIR OUT_DIR [--tp N --ep N --etp N --pp N]
+    megamoe-convert export-hf CKPT_DIR OUT_DIR [--family MODEL_TYPE]
+    megamoe-convert export-peft LORA_CKPT_DIR OUT_DIR [--family MODEL_TYPE]
+    megamoe-convert families
+
+import-hf writes a megamoe checkpoint (optionally split for a TP/EP/PP layout) that
+tools/pretrain.py / finetune.py load with checkpoint.load=OUT_DIR. export-hf takes such a
+checkpoint or a training checkpoint (step_XXXXXXXX) and writes safetensors shards, index and
+config.json that transformers loads with its Auto classes. export-peft takes a checkpoint of a
+LoRA fine-tune (adapters only) and writes a PEFT adapter for the HF family (docs/lora.md).
+"""
+import argparse
+
+from megamoe.cli import DEBUG_HELP, number_in, run_main, tool_parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = tool_parser(__doc__.strip().splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                    epilog=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import-hf", help="HF directory -> megamoe checkpoint")
+    imp.add_argument("hf_dir")
+    imp.add_argument("out_dir")
+    for flag in ("tp", "ep", "etp", "pp"):
+        imp.add_argument(f"--{flag}", type=number_in(int, 1), default=1, help=f"split the checkpoint for parallel.{flag}")
+    exp = sub.add_parser("export-hf", help="megamoe checkpoint -> HF directory")
+    exp.add_argument("ckpt_dir")
+    exp.add_argument("out_dir")
+    exp.add_argument("--family", help="HF model_type to write (default: the checkpoint's origin)")
+    for s in (imp, exp):
+        s.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+        s.add_argument("--shard-gib", type=number_in(float, 0.001), default=2.0, help="maximum shard size (GiB)")
+    peft = sub.add_parser("export-peft", help="LoRA checkpoint -> HF PEFT adapter directory")
+    peft.add_argument("ckpt_dir")
+    peft.add_argument("out_dir")
+    peft.add_argument("--family", help="HF model_type to write for (default: the checkpoint's origin)")
+    peft.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    fams = sub.add_parser("families", help="list the supported HF model types")
+    for s in (imp, exp, peft, fams):
+        s.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    args = p.parse_args(argv)
+
+    from megamoe.convert import FAMILIES, export_hf, get_family, import_hf
+
+    if args.command == "families":
+        get_family("qwen3")  # loads the registry
+        for name, fam in sorted(FAMILIES.items()):
+            print(f"{name:<16} {fam.architecture}  {fam.notes}")
+    elif args.command == "export-peft":
+        from megamoe.lora import export_peft_checkpoint
+
+        out = export_peft_checkpoint(args.ckpt_dir, args.out_dir, family=args.family, overwrite=args.overwrite)
+        print(f"wrote PEFT adapter {out} (peft.PeftModel.from_pretrained(hf_model, '{out}'))")
+    elif args.command == "import-hf":
+        out = import_hf(args.hf_dir, args.out_dir, tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp,
+                        overwrite=args.overwrite, shard_bytes=int(args.shard_gib * 2**30))
+        print(f"wrote megamoe checkpoint {out} (load it with checkpoint.load={out})")
+    else:
+        out = export_hf(args.ckpt_dir, args.out_dir, family=args.family, overwrite=args.overwrite,
+                        shard_bytes=int(args.shard_gib * 2**30))
+        print(f"wrote HF checkpoint {out}")
+
+
+def cli() -> None:
+    run_main(main)
+
+
+if __name__ == "__main__":
+    cli()

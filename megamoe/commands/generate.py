@@ -1,0 +1,99 @@
+"""Generate text with a megamoe model from an HF directory or a megamoe checkpoint (a LoRA
+fine-tune's checkpoint too: its base comes from its meta.json, the adapters are merged in).
+
+    megamoe-generate MODEL_DIR --prompt "Hello" [--tokenizer DIR_OR_FILE] [--max-new-tokens 32]
+    megamoe-generate MODEL_DIR --ids 1,2,3 --sample --temperature 0.8 --top-p 0.9 --seed 0
+    megamoe-generate VLM_DIR --image shapes.png --tokenizer byte     # caption an image
+"""
+from __future__ import annotations
+
+import torch
+
+from megamoe.cli import number_in, run_main, tool_parser
+from megamoe.errors import ConfigError
+
+
+def image_prompt(model, path: str, ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """Placeholders for the image (as many as its preprocessed size gives) before the prompt."""
+    from PIL import Image
+
+    if getattr(model, "vision", None) is None:
+        raise ConfigError(f"--image {path}: the model has no vision tower")
+    prep = model.vision.preprocessor()
+    pixels = prep(path)
+    with Image.open(path) as img:
+        n = model.vision.image_tokens(img)
+    return [model.image_token_id] * n + ids, [pixels]
+
+
+def parse_ids(text: str) -> list[int]:
+    """``--ids 1,2,3``: non-negative integers (the vocabulary bound is checked with the model)."""
+    ids = []
+    for item in text.split(","):
+        try:
+            ids.append(int(item))
+        except ValueError:
+            raise ConfigError(f"--ids {text}: {item.strip()!r} is not an integer token id") from None
+        if ids[-1] < 0:
+            raise ConfigError(f"--ids {text}: {ids[-1]} is negative (token ids are 0 .. vocab_size - 1)")
+    return ids
+
+
+def check_ids(ids: list[int], vocab_size: int, what: str) -> None:
+    if not ids:
+        raise ConfigError(f"{what}: the prompt is empty (no token ids)")
+    too_big = [i for i in ids if i >= vocab_size]
+    if too_big:
+        raise ConfigError(f"{what}: token id {too_big[0]} is not below the model's vocab_size {vocab_size}")
+
+
+def parser():
+    p = tool_parser(__doc__.strip().splitlines()[0])
+    p.add_argument("model_dir", help="HF directory, megamoe checkpoint, LoRA checkpoint or a run's checkpoint folder")
+    p.add_argument("--prompt", help="text to continue (needs --tokenizer or a tokenizer in MODEL_DIR)")
+    p.add_argument("--ids", help="comma-separated token ids instead of --prompt")
+    p.add_argument("--tokenizer", help="'byte', a .model, a tokenizer.json or a tokenizer directory")
+    p.add_argument("--max-new-tokens", type=number_in(int, 1), default=32)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=number_in(float, 1e-6), default=1.0)
+    p.add_argument("--top-k", type=number_in(int, 0), default=0, help="0: no top-k cut")
+    p.add_argument("--top-p", type=number_in(float, 1e-6, 1.0), default=1.0)
+    p.add_argument("--seed", type=number_in(int, 0), default=0)
+    p.add_argument("--image", help="an image file for a vision-language model (placed before the prompt)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    from megamoe.commands.models import load_model
+    from megamoe.data import load_tokenizer
+    from megamoe.generate import generate
+
+    ids = parse_ids(args.ids) if args.ids else None  # before the (slow) model load
+    if ids is None and not args.prompt and not args.image:
+        raise ConfigError("give --prompt (with a tokenizer), --image (with a tokenizer) or --ids")
+    model = load_model(args.model_dir)
+    tok = load_tokenizer(args.tokenizer or args.model_dir) if (args.prompt or args.tokenizer) else None
+    if ids is None:
+        if tok is None:
+            raise ConfigError("--image needs --tokenizer (or --ids) to build the prompt")
+        ids = tok.encode(args.prompt or "")
+        if args.prompt and not ids:
+            raise ConfigError(f"--prompt {args.prompt!r}: the tokenizer encodes it to no tokens")
+    images = None
+    if args.image:
+        ids, images = image_prompt(model, args.image, ids)
+    check_ids(ids, model.config.vocab_size, "--ids" if args.ids else "--prompt")
+    out = generate(model, torch.tensor([ids]), args.max_new_tokens, do_sample=args.sample,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   eos_token_id=tok.eos_id if tok is not None else None, seed=args.seed, images=images)
+    new = out[0, len(ids):].tolist()
+    print(tok.decode(new) if tok is not None else new)
+
+
+def cli() -> None:
+    run_main(main)
+
+
+if __name__ == "__main__":
+    cli()

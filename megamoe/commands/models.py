@@ -1,0 +1,62 @@
+"""What generate and verify accept as a model: an HF directory (config.json), a megamoe
+checkpoint (converted or from training, or a run's directory), or a LoRA fine-tune's
+adapter-only checkpoint, whose base weights come from the path its meta.json records."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from megamoe.errors import CheckpointError
+
+
+def checkpoint_path(path: str | Path) -> Path:
+    """A checkpoint folder itself, or the latest checkpoint of a run's directory."""
+    from megamoe.training.checkpoint import latest_checkpoint
+
+    path = Path(path)
+    if not (path / "meta.json").is_file() and latest_checkpoint(path) is not None:
+        return latest_checkpoint(path)
+    return path
+
+
+def lora_base(path: Path, meta: dict) -> Path:
+    """The base weights an adapter-only checkpoint was trained on (``lora_base`` in its meta)."""
+    base = meta.get("lora_base")
+    if not base:
+        raise CheckpointError(f"{path}/meta.json: a LoRA checkpoint without 'lora_base' (the run had no "
+                              f"checkpoint.load), so there are no base weights to put the adapters on")
+    if not (Path(base) / "meta.json").is_file():
+        raise CheckpointError(f"{path}/meta.json: lora_base {base} is not a megamoe checkpoint (moved or deleted?)")
+    return Path(base)
+
+
+def load_model(path: str | Path, merge: bool = True):
+    """The model in ``path`` on CPU, in eval mode, with ``hf_origin`` set when known. A LoRA
+    checkpoint gives its base with the adapters applied, merged into the weights unless
+    ``merge=False``."""
+    from megamoe.convert import build_model, from_hf
+    from megamoe.recipe import config_from_dict
+    from megamoe.training.checkpoint import load_checkpoint, read_meta
+
+    if (Path(path) / "config.json").is_file():
+        return from_hf(path)
+    path = checkpoint_path(path)
+    meta = read_meta(path)
+    if "model" not in meta:
+        raise CheckpointError(f"{path}/meta.json: no model config (written by an older megamoe?)")
+    model = build_model(config_from_dict(meta["model"]))
+    if not meta.get("lora"):
+        load_checkpoint(path, model.groups, [model], load_rng=False)
+    else:
+        from megamoe.lora import LoRAConfig, apply_lora, is_adapter_name
+        from megamoe.lora import merge as merge_lora
+
+        base = lora_base(path, meta)
+        base_meta = load_checkpoint(base, model.groups, [model], load_rng=False)
+        meta["hf"] = meta.get("hf") or base_meta.get("hf")
+        apply_lora(model, config_from_dict(meta["lora"], LoRAConfig))
+        load_checkpoint(path, model.groups, [model], load_rng=False, select=is_adapter_name)
+        if merge:
+            merge_lora(model)
+    if meta.get("hf"):
+        model.hf_origin = meta["hf"]
+    return model.eval()

@@ -1,0 +1,30 @@
+"""Pretrain a model from a recipe (YAML + key=value overrides), on one or many processes.
+
+    megamoe-pretrain --config tiny_train
+    torchrun --nproc-per-node 4 -m megamoe.commands.pretrain --config tiny_train parallel.tp=2 parallel.pp=2
+"""
+import torch.distributed as dist
+
+from megamoe.cli import recipe_parser, run_main
+from megamoe.training.entry import load_train_recipe, run_training
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = recipe_parser(__doc__.strip().splitlines()[0]).parse_args(argv)
+    summary = run_training(load_train_recipe(args.config, args.overrides))
+    if summary["trainer"].rank == 0:
+        last = summary["last"]
+        print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {last.get('loss', float('nan')):.4f}")
+        print(f"TensorBoard logs: {summary['log_dir']}  (tensorboard --logdir {summary['log_dir']})")
+        if summary["checkpoint_dir"]:
+            print(f"checkpoints: {summary['checkpoint_dir']}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def cli() -> None:
+    run_main(main)
+
+
+if __name__ == "__main__":
+    cli()
