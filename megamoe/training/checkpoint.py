@@ -9,72 +9,32 @@ each rank loads the pieces it needs, reassembles full tensors with the tensors' 
 
 Atomicity: everything is written under ``step_XXXXXXXX.tmp`` and renamed once every rank
 has finished; ``latest`` is replaced atomically after the rename. A crash mid-save leaves
-the previous checkpoint untouched. DCP's pickled ``.metadata`` is read with an allow-list
-unpickler, so loading a checkpoint never executes code.
+the previous checkpoint untouched. Loading goes through ``safe_dcp`` (an allow-list unpickler
+for DCP's pickled ``.metadata``, tensors only), so loading a checkpoint never executes code.
 """
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
-import pickle
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
 from megamoe.errors import CheckpointError
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.pieces import (all_pieces, assemble, layout_sizes, my_ranks, piece_key,
                                      stored_rules, unchanged)
 from megamoe.parallel.sharding import sharding, split_full
+from megamoe.training.safe_dcp import SafeFileSystemReader, dcp_load, quiet  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
 META = "meta.json"
 LATEST = "latest"
-
-
-# ---- safe metadata reading ---------------------------------------------------------------
-
-class _SafeUnpickler(pickle.Unpickler):
-    """Only the classes DCP metadata is made of; anything else is refused."""
-
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-               ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
-               ("pathlib", "PurePosixPath"), ("builtins", "set"), ("builtins", "frozenset")}
-
-    def find_class(self, module, name):
-        if module == "torch.distributed.checkpoint.metadata" or (module, name) in self.ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise CheckpointError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint may not contain")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        path = Path(self.path) / ".metadata"
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise CheckpointError(f"{path}: cannot read checkpoint metadata ({e.strerror})") from None
-        try:
-            metadata = _SafeUnpickler(io.BytesIO(data)).load()
-        except CheckpointError:
-            raise
-        except Exception as e:  # noqa: BLE001  (truncated or corrupted file)
-            raise CheckpointError(f"{path}: corrupted checkpoint metadata ({type(e).__name__})") from None
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 # ---- state collection --------------------------------------------------------------------
@@ -148,7 +108,8 @@ def save_checkpoint(root: str | Path, step: int, groups: ParallelGroups, model_p
     ranks, sizes = my_ranks(groups), layout_sizes(groups)
     items = {piece_key(kind, name, rules, ranks, sizes): t for t, kind, name, rules in _targets(model_parts, optimizer, select=select)}
     items[f"rng/rank{dist.get_rank() if dist.is_initialized() else 0}"] = torch.get_rng_state().clone()
-    dcp.save(items, checkpoint_id=str(tmp), no_dist=_single_process())
+    with quiet():
+        dcp.save(items, checkpoint_id=str(tmp), no_dist=_single_process())
     if _is_root():
         meta = {**(extra_meta or {}), "step": step, "layout": layout_sizes(groups),
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
@@ -193,9 +154,13 @@ def read_meta(path: str | Path) -> dict:
     if not meta_file.is_file():
         raise CheckpointError(f"{path}: not a megamoe checkpoint ({META} missing)")
     try:
-        return json.loads(meta_file.read_text())
-    except ValueError:
+        meta = json.loads(meta_file.read_text())
+    except (ValueError, OSError):
         raise CheckpointError(f"{meta_file}: corrupted (not JSON)") from None
+    layout = meta.get("layout") if isinstance(meta, dict) else None
+    if not (isinstance(layout, dict) and all(isinstance(v, int) for v in layout.values())):
+        raise CheckpointError(f"{meta_file}: not a megamoe checkpoint's meta.json (no parallel layout)")
+    return meta
 
 
 def _load_into(path: Path, targets: list[tuple], groups: ParallelGroups, old_sizes: dict[str, int],
@@ -241,13 +206,7 @@ def _load_batch(path: Path, batch: list[tuple], groups: ParallelGroups, old_size
 
 
 def _dcp_load(path: Path, request: dict[str, torch.Tensor]) -> None:
-    try:
-        dcp.load(request, storage_reader=SafeFileSystemReader(str(path)), no_dist=_single_process())
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001  (DCP reports missing keys/shape errors verbosely)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: cannot load checkpoint ({first[:300]})") from None
+    dcp_load(path, request, no_dist=_single_process())
 
 
 def _fill_placeholders(path: Path, request: dict, meta=None) -> None:
@@ -285,6 +244,9 @@ def load_checkpoint(path: str | Path, groups: ParallelGroups, model_parts, optim
         ConvertedCheckpoint(path, meta).load_into(targets, groups)
         log.info("loaded converted checkpoint %s (layout %s)", path, meta["layout"])
         return meta
+    if select is None and meta.get("lora") is not None:
+        raise CheckpointError(f"{path}: an adapter-only LoRA checkpoint (its base weights: {meta.get('lora_base')}); "
+                              "load the base and resume the adapters from checkpoint.dir, or export it merged")
     old = meta["layout"]
     _load_into(path, _targets(model_parts, optimizer, create=True, select=select), groups, old)
     world = dist.get_world_size() if dist.is_initialized() else 1

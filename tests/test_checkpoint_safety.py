@@ -1,0 +1,172 @@
+"""Checkpoints as untrusted input: nothing unpickled but plain metadata, DCP's own failures as one
+line, resume guards, recoverable saves. Command-line cases run the tools as subprocesses and
+assert exit status 2, exactly one message line naming the culprit, no traceback, nothing left."""
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megamoe.errors import CheckpointError
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["data.kind=synthetic", "data.seq_len=32", "logging.progress=false", "logging.latency_histograms=false"]
+# log records: megamoe's (logging.basicConfig in megamoe.cli) and torch's own ("[rank0]:W1205 ...")
+LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (INFO|WARNING) |(\[rank\d+\]:)?[IW]\d{4} )")
+
+
+def env() -> dict:
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGAMOE_FUSION="off",
+             MASTER_PORT=str(random.randint(20000, 40000)))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        e.pop(key, None)
+    return e
+
+
+def tool(name: str, *args, check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, str(REPO / "tools" / name), *map(str, args)], capture_output=True,
+                         text=True, env=env(), timeout=300)
+    if check and out.returncode:
+        raise AssertionError(f"{name} {args} exited {out.returncode}:\n{out.stderr[-3000:]}")
+    return out
+
+
+def one_line_error(out: subprocess.CompletedProcess, *needles: str) -> str:
+    """Exit 2, no traceback, and stderr's only line that is not a log record is the error."""
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip() and not LOG_LINE.match(ln)]
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr[-3000:]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+# ---- checkpoints made once for the module ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    """base: a tiny MoE (tiny_moe_lora's model) after 1 step; lora: 2 LoRA steps on it,
+    adapter-only; dense: tiny_train with checkpoints at steps 2 and 4."""
+    root = tmp_path_factory.mktemp("ckpts")
+    tool("pretrain.py", "--config", "tiny_moe_lora", "lora=null", "train.steps=1", f"checkpoint.dir={root}/base", *SMALL)
+    tool("finetune.py", "--config", "tiny_moe_lora", "train.steps=2", f"checkpoint.dir={root}/lora",
+         f"checkpoint.load={root}/base/step_00000001", *SMALL)
+    tool("pretrain.py", "--config", "tiny_train", "train.steps=4", "checkpoint.save_interval=2",
+         "model.hidden_size=32", f"checkpoint.dir={root}/dense", *SMALL)
+    return {"root": root, "base": root / "base/step_00000001", "lora": root / "lora/step_00000002",
+            "lora_dir": root / "lora", "dense_dir": root / "dense", "dense": root / "dense/step_00000004"}
+
+
+def copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ---- 1. nothing but plain metadata is unpickled ----------------------------------------------
+
+def _linear_checkpoint(root: Path) -> Path:
+    from megamoe.parallel.groups import ParallelGroups
+    from megamoe.training.checkpoint import save_checkpoint
+
+    torch.manual_seed(0)
+    return save_checkpoint(root, 1, ParallelGroups(), [torch.nn.Linear(2, 2)])
+
+
+def _plant_bytes_entry(path: Path, key: str, marker: Path) -> None:
+    """The exploit: switch ``key`` to BytesStorageMetadata and point it at a pickle that runs a
+    command; DCP's default planner would ``torch.load(weights_only=False)`` it."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    payload = pickle.dumps(Evil())
+    (path / "evil.distcp").write_bytes(payload)
+    md = pickle.loads((path / ".metadata").read_bytes())
+    md.state_dict_metadata[key] = BytesStorageMetadata()
+    for index in [i for i in md.storage_data if i.fqn == key]:
+        del md.storage_data[index]
+    md.storage_data[MetadataIndex(key)] = _StorageInfo("evil.distcp", 0, len(payload))
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def test_bytes_entry_exploit_is_refused(tmp_path):
+    from megamoe.parallel.groups import ParallelGroups
+    from megamoe.training.checkpoint import load_checkpoint
+
+    path, marker = _linear_checkpoint(tmp_path), tmp_path / "pwned"
+    _plant_bytes_entry(path, "model/weight", marker)
+    with pytest.raises(CheckpointError, match=f"{path}: key model/weight is stored as BytesStorageMetadata"):
+        load_checkpoint(path, ParallelGroups(), [torch.nn.Linear(2, 2)])
+    assert not marker.exists()
+
+
+def test_planner_refuses_bytes_even_past_the_metadata_check(tmp_path, monkeypatch):
+    """The second lock: with the entry check switched off, the load planner still refuses."""
+    from megamoe.parallel.groups import ParallelGroups
+    from megamoe.training import safe_dcp
+    from megamoe.training.checkpoint import load_checkpoint
+
+    path, marker = _linear_checkpoint(tmp_path), tmp_path / "pwned"
+    _plant_bytes_entry(path, "model/weight", marker)
+    monkeypatch.setattr(safe_dcp, "_check_entries", lambda path, md: None)
+    with pytest.raises(CheckpointError, match="key model/weight is a byte entry"):
+        load_checkpoint(path, ParallelGroups(), [torch.nn.Linear(2, 2)])
+    assert not marker.exists()
+
+
+def test_unlisted_classes_and_outside_files_are_refused(tmp_path):
+    from collections import Counter
+
+    from megamoe.training.safe_dcp import read_safe_metadata
+
+    path = _linear_checkpoint(tmp_path)
+    good = (path / ".metadata").read_bytes()
+    (path / ".metadata").write_bytes(pickle.dumps(Counter(a=1)))
+    with pytest.raises(CheckpointError, match=f"{path}: checkpoint metadata refers to collections.Counter"):
+        read_safe_metadata(path)
+    md = pickle.loads(good)
+    index = next(i for i in md.storage_data if i.fqn == "model/bias")
+    md.storage_data[index].relative_path = "../../etc/passwd.distcp"
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match="key model/bias points outside the checkpoint"):
+        read_safe_metadata(path)
+    (path / ".metadata").write_bytes(good[: len(good) // 2])
+    with pytest.raises(CheckpointError, match="corrupted checkpoint metadata"):
+        read_safe_metadata(path)
+
+
+def test_dcp_failures_are_one_line(ckpts, tmp_path):
+    """torch's CheckpointException is a BaseException: a truncated .distcp, an adapter-only
+    checkpoint as base weights, another model's checkpoint, a folder that is not megamoe's."""
+    bad = copy(ckpts["dense"], tmp_path / "truncated")
+    part = next(bad.glob("*.distcp"))
+    part.write_bytes(part.read_bytes()[:1000])
+    run = f"checkpoint.dir={tmp_path}/run"
+    dense = ["--config", "tiny_train", "model.hidden_size=32", "train.steps=1", run, *SMALL]
+    one_line_error(tool("finetune.py", *dense, f"checkpoint.load={bad}", check=False),
+                   f"{bad}: cannot load checkpoint")
+    lora = ["--config", "tiny_moe_lora", "train.steps=1", run, *SMALL]
+    one_line_error(tool("finetune.py", *lora, f"checkpoint.load={ckpts['lora']}", check=False),
+                   f"{ckpts['lora']}: an adapter-only LoRA checkpoint")
+    one_line_error(tool("finetune.py", *lora, f"checkpoint.load={ckpts['dense']}", check=False),
+                   f"{ckpts['dense']}: cannot load checkpoint", "model/embedding.weight")
+    foreign = copy(ckpts["dense"], tmp_path / "foreign")
+    (foreign / "meta.json").write_text('{"step": 4}')
+    one_line_error(tool("finetune.py", *dense, f"checkpoint.load={foreign}", check=False),
+                   f"{foreign}/meta.json: not a megamoe checkpoint's meta.json")
+    (foreign / "meta.json").unlink()
+    one_line_error(tool("finetune.py", *dense, f"checkpoint.load={foreign}", check=False),
+                   f"{foreign}: not a megamoe checkpoint (meta.json missing)")
+    assert not (tmp_path / "run").exists()
