@@ -72,12 +72,14 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
         q, k, v, gate = self.project(x, info)
+        mask = None
         if info.cache is not None:  # decoding: attend over everything cached so far
             state = info.cache.layer(self.layer_number)
             k, v = append_kv(state, k, v)
+            mask = info.cache.attention_mask(q.size(1), k.size(1), self.window, x.device)  # padded rows
             if self.window:  # 'S': later queries look back at most window - 1 keys
                 trim_kv(state, self.window - 1)
-        out = self.core(q, k, v)  # [b, s, heads, d]
+        out = self.core(q, k, v, mask=None if mask is None else mask.unsqueeze(1))  # [b, s, heads, d]
         out = out.reshape(*out.shape[:2], -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -120,9 +120,9 @@ class Indexer(nn.Module):
             mark_init(self.pool_ape, const_init(0.0))
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos_sin, state: dict | None):
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos_sin, state: dict | None, cache=None):
         """x [b, s(/tp), h], q_latent [b, s, r_q], cos_sin: RoPE tables [b, s, rope_dim] (or None),
-        state: this layer's decode cache (or None)."""
+        state: this layer's decode cache (or None), cache: the whole decode cache (its padding)."""
         bsz, s = q_latent.shape[:2]
         q = self.linear_q(q_latent).view(bsz, s, self.heads, self.dim)
         k = self.k_norm(self.linear_k(x))  # [b, s, Di]
@@ -135,34 +135,55 @@ class Indexer(nn.Module):
             gate = append_time(state, "index_gate", gate) if self.pooled else None
         weights = self.linear_weights(x).float() * self.heads ** -0.5  # [b, s, Hi]
         qpos = query_positions(s, k.size(1), k.device)
+        pad = None if cache is None else cache.pad
         if self.pooled:
-            return self.select_pools(q, k, gate, weights, qpos)
+            if pad is None:
+                return self.select_pools(q, k, gate, weights, qpos)
+            return self.select_pools_padded(q, k, gate, weights, qpos, pad.to(k.device))
         scores = self.score(q, k, weights)
-        valid = torch.arange(k.size(1), device=k.device)[None, :] <= qpos[:, None]
-        return select_topk(scores, valid.expand_as(scores), self.topk)
+        valid = None if pad is None else cache.attention_mask(s, k.size(1), device=k.device)  # no padded keys
+        if valid is None:
+            valid = (torch.arange(k.size(1), device=k.device)[None, :] <= qpos[:, None]).expand_as(scores)
+        return select_topk(scores, valid, self.topk)
 
     def score(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """q [b, s, Hi, Di], keys [b, N, Di], weights [b, s, Hi] -> [b, s, N] (fp32)."""
         per_head = F.relu(torch.einsum("bshd,bnd->bshn", q.float(), keys.float()) * self.dim ** -0.5)
         return torch.einsum("bsh,bshn->bsn", weights, per_head)
 
+    def select_pools_padded(self, q, k, gate, weights, qpos, pad):
+        """``select_pools`` for left-padded rows (pad [b]): pools are cut from each row's first real
+        token, so the keys are shifted to start there, selected, and the indices shifted back.
+        A padded query selects only itself."""
+        total = k.size(1)
+        j = torch.arange(total, device=k.device)[None, :] + pad[:, None]  # [b, T] physical index
+        inside = (j < total).unsqueeze(-1)
+        shift = lambda t: torch.where(inside, t.gather(1, j.clamp(max=total - 1)[..., None].expand_as(t)), 0)  # noqa: E731
+        qpos_row = qpos[None, :] - pad[:, None]  # [b, s] positions of the queries in their row
+        idx = self.select_pools(q, shift(k), shift(gate), weights, qpos_row)
+        idx = torch.where(idx >= 0, idx + pad[:, None, None], -1)
+        own = torch.full_like(idx, -1)
+        own[..., 0] = qpos
+        return torch.where((qpos_row < 0).unsqueeze(-1), own, idx)
+
     def select_pools(self, q, k, gate, weights, qpos):
-        """GLM-5: score complete pools, keep topk/kpool of them, add the visible tail pool."""
+        """GLM-5: score complete pools, keep topk/kpool of them, add the visible tail pool.
+        qpos: [s] query positions, or [b, s] per row."""
         bsz, total, kp = k.size(0), k.size(1), self.kpool
         pools = total // kp  # only complete pools can ever be selected
         keys = k[:, :pools * kp].view(bsz, pools, kp, self.dim)
         logits = gate[:, :pools * kp].view(bsz, pools, kp, self.dim).float() + self.pool_ape.float()
         pool_keys = (torch.softmax(logits, dim=2).to(keys.dtype) * keys).sum(dim=2)  # [b, P, Di]
         pool_end = torch.arange(pools, device=k.device) * kp + kp - 1
-        valid = (pool_end[None, :] <= qpos[:, None]).expand(bsz, -1, -1)
+        valid = (pool_end <= qpos[..., None]).expand(bsz, -1, -1)
         chosen = select_topk(self.score(q, pool_keys, weights), valid, self.topk // kp)  # [b, s, k]
         offsets = torch.arange(kp, device=k.device)
         tokens = (chosen.unsqueeze(-1) * kp + offsets).masked_fill(chosen.unsqueeze(-1) < 0, -1).flatten(-2)
         if kp == 1:
             return tokens
         tail_count = (qpos + 1) % kp
-        tail = (qpos + 1 - tail_count)[:, None] + offsets[:-1]  # [s, kp - 1]
-        tail = tail.masked_fill(offsets[:-1][None, :] >= tail_count[:, None], -1)
+        tail = (qpos + 1 - tail_count)[..., None] + offsets[:-1]  # [(b,) s, kp - 1]
+        tail = tail.masked_fill(offsets[:-1] >= tail_count[..., None], -1)
         return torch.cat([tokens, tail.expand(bsz, -1, -1)], dim=-1)
 
 
@@ -183,7 +204,7 @@ class SparseMLA(MultiLatentAttention):
         # the indexer rotates rotate-half with MLA's (YaRN) tables
         cos_sin = cached_yarn_cos_sin(info, self.dr, self.theta, self.yarn) if self.indexer.rope_dim else None
         state = None if info.cache is None else info.cache.layer(self.layer_number)
-        idx = self.indexer(x, q_latent, cos_sin, state)
+        idx = self.indexer(x, q_latent, cos_sin, state, info.cache)
         if self.dense_reference:
             c_all, kr_all = self.cached_latents(c, k_rope, info)
             k, v = self.expand(c_all, kr_all)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamoe.cache import InferenceCache
+from megamoe.cache import InferenceCache, zero_pads
 from megamoe.config import LightningConfig
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
 
@@ -151,6 +151,7 @@ class LightningAttention(nn.Module):
         if cache is None:
             return lightning_chunked(q, k, v, slope, block=self.block)[0]
         state = cache.layer(self.layer_number)
+        k, v = zero_pads(k, cache), zero_pads(v, cache)  # padded slots leave the state as it was (zero)
         if q.size(1) == 1 and "lightning_state" in state:
             o, state["lightning_state"] = lightning_recurrent(q, k, v, slope, state["lightning_state"])
         else:

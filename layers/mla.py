@@ -147,7 +147,9 @@ class MultiLatentAttention(nn.Module):
             out = self.core(torch.cat([q_nope, q_rope], dim=-1), k, v)
         else:  # decoding: absorbed attention over the cached latents
             c_all, kr_all = self.cached_latents(comm.copy_to(c, self.tp_group), k_rope, info)
-            mask = causal_mask(q_nope.size(1), c_all.size(1), device=x.device)
+            mask = info.cache.attention_mask(q_nope.size(1), c_all.size(1), device=x.device)
+            if mask is None:
+                mask = causal_mask(q_nope.size(1), c_all.size(1), device=x.device)
             out = self.absorbed_output(latent_attention(self.absorbed_query(q_nope), q_rope, c_all, kr_all,
                                                         self.scale, mask))
         return self.finish(out, x)

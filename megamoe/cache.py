@@ -1,9 +1,21 @@
 """Decode cache shared by every mixer.
 
-One ``InferenceCache`` per generation; each mixer keeps its own state in the dict that
-``cache.layer(layer_number)`` returns: softmax/MLA/DSA keep keys and values (or their
-compressed latents), linear mixers keep their conv window and recurrent state. The model
-advances ``seen`` after every forward, so positions are ``seen + arange(new tokens)``.
+One ``InferenceCache`` per generation; each mixer keeps its own state in the ``LayerState``
+that ``cache.layer(layer_number)`` returns: softmax/MLA/DSA keep keys and values (or their
+compressed latents) on a time axis through ``append_time``/``keep_last``, linear mixers keep
+their conv window and recurrent state as plain items. The model advances ``seen`` after every
+forward.
+
+Prompts of different lengths share one batch by **left padding**: row ``i`` starts with
+``pad[i]`` padding slots, so every row's newest token sits at the same time index and one
+decode step advances all rows together. Time index ``t`` of row ``i`` is position
+``t - pad[i]``. Padding never reaches a real token:
+
+- softmax mixers (A, S, M, D, I) mask padded keys (``attention_mask``; a padded query sees
+  only itself, so no row of the softmax is empty);
+- linear mixers (G, K, L) zero their inputs at padded slots (``zero_pads``): from a zero state,
+  zero keys/values leave the state zero and the short conv reads zeros, exactly as if the row
+  started at its first real token (transformers' Qwen3-Next masks its linear layers the same way).
 
 States stay on the mixer's TP shard (its heads), so a TP model decodes without gathers.
 """
@@ -12,51 +24,107 @@ from __future__ import annotations
 import torch
 
 
-class InferenceCache:
-    def __init__(self, batch_size: int):
-        self.batch_size = batch_size
-        self.seen = 0  # tokens already processed per sample
-        self._layers: dict[int, dict] = {}
+class LayerState(dict):
+    """One mixer's decode state. Fixed-size states are plain items ("conv", "recurrent");
+    time-axis tensors [b, T, ...] grow through ``append_time`` (contiguous here; the paged
+    cache keeps them in blocks)."""
 
-    def layer(self, layer_number: int) -> dict:
-        return self._layers.setdefault(layer_number, {})
+    def append_time(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Append ``x`` [b, t, ...] along time; return everything kept so far [b, T, ...]."""
+        if name in self:
+            x = torch.cat([self[name], x], dim=1)
+        self[name] = x
+        return x
+
+    def keep_last(self, names: tuple[str, ...], keep: int) -> None:
+        """Keep only the last ``keep`` time steps of ``names`` (sliding-window layers)."""
+        for name in names:
+            n = self[name].size(1)
+            if n > keep:
+                self[name] = self[name][:, n - keep:]
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        for key, value in self.items():
+            if isinstance(value, torch.Tensor):
+                self[key] = value.index_select(0, index)
+
+
+class InferenceCache:
+    """``pad``: [b] left-padding slots per row (None: every row starts at time 0)."""
+
+    def __init__(self, batch_size: int, pad: torch.Tensor | None = None):
+        self.batch_size = batch_size
+        self.seen = 0  # time steps already processed (padding slots included)
+        self.pad = None if pad is None or not bool((pad > 0).any()) else pad.long()
+        self._layers: dict = {}
+
+    def layer(self, layer_number) -> LayerState:
+        return self._layers.setdefault(layer_number, self.new_state(layer_number))
+
+    def new_state(self, layer_number) -> LayerState:
+        return LayerState()
 
     def advance(self, n: int) -> None:
         self.seen += n
 
     def positions(self, n: int, device=None) -> torch.Tensor:
-        """[b, n] positions of the next n tokens."""
-        pos = torch.arange(self.seen, self.seen + n, device=device)
-        return pos.unsqueeze(0).expand(self.batch_size, -1)
+        """[b, n] positions of the next n time steps (padding slots at position 0)."""
+        pos = torch.arange(self.seen, self.seen + n, device=device).unsqueeze(0).expand(self.batch_size, -1)
+        if self.pad is None:
+            return pos
+        return (pos - self.pad.to(pos.device)[:, None]).clamp(min=0)
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Select/reorder samples (beam search, dropping finished rows) in every state."""
+    def valid(self, n: int, device=None) -> torch.Tensor | None:
+        """[b, n] bool, True at the real tokens of the next n time steps (None: no padding)."""
+        if self.pad is None:
+            return None
+        t = torch.arange(self.seen, self.seen + n, device=device)
+        return t[None, :] >= self.pad.to(t.device)[:, None]
+
+    def attention_mask(self, t_q: int, t_k: int, window: int = 0, device=None) -> torch.Tensor | None:
+        """[b, t_q, t_k] bool (True = may attend) for the next t_q queries over the last t_k keys
+        (``window`` > 0: at most that many keys, itself included). None without padding: the
+        caller's plain causal path applies."""
+        if self.pad is None:
+            return None
+        total = self.seen + t_q
+        q = torch.arange(total - t_q, total, device=device)[:, None]
+        k = torch.arange(total - t_k, total, device=device)[None, :]
+        allowed = k <= q
+        if window > 0:
+            allowed = allowed & (k > q - window)
+        real = k[None] >= self.pad.to(k.device)[:, None, None]  # [b, 1, t_k]
+        return allowed[None] & (real | (k == q)[None])
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep/reorder rows (beam search, dropping finished rows) in every state."""
         for state in self._layers.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    state[key] = value.index_select(0, index)
+            state.select_rows(index)
+        if self.pad is not None:
+            self.pad = self.pad.index_select(0, index.to(self.pad.device))
         self.batch_size = int(index.numel())
 
+    reorder = select_rows
 
-def append_kv(state: dict, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+
+def zero_pads(x: torch.Tensor, cache: InferenceCache | None) -> torch.Tensor:
+    """x [b, s, ...] with the padding slots of these s time steps zeroed (linear mixers' inputs)."""
+    valid = None if cache is None else cache.valid(x.size(1), x.device)
+    if valid is None:
+        return x
+    return x * valid.view(*valid.shape, *([1] * (x.dim() - 2))).to(x.dtype)
+
+
+def append_kv(state: LayerState, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Append new keys/values [b, t, h, d] along time; return all of them."""
-    if "k" in state:
-        k = torch.cat([state["k"], k], dim=1)
-        v = torch.cat([state["v"], v], dim=1)
-    state["k"], state["v"] = k, v
-    return k, v
+    return state.append_time("k", k), state.append_time("v", v)
 
 
-def append_time(state: dict, name: str, x: torch.Tensor) -> torch.Tensor:
+def append_time(state: LayerState, name: str, x: torch.Tensor) -> torch.Tensor:
     """Append ``x`` [b, t, ...] to ``state[name]`` along time (dim 1); return everything so far."""
-    if name in state:
-        x = torch.cat([state[name], x], dim=1)
-    state[name] = x
-    return x
+    return state.append_time(name, x)
 
 
-def trim_kv(state: dict, keep: int) -> None:
+def trim_kv(state: LayerState, keep: int) -> None:
     """Keep only the last ``keep`` cached keys/values (sliding-window layers)."""
-    n = state["k"].size(1)
-    if n > keep:
-        state["k"], state["v"] = state["k"][:, n - keep:], state["v"][:, n - keep:]
+    state.keep_last(("k", "v"), keep)

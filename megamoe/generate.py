@@ -1,15 +1,21 @@
 """Greedy and sampled decoding with the mixers' shared decode cache.
 
-The prompt is processed in one forward (prefill); every new token then runs one step that
-reads and extends each mixer's cache (KV for softmax/MLA/DSA, conv + recurrent state for
-linear mixers). Under tensor parallelism every rank gets the full logits and, with the same
-seed, picks the same token.
+Prompts of different lengths decode as one batch: they are left-padded to the longest (see
+``megamoe.cache``), the prompt is processed in chunks of ``prefill_chunk`` time steps
+(chunked prefill: a long prompt never runs as one huge forward), then every step feeds one
+token per row. A row that produced EOS leaves the batch (its cache rows are dropped, its
+blocks freed in a paged cache). ``stream`` yields each step's tokens as they come; ``generate``
+and ``generate_batch`` collect them. Under tensor parallelism every rank gets the full logits
+and, with the same seed, picks the same token.
 """
 from __future__ import annotations
+
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from megamoe.cache import InferenceCache
+from megamoe.errors import ConfigError
 
 
 def pick(logits: torch.Tensor, *, do_sample: bool, temperature: float, top_k: int, top_p: float,
@@ -30,40 +36,92 @@ def pick(logits: torch.Tensor, *, do_sample: bool, temperature: float, top_k: in
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths -> ids [b, T] (left-padded with ``pad_id``) and pad [b]."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("prompts: every prompt needs at least one token")
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+    pad = torch.tensor([longest - len(p) for p in prompts], dtype=torch.long, device=device)
+    return ids, pad
+
+
+def prefill(model, ids: torch.Tensor, cache: InferenceCache, chunk: int | None, **kwargs) -> torch.Tensor:
+    """Run the prompt ids [b, T] through ``model`` in chunks of ``chunk`` time steps (all at once
+    when None); returns the last position's logits [b, V] (fp32). Images go with the first chunk."""
+    step = ids.size(1) if not chunk else chunk
+    for lo in range(0, ids.size(1), step):
+        logits = model(ids[:, lo:lo + step], cache=cache, **kwargs)
+        kwargs = {}
+    return logits[:, -1].float()
+
+
 @torch.no_grad()
-def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, do_sample: bool = False,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id: int | None = None,
-             seed: int | None = None, images=None, suppress_tokens: list[int] | None = None) -> torch.Tensor:
-    """input_ids [b, t] -> [b, t + n] (n <= max_new_tokens; stops early when every row hit EOS,
-    finished rows are padded with EOS). ``suppress_tokens`` are never generated; a multimodal
-    model's image placeholder is always suppressed (a generated one has no image behind it)."""
+def stream(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int, *, do_sample: bool = False,
+           temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id: int | None = None,
+           seed: int | None = None, images=None, suppress_tokens: list[int] | None = None,
+           prefill_chunk: int | None = None, cache_factory: Callable[..., InferenceCache] = InferenceCache,
+           ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield (rows [n], tokens [n]) once per step: the prompt indices still decoding and the token
+    each produced. A row stops after EOS or ``max_new_tokens``. ``suppress_tokens`` are never
+    generated; a multimodal model's image placeholder is always suppressed (a generated one has
+    no image behind it). ``cache_factory(batch_size, pad=...)`` makes the cache (e.g. paged)."""
+    if isinstance(prompts, torch.Tensor):
+        ids, pad = prompts, torch.zeros(prompts.size(0), dtype=torch.long, device=prompts.device)
+    else:
+        device = getattr(next(model.parameters(), None), "device", None)
+        ids, pad = left_pad(prompts, device=device)
+    if images is not None and bool((pad > 0).any()):
+        raise ConfigError("images: prompts with images must all have the same length")
     was_training = model.training
     model.eval()
-    cache = InferenceCache(input_ids.size(0))
-    generator = torch.Generator(device=input_ids.device).manual_seed(seed) if seed is not None else None
-    kwargs = {"images": images} if images is not None else {}
+    cache = cache_factory(ids.size(0), pad=pad)
+    generator = torch.Generator(device=ids.device).manual_seed(seed) if seed is not None else None
     suppress = list(suppress_tokens or [])
     if getattr(model, "image_token_id", None) is not None:
         suppress.append(model.image_token_id)
 
-    def last_logits(x, **kw):
-        logits = model(x, cache=cache, **kw)[:, -1].float()
+    def masked(logits):
         if suppress:
             logits[:, suppress] = float("-inf")
         return logits
 
-    logits = last_logits(input_ids, **kwargs)
-    out = [input_ids]
-    done = torch.zeros(input_ids.size(0), dtype=torch.bool, device=input_ids.device)
-    for i in range(max_new_tokens):
-        token = pick(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                     generator=generator)
-        if eos_token_id is not None:
-            token = token.masked_fill(done, eos_token_id)
-            done |= token == eos_token_id
-        out.append(token.unsqueeze(1))
-        if (eos_token_id is not None and bool(done.all())) or i == max_new_tokens - 1:
-            break
-        logits = last_logits(token.unsqueeze(1))
-    model.train(was_training)
-    return torch.cat(out, dim=1)
+    try:
+        logits = masked(prefill(model, ids, cache, prefill_chunk, **({"images": images} if images is not None else {})))
+        rows = torch.arange(ids.size(0), device=ids.device)
+        for i in range(max_new_tokens):
+            token = pick(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                         generator=generator)
+            yield rows, token
+            keep = torch.ones_like(token, dtype=torch.bool) if eos_token_id is None else token != eos_token_id
+            if i == max_new_tokens - 1 or not bool(keep.any()):
+                break
+            if not bool(keep.all()):  # finished rows leave the batch and free their cache
+                index = keep.nonzero().squeeze(1)
+                cache.select_rows(index)
+                rows, token = rows[index], token[index]
+            logits = masked(model(token.unsqueeze(1), cache=cache)[:, -1].float())
+    finally:
+        model.train(was_training)
+
+
+def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, **kw) -> list[list[int]]:
+    """The new tokens of each prompt (EOS included when produced); keywords as ``stream``."""
+    out: list[list[int]] = [[] for _ in prompts]
+    for rows, tokens in stream(model, prompts, max_new_tokens, **kw):
+        for r, t in zip(rows.tolist(), tokens.tolist()):
+            out[r].append(t)
+    return out
+
+
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id: int | None = None,
+             **kw) -> torch.Tensor:
+    """input_ids [b, t] -> [b, t + n] (n <= max_new_tokens; stops early when every row hit EOS,
+    finished rows are padded with EOS). Keywords as ``stream``."""
+    new = generate_batch(model, input_ids, max_new_tokens, eos_token_id=eos_token_id, **kw)
+    n = max(len(t) for t in new)
+    fill = eos_token_id if eos_token_id is not None else 0
+    tail = torch.tensor([t + [fill] * (n - len(t)) for t in new], dtype=torch.long, device=input_ids.device)
+    return torch.cat([input_ids, tail.view(len(new), n)], dim=1)

@@ -265,8 +265,9 @@ class LanguageModel(nn.Module):
         else:
             b, s, device = hidden.size(0), hidden.size(1), hidden.device
             s *= self.groups.tp_size if self.ctx.sp else 1
-        start = 0 if cache is None else cache.seen
-        return torch.arange(start, start + s, device=device).unsqueeze(0).expand(b, -1)
+        if cache is not None:  # after what it has seen; a left-padded row counts from its first token
+            return cache.positions(s, device)
+        return torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
 
     # ---- forward ------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ def test_convert_verify_generate_command_lines(tmp_path):
     """import-hf -> export-hf -> verify (exit 0, and 1 when the tolerance cannot be met) ->
     generate: greedy equals the Python function, sampling is reproducible from its seed."""
     from megamoe.convert import from_hf
-    from megamoe.generate import generate
+    from megamoe.generate import generate, generate_batch
     from tests.test_convert_qwen import tiny_qwen3_moe
 
     hf_dir, ckpt, back = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "back"
@@ -47,6 +47,11 @@ def test_convert_verify_generate_command_lines(tmp_path):
     greedy = tool("generate.py", str(back), "--ids", ",".join(map(str, ids)), "--max-new-tokens", "6").stdout
     want = generate(from_hf(back), torch.tensor([ids]), 6)[0, len(ids):].tolist()
     assert greedy.strip().splitlines()[-1] == str(want)  # without a tokenizer it prints the ids
+    batch = tool("generate.py", str(back), "--ids", "3,17,42,5", "--ids", "9", "--max-new-tokens", "4", "--stream",
+                 "--prefill-chunk", "2").stdout.strip().splitlines()
+    want = generate_batch(from_hf(back), [[3, 17, 42, 5], [9]], 4)
+    assert batch[-2:] == [str(w) for w in want] and len(batch) == 2 + 8  # 8 streamed "[row] token" lines
+    assert batch[:2] == [f"[0] {want[0][0]}", f"[1] {want[1][0]}"]
     sample = ("generate.py", str(back), "--ids", "3,17", "--max-new-tokens", "8", "--sample", "--top-k", "20")
     assert tool(*sample, "--seed", "1").stdout == tool(*sample, "--seed", "1").stdout
 

@@ -3,6 +3,7 @@ fine-tune's checkpoint too: its base comes from its meta.json, the adapters are 
 
     megamoe-generate MODEL_DIR --prompt "Hello" [--tokenizer DIR_OR_FILE] [--max-new-tokens 32]
     megamoe-generate MODEL_DIR --ids 1,2,3 --sample --temperature 0.8 --top-p 0.9 --seed 0
+    megamoe-generate MODEL_DIR --prompt "Hi" --prompt "Once upon a time" --stream   # one batch
     megamoe-generate VLM_DIR --image shapes.png --tokenizer byte     # caption an image
 """
 from __future__ import annotations
@@ -50,8 +51,9 @@ def check_ids(ids: list[int], vocab_size: int, what: str) -> None:
 def parser():
     p = tool_parser(__doc__.strip().splitlines()[0])
     p.add_argument("model_dir", help="HF directory, megamoe checkpoint, LoRA checkpoint or a run's checkpoint folder")
-    p.add_argument("--prompt", help="text to continue (needs --tokenizer or a tokenizer in MODEL_DIR)")
-    p.add_argument("--ids", help="comma-separated token ids instead of --prompt")
+    p.add_argument("--prompt", action="append",
+                   help="text to continue (needs --tokenizer or a tokenizer in MODEL_DIR); repeat it for a batch")
+    p.add_argument("--ids", action="append", help="comma-separated token ids instead of --prompt; repeatable")
     p.add_argument("--tokenizer", help="'byte', a .model, a tokenizer.json or a tokenizer directory")
     p.add_argument("--max-new-tokens", type=number_in(int, 1), default=32)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
@@ -60,6 +62,9 @@ def parser():
     p.add_argument("--top-p", type=number_in(float, 1e-6, 1.0), default=1.0)
     p.add_argument("--seed", type=number_in(int, 0), default=0)
     p.add_argument("--image", help="an image file for a vision-language model (placed before the prompt)")
+    p.add_argument("--prefill-chunk", type=number_in(int, 0), default=0,
+                   help="process the prompts in chunks of this many tokens (0: at once)")
+    p.add_argument("--stream", action="store_true", help="print '[row] token' lines as tokens are produced")
     return p
 
 
@@ -67,28 +72,47 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     from megamoe.commands.models import load_model
     from megamoe.data import load_tokenizer
-    from megamoe.generate import generate
 
-    ids = parse_ids(args.ids) if args.ids else None  # before the (slow) model load
-    if ids is None and not args.prompt and not args.image:
+    prompts = [parse_ids(ids) for ids in args.ids] if args.ids else None  # before the (slow) model load
+    if prompts is None and not args.prompt and not args.image:
         raise ConfigError("give --prompt (with a tokenizer), --image (with a tokenizer) or --ids")
+    if args.image and len(args.ids or args.prompt or [""]) > 1:
+        raise ConfigError("--image: give one prompt with an image")
     model = load_model(args.model_dir)
     tok = load_tokenizer(args.tokenizer or args.model_dir) if (args.prompt or args.tokenizer) else None
-    if ids is None:
+    if prompts is None:
         if tok is None:
             raise ConfigError("--image needs --tokenizer (or --ids) to build the prompt")
-        ids = tok.encode(args.prompt or "")
-        if args.prompt and not ids:
-            raise ConfigError(f"--prompt {args.prompt!r}: the tokenizer encodes it to no tokens")
+        prompts = [tok.encode(text) for text in (args.prompt or [""])]
+        for text, ids in zip(args.prompt or [], prompts):
+            if not ids:
+                raise ConfigError(f"--prompt {text!r}: the tokenizer encodes it to no tokens")
     images = None
     if args.image:
-        ids, images = image_prompt(model, args.image, ids)
-    check_ids(ids, model.config.vocab_size, "--ids" if args.ids else "--prompt")
-    out = generate(model, torch.tensor([ids]), args.max_new_tokens, do_sample=args.sample,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   eos_token_id=tok.eos_id if tok is not None else None, seed=args.seed, images=images)
-    new = out[0, len(ids):].tolist()
-    print(tok.decode(new) if tok is not None else new)
+        ids, images = image_prompt(model, args.image, prompts[0])
+        prompts = [ids]
+    for ids in prompts:
+        check_ids(ids, model.config.vocab_size, "--ids" if args.ids else "--prompt")
+    for line in decode_lines(model, prompts, tok, args, images):
+        print(line, flush=True)
+
+
+def decode_lines(model, prompts: list[list[int]], tok, args, images):
+    """Decode the prompts as one batch; yield the lines to print (with --stream one per token as
+    it comes, then one line per prompt)."""
+    from megamoe.generate import stream
+
+    new: list[list[int]] = [[] for _ in prompts]
+    for rows, tokens in stream(model, prompts, args.max_new_tokens, do_sample=args.sample,
+                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                               eos_token_id=tok.eos_id if tok is not None else None, seed=args.seed,
+                               images=images, prefill_chunk=args.prefill_chunk or None):
+        for r, t in zip(rows.tolist(), tokens.tolist()):
+            new[r].append(t)
+            if args.stream:
+                yield f"[{r}] {tok.decode([t]) if tok is not None else t}"
+    for ids in new:
+        yield tok.decode(ids) if tok is not None else ids
 
 
 def cli() -> None:
