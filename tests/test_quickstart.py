@@ -1,42 +1,90 @@
-"""The quickstart's path, shortened: train the VLM recipe on generated shapes through the
-trainer, export to HF qwen3_5_moe, transformers agrees with megamoe on the exported weights,
-and the model captions an image."""
+"""The quickstart, shortened, as a user runs it (bash pretrain_scripts/quickstart.sh): train the
+VLM recipe on generated shapes, export to HF qwen3_5_moe, caption held-out images with
+transformers; its accuracy line is printed, parsed and recorded. And the caption scoring rules."""
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 
-def quickstart_case(out: str) -> dict:
-    from megamoe.convert import export_hf
-    from megamoe.training.entry import load_train_recipe, run_training
-
-    recipe = load_train_recipe("quickstart_vlm", ["train.steps=16", f"checkpoint.dir={out}", "logging.progress=false",
-                                                  "data.generator_samples=256", "checkpoint.save_interval=0"])
-    summary = run_training(recipe)
-    export_hf(out, Path(out) / "hf", family="qwen3_5_moe", progress=False)
-    return {"first": summary["first_loss"], "last": summary["last"]["loss"], "log_dir": summary["log_dir"]}
+REPO = Path(__file__).resolve().parent.parent
+ACCURACY = re.compile(r"held-out caption accuracy: (\d+)/(\d+) exact = ([\d.]+)% "
+                      r"\(colour ([\d.]+)%, shape ([\d.]+)%, place ([\d.]+)%")
 
 
-def test_quickstart_trains_exports_and_captions(pool, tmp_path):
-    import numpy as np
-    import torch
+def run_quickstart(out: Path, images: int, *overrides: str) -> str:
+    env = {**os.environ, "OUT": str(out), "EVAL_IMAGES": str(images), "PYTHONWARNINGS": "ignore",
+           "MEGAMOE_VENV": sys.prefix}  # the script's env.sh reuses this interpreter's environment
+    proc = subprocess.run(["bash", "pretrain_scripts/quickstart.sh", *overrides], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"quickstart exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
 
-    from megamoe.convert import from_hf
+
+def test_quickstart_trains_exports_and_reports_held_out_accuracy(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from megamoe.convert.verify import verify
-    from megamoe.data import load_tokenizer
-    from megamoe.data.shapes import draw_sample
-    from megamoe.generate import generate
 
     out = tmp_path / "quickstart"
-    res = pool(1).run(quickstart_case, str(out))[0]
-    assert res["last"] < res["first"] - 1.0, res  # it learns the captions' language quickly
-    assert (Path(res["log_dir"]) / "metrics.jsonl").is_file()
-    report = verify(out / "hf", new_tokens=8)
+    stdout = run_quickstart(out, 6, "train.steps=16", "data.generator_samples=256", "logging.progress=false",
+                            "checkpoint.save_interval=0")
+    match = ACCURACY.search(stdout)
+    assert match, stdout[-3000:]
+    right, total, exact = int(match[1]), int(match[2]), float(match[3])
+    assert total == 6 and 0 <= right <= total and exact == pytest.approx(100 * right / total, abs=0.05)
+    assert all(0 <= float(match[i]) <= 100 for i in (4, 5, 6))
+    assert stdout.count("[quickstart]     took") == 4 and "[quickstart] done in" in stdout
+    records = [json.loads(line) for line in (out / "tb" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 16 and records[-1]["caption_exact"] == pytest.approx(right / total)
+    assert records[-1]["caption_images"] == 6 and records[-1]["caption_seed"] == 2026
+    assert records[-2]["loss"] < records[0]["loss"] - 1.0  # it learns the captions' language quickly
+    acc = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("eval/caption_exact")] == [(16, round(right / total, 6))]
+    report = verify(out / "hf", new_tokens=8)  # transformers and megamoe agree on the exported weights
     assert report.ok, str(report)
-    model = from_hf(out / "hf")
-    image, _ = draw_sample(np.random.default_rng([2026, 12]))
-    pixels = model.vision.preprocessor()(image)
-    n = model.vision.image_tokens(image)
-    ids = torch.tensor([[model.image_token_id] * n])
-    caption = generate(model, ids, 12, images=[pixels], eos_token_id=load_tokenizer("byte").eos_id)[0, n:]
-    assert model.image_token_id not in caption.tolist() and len(caption) > 0
+
+
+def test_caption_scores_count_exact_matches_and_fields_per_shape():
+    from megamoe.caption_eval import score_captions
+    from megamoe.data.shapes import parse_caption
+
+    assert parse_caption("a red circle at the top and a blue square on the right") == [
+        ("red", "circle", "at the top"), ("blue", "square", "on the right")]
+    assert parse_caption("a ble on the ble") == [(None, None, None)]
+    truths = ["a red circle at the top", "a blue square on the left and a green triangle on the right",
+              "a yellow triangle in the middle", "a black circle on the left and a red square on the right"]
+    generated = ["a red circle at the top",
+                 "a blue circle on the left and a green triangle on the left",  # shape 1, place 2 wrong
+                 "a yellow triangle in the middle and a red square on the right",  # an extra shape: not exact
+                 "a black circle on the left"]  # the second shape is missing: wrong in all three fields
+    score = score_captions(generated, truths, seed=7)
+    assert (score.correct, score.exact) == (1, 0.25)
+    assert score.fields == pytest.approx({"colour": 5 / 6, "shape": 4 / 6, "place": 4 / 6})
+    assert score.metrics()["caption_exact"] == 0.25 and score.metrics()["caption_seed"] == 7
+    line, right, wrong = score.report().splitlines()
+    assert line.startswith("held-out caption accuracy: 1/4 exact = 25.0% (colour 83.3%, shape 66.7%, place 66.7%")
+    assert "image 0" in right and "image 1" in wrong
+
+
+def test_held_out_pairs_refuse_the_training_seed():
+    from megamoe.caption_eval import held_out_pairs
+    from megamoe.errors import ConfigError
+    from megamoe.training.entry import load_train_recipe
+
+    recipe = load_train_recipe("quickstart_vlm", ["data.seed=5"])
+    with pytest.raises(ConfigError, match="held-out seed 5 is data.seed"):
+        held_out_pairs(recipe, 4, seed=5)
+    import numpy as np
+
+    from megamoe.data.shapes import shape_pairs
+
+    held_out, train = held_out_pairs(recipe, 4, seed=6), shape_pairs(4, seed=5)
+    assert len(held_out) == 4 and all(caption.startswith("a ") for _, caption in held_out)
+    assert all(not np.array_equal(np.asarray(a), np.asarray(b)) for (a, _), (b, _) in zip(held_out, train))

@@ -8,7 +8,8 @@ Every image shows one or two shapes on a light background; the caption names the
 The caption is a function of the image, so a small vision-language model can learn it on a
 CPU in a few steps (tests, the quickstart). Used as a ``data.generator``
 (``megamoe.data.shapes:shape_pairs``) for ``image_caption`` data, or directly.
-Captions only use ``WORDS``, so a word-level vocabulary is ``{w: i for i, w in enumerate(WORDS)}``.
+Captions only use ``WORDS``, so a word-level vocabulary is ``{w: i for i, w in enumerate(WORDS)}``;
+``parse_caption`` reads one back into its (colour, shape, place) fields.
 """
 from __future__ import annotations
 
@@ -65,4 +66,20 @@ def shape_pairs(num_samples: int, seed: int = 0, size: int | tuple[int, int] = 3
         choice = sizes[rng.integers(len(sizes))] if sizes else size
         hw = (choice, choice) if isinstance(choice, int) else tuple(choice)
         out.append(draw_sample(rng, hw))
+    return out
+
+
+FIELDS = ("colour", "shape", "place")
+
+
+def parse_caption(text: str) -> list[tuple]:
+    """(colour, shape, place) per "a COLOUR SHAPE PLACE" part of a caption, in order; a field
+    that is not one of ``COLORS``/``SHAPES``/``PLACES`` (a wrong or garbled word) is None."""
+    out = []
+    for part in text.strip().split(" and "):
+        words = part.split()[1:] if part.startswith("a ") else part.split()
+        colour = words[0] if words and words[0] in COLORS else None
+        shape = words[1] if len(words) > 1 and words[1] in SHAPES else None
+        place = " ".join(words[2:])
+        out.append((colour, shape, place if place in PLACES else None))
     return out
