@@ -7,7 +7,7 @@ PACKAGES = find_packages(include=["megamoe", "megamoe.*"])
 for folder in ("layers", "vision"):
     PACKAGES += [f"megamoe.{folder}"] + [f"megamoe.{folder}.{p}" for p in find_packages(folder)]
 
-COMMANDS = ("pretrain", "finetune", "convert", "generate", "verify", "plan")
+COMMANDS = ("pretrain", "finetune", "convert", "generate", "verify", "plan", "captions")
 
 setup(
     name="megamoe",

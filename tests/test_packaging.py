@@ -76,7 +76,7 @@ def test_dependencies_and_extras_never_apex():
     assert not any(re.split(r"[<>=\[ ]", r)[0].lower() == "apex" for r in everything)  # PyPI's apex is another project
 
 
-COMMANDS = ("pretrain", "finetune", "convert", "generate", "verify", "plan")
+COMMANDS = ("pretrain", "finetune", "convert", "generate", "verify", "plan", "captions")
 
 
 def test_every_package_folder_has_an_init():

@@ -1,22 +1,23 @@
-#!/usr/bin/env python
 """Held-out caption accuracy of an exported vision-language model (greedy decoding by transformers).
 
-    python tools/caption_eval.py OUT/hf --log-dir OUT/tb [--images 64] [--seed 2026]
+    megamoe-captions OUT/hf --log-dir OUT/tb [--images 64] [--seed 2026]
 
-Reads the training recipe from LOG_DIR/recipe.yaml (written by tools/pretrain.py), draws
---images new pairs from its data.generator with --seed (never data.seed), captions them,
-prints the exact-match and per-field accuracy with two examples, and appends the accuracy
-to LOG_DIR's metrics.jsonl and TensorBoard (eval/caption_*) at the recipe's last step.
+Reads the training recipe from LOG_DIR/recipe.yaml (written by megamoe-pretrain), draws
+--images new pairs from its data.generator with --seed (never data.seed), captions them with
+the transformers model of the HF directory, prints the exact-match and per-field accuracy with
+a right and a wrong example, and appends the accuracy to LOG_DIR's metrics.jsonl and
+TensorBoard (eval/caption_*) at the recipe's last step (megamoe/caption_eval.py).
 """
-import argparse
+from __future__ import annotations
+
 import time
 from pathlib import Path
 
-from megamoe.cli import run_main
+from megamoe.cli import number_in, run_main, tool_parser
 
 
 def quiet_load(hf_dir: str):
-    """The transformers model, without its notices about missing CUDA kernels and progress bars."""
+    """The transformers model, without its notices about missing CUDA kernels or progress bars."""
     import transformers
 
     from megamoe.convert.verify import load_hf_model
@@ -26,15 +27,16 @@ def quiet_load(hf_dir: str):
     return load_hf_model(hf_dir)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    p = tool_parser(__doc__.strip().splitlines()[0])
     p.add_argument("hf_dir")
     p.add_argument("--log-dir", required=True, help="the training run's log dir (recipe.yaml, metrics.jsonl)")
-    p.add_argument("--images", type=int, default=64, help="held-out images to caption")
-    p.add_argument("--seed", type=int, default=2026, help="seed of the held-out pairs (not the recipe's data.seed)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=80)
-    args = p.parse_args()
+    p.add_argument("--images", type=number_in(int, 1), default=64, help="held-out images to caption")
+    p.add_argument("--seed", type=number_in(int, 0), default=2026,
+                   help="seed of the held-out pairs (not the recipe's data.seed)")
+    p.add_argument("--batch-size", type=number_in(int, 1), default=64)
+    p.add_argument("--max-new-tokens", type=number_in(int, 1), default=80)
+    args = p.parse_args(argv)
     import transformers
 
     from megamoe.caption_eval import caption_images, held_out_pairs, record, score_captions
@@ -42,11 +44,9 @@ def main() -> None:
     from megamoe.errors import ConfigError
     from megamoe.training.entry import load_train_recipe
 
-    if args.images <= 0:
-        raise ConfigError(f"--images must be > 0, got {args.images}")
     recipe_file = Path(args.log_dir) / "recipe.yaml"
     if not recipe_file.is_file():
-        raise ConfigError(f"--log-dir {args.log_dir}: no recipe.yaml (the log dir of a tools/pretrain.py run)")
+        raise ConfigError(f"--log-dir {args.log_dir}: no recipe.yaml (the log dir of a megamoe-pretrain run)")
     recipe = load_train_recipe(str(recipe_file), validate=False)
     start = time.perf_counter()
     images, truths = zip(*held_out_pairs(recipe, args.images, args.seed))
@@ -62,5 +62,9 @@ def main() -> None:
           f"{Path(args.log_dir) / 'metrics.jsonl'} and TensorBoard eval/caption_*)")
 
 
-if __name__ == "__main__":
+def cli() -> None:
     run_main(main)
+
+
+if __name__ == "__main__":
+    cli()
