@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamoe.errors import ConfigError
+from megamoe.fusion import EAGER, Fusion
 from megamoe.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from megamoe.spec import BuildContext
 from megamoe.layers.experts import GroupedExperts
@@ -55,9 +56,13 @@ class CoreAttention(nn.Module):
 
 
 class LocalBackend:
-    """Pure-torch roles over the groups in ``ctx``."""
+    """Pure-torch roles over the groups in ``ctx``. ``fusion``: this backend's policy for the
+    fused elementwise kernels of its roles and of the ops its layers run (``megamoe.fusion``)."""
 
     name = "local"
+
+    def __init__(self, fusion: Fusion = EAGER):
+        self.fusion = fusion
 
     def column_linear(self, ctx: BuildContext, in_features: int, out_features: int | Sequence[int], *,
                       bias: bool = False, gather_output: bool = False, sequence_parallel: bool | None = None,
@@ -96,7 +101,7 @@ class LocalBackend:
         partial = (sequence_parallel and ctx.sp) or (head_sharded and ctx.groups.tp_size > 1)
         return RMSNorm(dim, ctx.norm_eps if eps is None else eps,
                        ctx.norm_zero_centered if zero_centered is None else zero_centered,
-                       tp_partial_grad=partial, dtype=ctx.dtype, device=ctx.device)
+                       tp_partial_grad=partial, dtype=ctx.dtype, device=ctx.device, fusion=self.fusion)
 
     def core_attention(self, ctx: BuildContext, *, softmax_scale: float, window: int = 0) -> nn.Module:
         return CoreAttention(softmax_scale, window)
@@ -105,14 +110,15 @@ class LocalBackend:
                         active_fraction: float = 1.0, swiglu_limit: float | None = None) -> nn.Module:
         """Stacked SwiGLU experts sharded over ep/etp (``megamoe.layers.experts.GroupedExperts``)."""
         return GroupedExperts(ctx, num_experts, ffn_hidden_size, kernel=kernel, active_fraction=active_fraction,
-                              swiglu_limit=swiglu_limit)
+                              swiglu_limit=swiglu_limit, fusion=self.fusion)
 
 
 BACKENDS = {"local": LocalBackend}
 
 
-def get_backend(name: str):
+def get_backend(name: str, fusion: Fusion = EAGER):
+    """A new backend instance; it owns ``fusion`` (nothing about it is process-wide)."""
     if name not in BACKENDS:
         raise ConfigError(f"model.backend={name!r} is not available in this build: allowed: "
                           f"{', '.join(BACKENDS)}")
-    return BACKENDS[name]()
+    return BACKENDS[name](fusion)

@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from megamoe.fusion import EAGER, Fusion
 from megamoe.params import mark_active_fraction
 from megamoe.parallel.sharding import Shard, mark_init, normal_init, set_sharding
 from megamoe.spec import BuildContext
@@ -43,8 +44,9 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str = "auto",
-                 active_fraction: float = 1.0, swiglu_limit: float | None = None):
+                 active_fraction: float = 1.0, swiglu_limit: float | None = None, fusion: Fusion = EAGER):
         super().__init__()
+        self.fusion = fusion  # the building backend's policy for the loop kernel's SwiGLU passes
         ep, etp = ctx.groups.size("ep"), ctx.groups.size("etp")
         h, f = ctx.hidden_size, ffn_hidden_size
         if num_experts % ep or f % etp:
@@ -66,7 +68,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, idx: torch.Tensor, counts: Sequence[int], probs: torch.Tensor | None,
                 out_rows: int) -> torch.Tensor:
         return swiglu_experts(self.kernel, x, idx, counts, probs, self.gate_up_weight, self.down_weight, out_rows,
-                              self.swiglu_limit)
+                              self.swiglu_limit, self.fusion.active(x.device))
 
     def resolved_kernel(self) -> str:
         return resolve_kernel(self.kernel, self.gate_up_weight.device, self.gate_up_weight.dtype)

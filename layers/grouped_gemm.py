@@ -25,7 +25,7 @@ Kernels:
   whose rows are not multiples of 16 bytes (which it rejects) run the loop instead.
 - ``loop``: per-expert ``mm`` into grouped buffers with a hand-written backward, over blocks
   of consecutive experts (``BLOCK_ROWS`` rows or more): per block one gather, one SwiGLU pass
-  (fused by ``megamoe.fusion`` where it is active) and one scatter-add between the GEMM
+  (fused with ``fuse``, see ``megamoe.fusion``) and one scatter-add between the GEMM
   loops. On CPU this beat torch's grouped GEMM, a per-expert pipeline of small elementwise
   ops and whole-batch passes (see docs/performance.md).
 ``auto`` picks ``grouped_mm`` on accelerators where the probe passes, ``loop`` otherwise.
@@ -38,14 +38,14 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.errors import ConfigError
-from megamoe.fusion import active as fusion_active, fused
+from megamoe.fusion import fused
 from megamoe.layers.mlp import clamp_gate_up
 
 KERNELS = ("reference", "grouped_mm", "loop")
 
 
 def swiglu_experts_reference(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: int,
-                             limit: float | None = None) -> torch.Tensor:
+                             limit: float | None = None, fuse: bool = False) -> torch.Tensor:
     """The definition: a loop over experts with plain autograd ops."""
     out = x.new_zeros(out_rows, x.size(-1))
     start = 0
@@ -109,9 +109,9 @@ def _rows_aligned(t: torch.Tensor, *widths: int) -> bool:
 
 
 def swiglu_experts_grouped_mm(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: int,
-                              limit: float | None = None) -> torch.Tensor:
+                              limit: float | None = None, fuse: bool = False) -> torch.Tensor:
     if not _rows_aligned(x, x.size(-1), w2.size(-1)):  # h or f not a multiple of 16 bytes
-        return swiglu_experts_loop(x, idx, counts, probs, w1, w2, out_rows, limit)
+        return swiglu_experts_loop(x, idx, counts, probs, w1, w2, out_rows, limit, fuse)
     op = _grouped_mm_op()
     offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
     rows = x.index_select(0, idx)
@@ -241,7 +241,7 @@ BLOCK_ROWS = 4096
 
 class _LoopExperts(torch.autograd.Function):
     """Blocks of consecutive experts (``expert_blocks``): per block, per-expert GEMMs and one
-    SwiGLU pass over the block's rows (fused where ``megamoe.fusion`` is active), so the
+    SwiGLU pass over the block's rows (fused with ``fuse``), so the
     rows stay in cache while the number of small ops stays low. Saves only the gate|up
     pre-activations [S, 2f]; recomputes the SwiGLU and re-gathers the input rows in backward.
     Eagerly with a ``limit`` the saved pre-activations are the clamped ones: a value at the
@@ -249,8 +249,8 @@ class _LoopExperts(torch.autograd.Function):
     fused pass clamps on the fly and masks the same entries."""
 
     @staticmethod
-    def forward(ctx, x, idx, probs, w1, w2, counts, out_rows, limit):
-        ctx.fuse = fusion_active(x.device)
+    def forward(ctx, x, idx, probs, w1, w2, counts, out_rows, limit, fuse):
+        ctx.fuse = fuse
         out = x.new_zeros(out_rows, x.size(-1))
         pre = x.new_empty(idx.numel(), w1.size(1))    # gate|up pre-activations [S, 2f]
         for blk, experts in expert_blocks(counts, BLOCK_ROWS):
@@ -294,7 +294,7 @@ class _LoopExperts(torch.autograd.Function):
                 torch.mm(d_pre[sl].t(), rows[sl], out=dw1[e])
                 torch.mm(d_pre[sl], w1[e], out=d_rows[sl])
             dx.index_add_(0, idx[blk], d_rows)
-        return dx, None, dprobs, dw1, dw2, None, None, None
+        return dx, None, dprobs, dw1, dw2, None, None, None, None
 
 
 class _SharedSwiGLUAdd(torch.autograd.Function):
@@ -306,10 +306,10 @@ class _SharedSwiGLUAdd(torch.autograd.Function):
     y, x [T, h]; w1 [2f, h]; w2 [h, f]; gate_w [1, h] | None."""
 
     @staticmethod
-    def forward(ctx, y, x, w1, w2, gate_w, limit):
+    def forward(ctx, y, x, w1, w2, gate_w, limit, fuse):
         pre = torch.mm(x, w1.t())
         p = None if gate_w is None else torch.sigmoid(torch.mm(x, gate_w.t()))  # [T, 1]
-        ctx.fuse = fusion_active(x.device)
+        ctx.fuse = fuse
         act = swiglu_forward(pre, p, limit, ctx.fuse)
         ctx.limit = limit
         ctx.save_for_backward(x, w1, w2, gate_w, pre, p)
@@ -329,19 +329,19 @@ class _SharedSwiGLUAdd(torch.autograd.Function):
             dlogit = dp.unsqueeze(1).mul_(p * (1 - p))  # d(x g^T)
             dgate_w = torch.mm(dlogit.t(), x) if need[4] else None
             dx.addmm_(dlogit, gate_w)
-        return dout, dx, dw1, dw2, dgate_w, None
+        return dout, dx, dw1, dw2, dgate_w, None, None
 
 
-def shared_swiglu_add(y, x, w1, w2, gate_w=None, limit: float | None = None) -> torch.Tensor:
+def shared_swiglu_add(y, x, w1, w2, gate_w=None, limit: float | None = None, fuse: bool = False) -> torch.Tensor:
     """y + [sigmoid(x gate_w^T)] * SwiGLU(x) for y, x [T, h] (see ``_SharedSwiGLUAdd``)."""
-    return _SharedSwiGLUAdd.apply(y, x, w1, w2, gate_w, limit)
+    return _SharedSwiGLUAdd.apply(y, x, w1, w2, gate_w, limit, fuse)
 
 
 def swiglu_experts_loop(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: int,
-                        limit: float | None = None) -> torch.Tensor:
+                        limit: float | None = None, fuse: bool = False) -> torch.Tensor:
     if probs is not None:
         probs = probs.to(x.dtype)
-    return _LoopExperts.apply(x, idx, probs, w1, w2, list(counts), out_rows, limit)
+    return _LoopExperts.apply(x, idx, probs, w1, w2, list(counts), out_rows, limit, fuse)
 
 
 _FUNCS = {"reference": swiglu_experts_reference, "grouped_mm": swiglu_experts_grouped_mm,
@@ -364,13 +364,14 @@ def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype) -> str:
     return name
 
 
-def swiglu_experts(kernel: str, x, idx, counts, probs, w1, w2, out_rows: int, limit: float | None = None
-                   ) -> torch.Tensor:
-    """Dispatch to a kernel by name (see the module docstring for the contract)."""
+def swiglu_experts(kernel: str, x, idx, counts, probs, w1, w2, out_rows: int, limit: float | None = None,
+                   fuse: bool = False) -> torch.Tensor:
+    """Dispatch to a kernel by name (see the module docstring for the contract); ``fuse``: the
+    loop kernel's SwiGLU passes run compiled (``megamoe.fusion``)."""
     if len(counts) != w1.size(0):
         raise ValueError(f"counts has {len(counts)} entries for {w1.size(0)} experts")
     if sum(counts) != idx.numel():
         raise ValueError(f"counts sum to {sum(counts)} but {idx.numel()} rows were given")
-    return _FUNCS[resolve_kernel(kernel, x.device, x.dtype)](x, idx, counts, probs, w1, w2, out_rows, limit)
+    return _FUNCS[resolve_kernel(kernel, x.device, x.dtype)](x, idx, counts, probs, w1, w2, out_rows, limit, fuse)
 
 

@@ -42,6 +42,7 @@ class MoELayer(nn.Module):
         self.tp, self.tp_size = ctx.groups.tp, ctx.groups.tp_size
         self.split_tokens = self.tp_size > 1 and not ctx.sp
         self.router = TopKRouter(cfg, ctx, layer_number)
+        self.fusion = ctx.backend.fusion
         self.experts = ctx.backend.grouped_experts(ctx, cfg.num_experts, cfg.moe_ffn_hidden_size,
                                                    kernel=cfg.expert_kernel,
                                                    active_fraction=cfg.top_k / cfg.num_experts,
@@ -64,7 +65,7 @@ class MoELayer(nn.Module):
             fc1, fc2 = self.shared_experts.linear_fc1, self.shared_experts.linear_fc2
             h = x.size(-1)
             return shared_swiglu_add(out.reshape(-1, h), x.reshape(-1, h), fc1.weight, fc2.weight, self.shared_gate,
-                                     self.cfg.swiglu_limit).view(x.shape)
+                                     self.cfg.swiglu_limit, self.fusion.active(x.device)).view(x.shape)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_gate is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.fusion import active as fusion_active, fused
+from megamoe.fusion import EAGER, Fusion, fused
 from megamoe.parallel import comm
 from megamoe.parallel.groups import group_size
 from megamoe.parallel.sharding import Shard, const_init, mark_init, mark_tp_partial_grad, set_sharding
@@ -60,12 +60,11 @@ def _norm_fused_backward(dy, x, weight, rstd, gate, zero_centered: bool, act: st
 class _RMSNormFn(torch.autograd.Function):
     """w * x / rms(x) [* act(gate)] in fp32, saving only x, the gate and 1/rms for the backward
     (the unfused form keeps x, x / rms, the gate and its activation). One fused pass each way
-    where ``megamoe.fusion`` is active."""
+    with ``fuse`` (see ``megamoe.fusion``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, zero_centered, gate, act):
-        ctx.zero_centered, ctx.act = zero_centered, act
-        ctx.fuse = fusion_active(x.device)
+    def forward(ctx, x, weight, eps, zero_centered, gate, act, fuse):
+        ctx.zero_centered, ctx.act, ctx.fuse = zero_centered, act, fuse
         if ctx.fuse:
             out, rstd = _norm_fused(x, weight, gate, eps, zero_centered, act)
             ctx.save_for_backward(x, weight, rstd, gate)
@@ -85,7 +84,7 @@ class _RMSNormFn(torch.autograd.Function):
         x, weight, rstd, gate = ctx.saved_tensors
         if ctx.fuse:
             dx, dweight, dgate = _norm_fused_backward(dy, x, weight, rstd, gate, ctx.zero_centered, ctx.act)
-            return dx, dweight, None, None, dgate, None
+            return dx, dweight, None, None, dgate, None, None
         dtype = rstd.dtype
         w = weight.to(dtype) + 1.0 if ctx.zero_centered else weight.to(dtype)
         xhat = x.to(dtype) * rstd
@@ -100,7 +99,7 @@ class _RMSNormFn(torch.autograd.Function):
         dxhat = dn * w
         mean = torch.linalg.vecdot(dxhat, xhat).unsqueeze_(-1).div_(xhat.size(-1))
         dx = torch.addcmul(dxhat, xhat, mean, value=-1.0).mul_(rstd)  # rstd (dxhat - xhat mean)
-        return dx.to(x.dtype), dweight, None, None, dgate, None
+        return dx.to(x.dtype), dweight, None, None, dgate, None, None
 
 
 class RMSNorm(nn.Module):
@@ -108,13 +107,13 @@ class RMSNorm(nn.Module):
 
     ``tp_partial_grad``: the weight is replicated over TP but sees only part of the work
     (a sequence shard under SP, or one rank's heads), so ``finalize_grads`` sums its
-    gradient over TP.
+    gradient over TP. ``fusion``: the building backend's policy (default: eager).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False, *,
-                 tp_partial_grad: bool = False, dtype=None, device=None):
+                 tp_partial_grad: bool = False, dtype=None, device=None, fusion: Fusion = EAGER):
         super().__init__()
-        self.eps, self.zero_centered = eps, zero_centered
+        self.eps, self.zero_centered, self.fusion = eps, zero_centered, fusion
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
         mark_init(self.weight, const_init(0.0 if zero_centered else 1.0))
         if tp_partial_grad:
@@ -123,7 +122,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None, gate_act: str = "silu") -> torch.Tensor:
         """x [..., dim] -> same; with ``gate`` (x's shape): the gated norm of the linear mixers'
         outputs, ``norm(x) * act(gate)`` with act ``silu`` (Qwen3-Next) or ``sigmoid`` (KDA)."""
-        return _RMSNormFn.apply(x, self.weight, self.eps, self.zero_centered, gate, gate_act)
+        return _RMSNormFn.apply(x, self.weight, self.eps, self.zero_centered, gate, gate_act,
+                                self.fusion.active(x.device))
 
     def extra_repr(self) -> str:
         return f"{self.weight.numel()}, eps={self.eps}, zero_centered={self.zero_centered}"

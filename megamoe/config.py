@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 from megamoe.errors import ConfigError
 from megamoe.layout import MIXERS, MLPS, Layout, parse_layout
 
-FUSION_MODES = ("auto", "on", "off")  # megamoe.fusion's process-wide modes
+FUSION_MODES = ("auto", "on", "off")  # megamoe.fusion.Fusion's modes (a backend's policy)
 
 DTYPES = ("float32", "bfloat16", "float16")
 

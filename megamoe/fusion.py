@@ -8,10 +8,11 @@ tensors are compiled, never autograd graphs: each fused function sits inside an
 ``autograd.Function`` whose backward calls its fused partner, and every one has an eager twin
 with the same contract that runs when fusion is off.
 
-The switch is per process (like Megatron's): ``MEGAMOE_FUSION`` = ``auto`` (default) | ``on``
-| ``off``, or ``model.fusion`` in a recipe (``set_mode``, applied when a model is built).
-``auto`` fuses CPU tensors when a C++ compiler is on PATH and leaves accelerator tensors to
-their own kernels (TE, fla; GPU fusion is untested here); ``on`` fuses on every device.
+Whether a call runs fused is the caller's ``fuse`` argument; the policy behind it is a
+``Fusion`` owned by the model's backend (``model.fusion``, or ``MEGAMOE_FUSION`` when that
+is unset; nothing process-wide): ``auto`` (default) fuses CPU tensors when a C++ compiler is
+on PATH and leaves accelerator tensors to their own kernels (TE, fla; GPU fusion is untested
+here); ``on`` fuses on every device; ``off`` never. Two models in one process may differ.
 Shapes are compiled symbolically (``dynamic=True``), so changing row counts do not recompile.
 The first call of each function compiles it (5-20 s per variant on 2 cores; inductor's
 on-disk cache makes later processes take ~2 s). If compiling fails (no working compiler), the
@@ -31,32 +32,37 @@ from megamoe.config import FUSION_MODES, check_choice
 
 log = logging.getLogger(__name__)
 
-_mode: str | None = None  # None: read MEGAMOE_FUSION on first use
-
-
-def set_mode(mode: str, field: str = "model.fusion") -> None:
-    check_choice(field, mode, FUSION_MODES)
-    global _mode
-    _mode = mode
-
-
-def mode() -> str:
-    if _mode is None:
-        set_mode(os.environ.get("MEGAMOE_FUSION", "auto"), "MEGAMOE_FUSION")
-    return _mode
-
 
 @functools.lru_cache(maxsize=None)
 def _have_cxx() -> bool:
     return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)
 
 
-def active(device: torch.device) -> bool:
-    """Whether fused functions run compiled for tensors on ``device``."""
-    m = mode()
-    if m == "off":
-        return False
-    return m == "on" or (device.type == "cpu" and _have_cxx())
+class Fusion:
+    """A backend's fusion policy: on which devices its fused functions run compiled."""
+
+    def __init__(self, mode: str = "off", field: str = "model.fusion"):
+        check_choice(field, mode, FUSION_MODES)
+        self.mode = mode
+
+    @classmethod
+    def from_config(cls, mode: str | None) -> Fusion:
+        """``model.fusion``; None: the ``MEGAMOE_FUSION`` environment variable (default auto)."""
+        if mode is None:
+            return cls(os.environ.get("MEGAMOE_FUSION", "auto"), "MEGAMOE_FUSION")
+        return cls(mode)
+
+    def active(self, device: torch.device) -> bool:
+        """Whether fused functions run compiled for tensors on ``device``."""
+        if self.mode == "off":
+            return False
+        return self.mode == "on" or (device.type == "cpu" and _have_cxx())
+
+    def __repr__(self) -> str:
+        return f"Fusion({self.mode!r})"
+
+
+EAGER = Fusion("off")  # what a module built outside a backend uses: the eager twins
 
 
 # a function meets several ranks, strides and optional inputs (a norm of [b, s, h] rows and
@@ -72,15 +78,18 @@ def _allow_variants() -> None:
 
 
 class Fused:
-    """``fn`` compiled on first use where ``active`` for the first argument's device, ``fn``
-    itself elsewhere or after a failed compile."""
+    """``fn`` compiled on first call (``fn`` itself after a failed compile); ``fn`` is its
+    eager twin, and ``pick(fuse)`` chooses between them."""
 
     def __init__(self, fn):
         self.fn, self.compiled, self.broken = fn, None, False
         functools.update_wrapper(self, fn)
 
+    def pick(self, fuse: bool):
+        return self if fuse else self.fn
+
     def __call__(self, *args):
-        if self.broken or not active(args[0].device):
+        if self.broken:
             return self.fn(*args)
         if self.compiled is None:
             log.info("fusion: compiling %s (once per process; inductor caches it on disk)", self.fn.__qualname__)

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import megamoe.layers  # noqa: F401  (registers the layout letters)
-from megamoe import fusion
+from megamoe.fusion import Fusion
 from megamoe.config import ModelConfig
 from megamoe.errors import ConfigError
 from megamoe.layers.backend import get_backend
@@ -174,10 +174,9 @@ class OutputLayer(nn.Module):
 def build_context(cfg: ModelConfig, groups: ParallelGroups | None = None, *,
                   sequence_parallel: bool = False, device=None) -> BuildContext:
     layout = cfg.validate()
-    if cfg.fusion is not None:  # process-wide, like Megatron's fusion flags
-        fusion.set_mode(cfg.fusion)
+    backend = get_backend(cfg.backend, Fusion.from_config(cfg.fusion))  # the model's own instance
     return BuildContext(
-        hidden_size=cfg.hidden_size, groups=groups or ParallelGroups(), backend=get_backend(cfg.backend),
+        hidden_size=cfg.hidden_size, groups=groups or ParallelGroups(), backend=backend,
         sequence_parallel=sequence_parallel, norm_eps=cfg.norm_eps, norm_zero_centered=cfg.norm_zero_centered,
         init_std=cfg.init_std, num_layers=layout.num_layers, dtype=DTYPES[cfg.params_dtype], device=device)
 

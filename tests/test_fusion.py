@@ -3,8 +3,10 @@
 Each fused autograd op (the expert SwiGLU, the fused shared expert, RMSNorm, the causal conv,
 the L2 norm, the chunked gated delta rule's backward) runs once with fusion on and once off on
 the same fp32 inputs: outputs and every gradient agree to 1e-5 relative. A hybrid MoE model (Gated DeltaNet, gated attention with
-q/k norms, routed + gated shared experts) agrees in loss and all gradients. The rest of the
-suite runs eagerly (tests/conftest.py); these tests skip where no C++ compiler is found.
+q/k norms, routed + gated shared experts) built with ``model.fusion=on`` agrees in loss and all
+gradients with the same model built with ``off`` in the same process (the policy belongs to
+each model's backend). The rest of the suite runs eagerly (tests/conftest.py); these tests
+skip where no C++ compiler is found.
 """
 from __future__ import annotations
 
@@ -23,18 +25,8 @@ TOL = 1e-5
 
 @pytest.fixture
 def modes():
-    """run(fn) -> (fn's results with fusion on, with fusion off); the process mode is restored."""
-    before = fusion.mode()
-
-    def run(fn):
-        out = {}
-        for m in ("on", "off"):
-            fusion.set_mode(m)
-            out[m] = fn()
-        return out["on"], out["off"]
-
-    yield run
-    fusion.set_mode(before)
+    """run(fn) -> (fn(fuse=True), fn(fuse=False))."""
+    return lambda fn: (fn(True), fn(False))
 
 
 def fwd_bwd(fn, inputs, seed=1234):
@@ -76,9 +68,9 @@ def test_expert_loop(modes, with_probs, limit, monkeypatch):
     inputs = [randn(7, 8), randn(16, seed=2).sigmoid(), randn(4, 12, 8, seed=3, scale=0.5),
               randn(4, 8, 6, seed=4, scale=0.5)]
 
-    def run():
+    def run(fuse):
         return fwd_bwd(lambda x, p, w1, w2: gg.swiglu_experts_loop(x, idx, counts, p if with_probs else None, w1, w2,
-                                                                   7, limit), inputs)
+                                                                   7, limit, fuse), inputs)
     fused, eager = modes(run)
     assert_close(fused, eager)
     assert_compiled(gg.swiglu_weighted, gg.swiglu_weighted_backward)
@@ -91,8 +83,8 @@ def test_shared_expert(modes, gate, limit):
 
     inputs = [randn(10, 8), randn(10, 8, seed=1), randn(12, 8, seed=2, scale=0.5), randn(8, 6, seed=3, scale=0.5),
               randn(1, 8, seed=4)]
-    fused, eager = modes(lambda: fwd_bwd(
-        lambda y, x, w1, w2, g: gg.shared_swiglu_add(y, x, w1, w2, g if gate else None, limit), inputs))
+    fused, eager = modes(lambda fuse: fwd_bwd(
+        lambda y, x, w1, w2, g: gg.shared_swiglu_add(y, x, w1, w2, g if gate else None, limit, fuse), inputs))
     assert_close(fused, eager)
 
 
@@ -106,8 +98,12 @@ def test_rmsnorm(modes, zero_centered, act):
         norm.weight.copy_(randn(8, seed=5))
     rows = randn(3, 5, 20)[..., 4:12]  # strided, like a head slice of a projection
     inputs = [rows, norm.weight] + ([randn(3, 5, 8, seed=6)] if act else [])
-    fused, eager = modes(lambda: fwd_bwd(
-        lambda x, w, *g: RMSNorm.forward(norm, x, gate=g[0] if g else None, gate_act=act or "silu"), inputs))
+    def run(fuse):
+        norm.fusion = fusion.Fusion("on" if fuse else "off")
+        return fwd_bwd(lambda x, w, *g: RMSNorm.forward(norm, x, gate=g[0] if g else None, gate_act=act or "silu"),
+                       inputs)
+
+    fused, eager = modes(run)
     assert_close(fused, eager)
     assert_compiled(_norm_fused)
 
@@ -118,7 +114,7 @@ def test_causal_conv(modes, t):
     from megamoe.layers.linear_attention.common import _conv_silu_fused, causal_conv
 
     inputs = [randn(2, t, 30)[..., :12], randn(12, 4, seed=1, scale=0.5)]  # t < K - 1 and t > K
-    fused, eager = modes(lambda: fwd_bwd(lambda x, w: causal_conv(x, w)[0], inputs))
+    fused, eager = modes(lambda fuse: fwd_bwd(lambda x, w: causal_conv(x, w, None, fuse)[0], inputs))
     assert_close(fused, eager)
     assert_compiled(_conv_silu_fused)
 
@@ -129,11 +125,11 @@ def test_l2norm(modes, heads_first):
     from megamoe.layers.linear_attention.common import _l2norm_fused, l2norm
 
     x = randn(2, 7, 3, 16)
-    fused, eager = modes(lambda: fwd_bwd(lambda x: l2norm(x, scale=0.25, heads_first=heads_first), [x]))
+    fused, eager = modes(lambda fuse: fwd_bwd(lambda x: l2norm(x, scale=0.25, heads_first=heads_first, fuse=fuse),
+                                              [x]))
     assert_close(fused, eager)
     assert_compiled(_l2norm_fused)
-    fusion.set_mode("on")
-    y = l2norm(x, heads_first=heads_first)
+    y = l2norm(x, heads_first=heads_first, fuse=True)
     assert y.transpose(1, 2).is_contiguous() == heads_first  # the layout the chunked op reads
 
 
@@ -145,8 +141,9 @@ def test_gated_delta_rule_backward(modes):
     from tests.test_delta_rule import make_inputs
 
     q, k, v, g, beta, h0 = make_inputs(45, False, seed=3, b=2, hk=2, hv=4, dk=16, dv=8, decay_scale=4.0)
-    fused, eager = modes(lambda: fwd_bwd(
-        lambda q, k, v, g, beta, h0: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, chunk_size=16)[0],
+    fused, eager = modes(lambda fuse: fwd_bwd(
+        lambda q, k, v, g, beta, h0: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, chunk_size=16,
+                                                            fuse=fuse)[0],
         [q, k, v, g, beta, h0]))
     assert_close(fused, eager)
     assert_compiled(intra_grads)
@@ -154,59 +151,86 @@ def test_gated_delta_rule_backward(modes):
 
 # ---- a model ----------------------------------------------------------------------------------
 
-@needs_compiler
-def test_hybrid_moe_model(modes):
-    from megamoe.model import LanguageModel, shift_labels
+def hybrid_moe(fusion_mode: str):
+    from megamoe.model import LanguageModel
     from megamoe.parallel.groups import ParallelGroups
     from megamoe.weights import initialize
 
     cfg = tiny_model("GeAe", gdn=GDNConfig(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8,
                                           chunk_size=8),
                      moe=MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=16, num_shared_experts=1,
-                                   shared_expert_gate=True))
+                                   shared_expert_gate=True), fusion=fusion_mode)
     model = LanguageModel(cfg)
     initialize(model, ParallelGroups(), seed=0)
-    ids = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    return model
 
-    def run():
-        model.zero_grad(set_to_none=True)
+
+@needs_compiler
+def test_hybrid_moe_model():
+    from megamoe.model import shift_labels
+
+    fused_model, eager_model = hybrid_moe("on"), hybrid_moe("off")  # side by side in one process
+    ids = torch.randint(0, fused_model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+
+    def run(model):
         loss = model(ids, labels=shift_labels(ids))
         loss.backward()
         return [loss.detach()] + [p.grad.clone() for _, p in sorted(model.named_parameters()) if p.grad is not None]
 
-    fused, eager = modes(run)
+    fused, eager = run(fused_model), run(eager_model)
     assert len(fused) > 20
     assert_close(fused, eager)
+    from megamoe.layers import grouped_gemm as gg
+    from megamoe.layers.linear_attention.chunk_gated import intra_grads
+    from megamoe.layers.norm import _norm_fused
+
+    assert_compiled(_norm_fused, gg.swiglu_weighted, intra_grads)
 
 
-# ---- the switch -------------------------------------------------------------------------------
+# ---- the policy ------------------------------------------------------------------------------
 
-def test_modes_and_errors(modes):
-    fusion.set_mode("off")
-    assert not fusion.active(torch.device("cpu"))
-    fusion.set_mode("on")
-    assert fusion.active(torch.device("cpu"))
+def test_modes_and_errors():
+    assert not fusion.Fusion("off").active(torch.device("cpu"))
+    assert fusion.Fusion("on").active(torch.device("cpu"))
+    assert not fusion.Fusion("auto").active(torch.device("meta"))  # accelerators keep their own kernels
     with pytest.raises(ConfigError, match=r"model.fusion='fast' is invalid: allowed: auto, on, off"):
-        fusion.set_mode("fast")
+        fusion.Fusion("fast")
     cfg = tiny_model("Ad", fusion="fast")
     with pytest.raises(ConfigError, match=r"model.fusion"):
         cfg.validate()
 
 
-def test_recipe_key_sets_the_process_mode(modes):
+def test_each_model_keeps_its_own_policy():
+    """Building a model sets nothing process-wide: every fusing module of a model follows that
+    model's backend, whatever was built before or after it."""
+    on, off = hybrid_moe("on"), hybrid_moe("off")
+    for model, mode in ((on, "on"), (off, "off")):
+        assert model.ctx.backend.fusion.mode == mode
+        owners = [m for m in model.modules() if hasattr(m, "fusion")]
+        kinds = {type(m).__name__ for m in owners}
+        assert {"RMSNorm", "GroupedExperts", "GatedDeltaNet", "MoELayer"} <= kinds, kinds
+        assert all(m.fusion is model.ctx.backend.fusion for m in owners)
+
+
+def test_recipe_key_sets_the_backend_policy(monkeypatch):
     from megamoe.model import build_context
     from megamoe.recipe import load_recipe
 
     for value, expected in [("off", "off"), ("on", "on"), ("auto", "auto")]:  # bare YAML on/off are booleans
         recipe = load_recipe("tiny_train", [f"model.fusion={value}"])
         assert recipe.model.fusion == expected
-        build_context(recipe.model)
-        assert fusion.mode() == expected
+        assert build_context(recipe.model).backend.fusion.mode == expected
     assert load_recipe("quickstart_vlm").model.fusion == "off"
+    recipe = load_recipe("tiny_train")
+    recipe.model.fusion = None  # unset: the environment decides, when the model is built
+    monkeypatch.setenv("MEGAMOE_FUSION", "on")
+    assert build_context(recipe.model).backend.fusion.mode == "on"
+    monkeypatch.setenv("MEGAMOE_FUSION", "sometimes")
+    with pytest.raises(ConfigError, match=r"MEGAMOE_FUSION='sometimes' is invalid"):
+        build_context(recipe.model)
 
 
-def test_a_failed_compile_falls_back_once(modes, caplog):
-    fusion.set_mode("on")
+def test_a_failed_compile_falls_back_once(caplog):
     double = fusion.fused(lambda x: 2 * x)
 
     def broken_compiler(*args):
@@ -218,8 +242,7 @@ def test_a_failed_compile_falls_back_once(modes, caplog):
     assert "compiling" in caplog.text and "no compiler here" in caplog.text and "second line" not in caplog.text
 
 
-def test_an_input_error_is_raised_as_eagerly(modes):
-    fusion.set_mode("on")
+def test_an_input_error_is_raised_as_eagerly():
     add = fusion.fused(lambda x, y: x + y)
     with pytest.raises(RuntimeError, match="must match the size"):
         add(torch.ones(2), torch.ones(3))

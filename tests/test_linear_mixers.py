@@ -64,7 +64,7 @@ def reference_ops(monkeypatch):
     def naive(q, k, v, g, beta, *, scale=None, initial_state=None, **_):
         return naive_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state)
 
-    def conv(x, weight, state=None):
+    def conv(x, weight, state=None, fuse=False):
         assert state is None
         full = F.pad(x, (0, 0, weight.size(-1) - 1, 0)).transpose(1, 2)
         y = F.silu(F.conv1d(full, weight.unsqueeze(1), groups=x.size(-1))).transpose(1, 2)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.config import GDNConfig, KDAConfig
+from megamoe.fusion import Fusion
 from megamoe.layers.linear_attention.chunk_delta import chunk_delta_rule
 
 
@@ -75,11 +76,12 @@ def main() -> None:
     # the chunk lengths the mixers use for these head dims
     c_gdn = GDNConfig(key_head_dim=args.dim, value_head_dim=args.dim).resolved_chunk_size()
     c_kda = KDAConfig().chunk_size
+    fuse = Fusion.from_config(None).active(torch.device("cpu"))  # as a model built here would (MEGAMOE_FUSION)
     cases = {
-        "gdn": (lambda *x: chunk_delta_rule(*x, chunk_size=c_gdn)[0], lambda *x: hf_gdn(*x[:3], g=x[3], beta=x[4])[0],
-                False),
-        "kda": (lambda *x: chunk_delta_rule(*x, chunk_size=c_kda)[0], lambda *x: hf_kda(*x[:3], g=x[3], beta=x[4])[0],
-                True),
+        "gdn": (lambda *x: chunk_delta_rule(*x, chunk_size=c_gdn, fuse=fuse)[0],
+                lambda *x: hf_gdn(*x[:3], g=x[3], beta=x[4])[0], False),
+        "kda": (lambda *x: chunk_delta_rule(*x, chunk_size=c_kda, fuse=fuse)[0],
+                lambda *x: hf_kda(*x[:3], g=x[3], beta=x[4])[0], True),
     }
     speedups = {}
     for name, (ours, peer, per_channel) in cases.items():

@@ -121,27 +121,29 @@ def intra_per_channel(q, k, beta, G, leaf: int = LEAF):
 
 
 def chunk_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
-                     recompute: bool = False):
+                     recompute: bool = False, fuse: bool = False):
     """Chunked gated delta rule; same arguments, results and shapes as ``naive_delta_rule``.
 
     ``recompute``: keep only the inputs for the backward and rebuild the chunk matrices there
     (as fla does): the intermediates are ~8x the inputs (expanded key heads, [C, C] matrices,
     chunk states), the recomputation costs one forward of the op. The per-head op
-    (chunk_gated.py) always works that way and needs no checkpoint around it."""
+    (chunk_gated.py) always works that way and needs no checkpoint around it. ``fuse``: the
+    per-head op's backward runs its fused kernel (``megamoe.fusion``)."""
     if g.dim() == 3:
         recompute = False
     if recompute and torch.is_grad_enabled() and any(
             x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
-        return checkpoint(_chunk_delta_rule, q, k, v, g, beta, scale, initial_state, chunk_size, use_reentrant=False)
-    return _chunk_delta_rule(q, k, v, g, beta, scale, initial_state, chunk_size)
+        return checkpoint(_chunk_delta_rule, q, k, v, g, beta, scale, initial_state, chunk_size, fuse,
+                          use_reentrant=False)
+    return _chunk_delta_rule(q, k, v, g, beta, scale, initial_state, chunk_size, fuse)
 
 
-def _chunk_delta_rule(q, k, v, g, beta, scale, initial_state, chunk_size):
+def _chunk_delta_rule(q, k, v, g, beta, scale, initial_state, chunk_size, fuse=False):
     C = chunk_size
     if C < 1 or C & (C - 1):
         raise ValueError(f"chunk_size={C} must be a power of two")
     if g.dim() == 3:  # one decay per head (Gated DeltaNet): the fused op
-        return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, C)
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, C, fuse)
     dtype = v.dtype
     b, t, hv, dv = v.shape
     q, k, v, g, beta, h0 = prepare(q, k, v, g, beta, scale, initial_state)

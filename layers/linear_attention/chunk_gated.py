@@ -171,7 +171,7 @@ def chunk_major(states: torch.Tensor) -> torch.Tensor:
 
 @fused
 def intra_grads(dA, dM, dKb, dVb, dKt, dQg, D, KD, M, Qg, k, v, beta, gam_, tail_, dgam_end, rep: int, n: int):
-    """The backward's elementwise part (one fused pass where ``megamoe.fusion`` is active), from
+    """The backward's elementwise part (one fused pass when the op runs with ``fuse``), from
     the gradients of the chunk products [N, C, C] / [N, C, d] through A = beta (k k^T) D,
     M = (q k^T) D, Kb = beta Gam k, Vb = beta v, Kt = k exp(G_C - G) and q Gam, and of the
     chunk-end decay ``dgam_end`` [N] -> (dbeta [N, C], dv [N, C, dv], dg [N, C], d(k k^T) and
@@ -205,12 +205,12 @@ class ChunkGatedDelta(torch.autograd.Function):
     a fraction of what autograd kept)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0):
+    def forward(ctx, q, k, v, g, beta, h0, fuse):
         heads = Heads.of(q, v, h0.size(0))
         it = Intra(q, k, v, g, beta, heads)
         S, U, final = scan_chunks(it.W, it.U0, it.Kt, it.gam[:, -1], h0)   # S: chunk-start states
         o = torch.baddbmm(it.M @ U, heads.per_value(q, it.gam.unsqueeze(-1)), S)  # M U + (q Gam) S
-        ctx.z = h0.size(0)
+        ctx.z, ctx.fuse = h0.size(0), fuse
         ctx.save_for_backward(q, k, v, g, beta, S, it.D, it.KD, it.M, it.T, it.W, it.U0, U)
         return o, final.clone()
 
@@ -231,16 +231,18 @@ class ChunkGatedDelta(torch.autograd.Function):
         # dA = -T^T dT T^T = -(T^T dW) W^T - (T^T dU) U0^T, two [C, d] x [d, C] products
         dKb, dVb = T.mT @ dW, T.mT @ dU
         dA = torch.baddbmm(dKb @ W.mT, dVb, U0.mT).neg_()
-        dbeta, dv, dg, dKK, dQK, dk_direct, dq_direct = intra_grads(
+        dbeta, dv, dg, dKK, dQK, dk_direct, dq_direct = intra_grads.pick(ctx.fuse)(
             dA, dM, dKb, dVb, dKt, dQg, D, KD, M, Qg, k, v, beta, gam_, tail_, dgam_end, heads.rep, heads.n)
         dk = torch.baddbmm(torch.baddbmm(dKK @ k, dKK.mT, k), dQK.mT, q).add_(dk_direct)
         dq = torch.baddbmm(dq_direct, dQK, k)
-        return dq, dk, dv, dg, dbeta, dS0
+        return dq, dk, dv, dg, dbeta, dS0, None
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, chunk_size: int = 64):
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, chunk_size: int = 64,
+                           fuse: bool = False):
     """The op on the package's layout (delta_rule.py): q, k [b, t, hk, dk], v [b, t, hv, dv],
-    g, beta [b, t, hv] -> (o [b, t, hv, dv] in v's dtype, final state [b, hv, dk, dv] fp32)."""
+    g, beta [b, t, hv] -> (o [b, t, hv, dv] in v's dtype, final state [b, hv, dk, dv] fp32).
+    ``fuse``: the backward's elementwise part runs compiled (``intra_grads``)."""
     from megamoe.layers.linear_attention.delta_rule import prepare
 
     dtype = v.dtype
@@ -255,6 +257,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, chu
     n = (t + pad) // C
     chunks = lambda x: x.reshape(-1, C, x.size(-1))  # noqa: E731  [b, h, n C, d] -> [b h n, C, d]
     o, final = ChunkGatedDelta.apply(chunks(q), chunks(k), chunks(v), g.reshape(-1, C), beta.reshape(-1, C),
-                                     h0.reshape(b * hv, dk, dv))
+                                     h0.reshape(b * hv, dk, dv), fuse)
     o = o.view(b, hv, n * C, dv)[:, :, :t].transpose(1, 2)
     return o.to(dtype), final.view(b, hv, dk, dv)

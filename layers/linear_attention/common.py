@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamoe.cache import zero_pads
-from megamoe.fusion import active as fusion_active, fused
+from megamoe.fusion import fused
 from megamoe.parallel.sharding import Shard, mark_init, set_sharding
 from megamoe.spec import BuildContext, ForwardInfo
 from megamoe.layers.linear_attention.chunk_delta import chunk_delta_rule
@@ -51,7 +51,7 @@ class _CausalConvSiLU(torch.autograd.Function):
     (channels last, no transposes, no padded copy: tap K-1-s reads the input s steps back).
     Saves the input and the pre-activation (recomputing it took a fifth of the backward).
     torch's depthwise conv1d backward took ~10x longer on CPU. One fused pass each way where
-    ``megamoe.fusion`` is active."""
+    ``fuse`` (see ``megamoe.fusion``)."""
 
     @staticmethod
     def _pre(x: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
@@ -63,8 +63,8 @@ class _CausalConvSiLU(torch.autograd.Function):
         return pre
 
     @staticmethod
-    def forward(ctx, x, weight):
-        ctx.fuse = fusion_active(x.device)
+    def forward(ctx, x, weight, fuse):
+        ctx.fuse = fuse
         taps = weight.t().contiguous()
         if ctx.fuse:
             y, pre = _conv_silu_fused(x, taps)
@@ -79,7 +79,7 @@ class _CausalConvSiLU(torch.autograd.Function):
         x, taps, pre = ctx.saved_tensors
         if ctx.fuse:
             dx, dtaps = _conv_silu_fused_backward(dy, x, taps, pre)
-            return dx, dtaps.t()
+            return dx, dtaps.t(), None
         kernel, t = taps.size(0), x.size(1)
         dpre = torch.ops.aten.silu_backward(dy, pre)
         dx = dpre * taps[kernel - 1]
@@ -88,16 +88,17 @@ class _CausalConvSiLU(torch.autograd.Function):
         for s in range(1, min(kernel, t + 1)):
             dx[:, :t - s].addcmul_(dpre[:, s:], taps[kernel - 1 - s])
             dtaps[kernel - 1 - s] = (dpre[:, s:] * x[:, :t - s]).sum((0, 1))
-        return dx, dtaps.t()
+        return dx, dtaps.t(), None
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None):
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, fuse: bool = False):
     """Depthwise causal conv followed by SiLU. x [b, t, c], weight [c, K], state [b, K-1, c] or None
-    (zeros: the start of a sequence) -> (y [b, t, c], new state [b, K-1, c])."""
+    (zeros: the start of a sequence) -> (y [b, t, c], new state [b, K-1, c]). ``fuse``: the
+    training form runs its fused kernels (``megamoe.fusion``)."""
     b, t, c = x.shape
     kernel = weight.size(-1)
     if state is None and torch.is_grad_enabled():
-        y = _CausalConvSiLU.apply(x, weight)
+        y = _CausalConvSiLU.apply(x, weight, fuse)
         return y, F.pad(x[:, max(0, t - (kernel - 1)):], (0, 0, max(0, kernel - 1 - t), 0))
     if state is None:
         state = x.new_zeros(b, kernel - 1, c)
@@ -131,13 +132,13 @@ def log_uniform_init(low: float, high: float):
     return lambda shape, gen: (torch.rand(shape, generator=gen) * (high - low) + low).log()
 
 
-def conv_and_state(module: nn.Module, qkv: torch.Tensor, info: ForwardInfo):
+def conv_and_state(module: nn.Module, qkv: torch.Tensor, info: ForwardInfo, fuse: bool = False):
     """Short conv over q|k|v, continuing from the decode cache when there is one.
 
     Returns (conv output [b, s, C], cache dict or None, initial recurrent state or None)."""
     state = None if info.cache is None else info.cache.layer(module.layer_number)
     qkv = zero_pads(qkv, info.cache)  # padded slots: zero conv input, zero keys -> the state stays zero
-    qkv, conv_state = causal_conv(qkv, module.conv_weight, None if state is None else state.get("conv"))
+    qkv, conv_state = causal_conv(qkv, module.conv_weight, None if state is None else state.get("conv"), fuse)
     if state is not None:
         state["conv"] = conv_state
     return qkv, state, None if state is None else state.get("recurrent")
@@ -162,12 +163,11 @@ def _l2norm_fused_backward(dy, x, rstd, scale: float):
 
 class _L2Norm(torch.autograd.Function):
     """Saves x and 1/norm only; y = scale x / norm, dx = scale (dy - y' sum(dy y')) / norm with
-    y' = x / norm. One fused pass each way where ``megamoe.fusion`` is active."""
+    y' = x / norm. One fused pass each way with ``fuse`` (see ``megamoe.fusion``)."""
 
     @staticmethod
-    def forward(ctx, x, eps, scale, heads_first):
-        ctx.scale = scale
-        ctx.fuse = fusion_active(x.device)
+    def forward(ctx, x, eps, scale, heads_first, fuse):
+        ctx.scale, ctx.fuse = scale, fuse
         if ctx.fuse:
             y, rstd = _l2norm_fused(x, eps, scale, heads_first)
             ctx.save_for_backward(x, rstd)
@@ -187,17 +187,18 @@ class _L2Norm(torch.autograd.Function):
     def backward(ctx, dy):
         x, rstd = ctx.saved_tensors
         if ctx.fuse:
-            return _l2norm_fused_backward(dy, x, rstd, ctx.scale), None, None, None
+            return _l2norm_fused_backward(dy, x, rstd, ctx.scale), None, None, None, None
         y = x.to(rstd.dtype) * rstd
         dx = rstd * (dy - y * (dy * y).sum(-1, keepdim=True))
-        return (dx if ctx.scale == 1.0 else dx * ctx.scale), None, None, None
+        return (dx if ctx.scale == 1.0 else dx * ctx.scale), None, None, None, None
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6, scale: float = 1.0, heads_first: bool = False) -> torch.Tensor:
+def l2norm(x: torch.Tensor, eps: float = 1e-6, scale: float = 1.0, heads_first: bool = False,
+           fuse: bool = False) -> torch.Tensor:
     """scale * x / sqrt(sum x^2 + eps) over the last dim, in fp32 (as fla and the HF references).
     ``heads_first``: x [b, t, h, d], the result stored as [b, h, t, d] (a transposed view),
     so the chunked delta rule reads it without another copy."""
-    return _L2Norm.apply(x, eps, scale, heads_first)
+    return _L2Norm.apply(x, eps, scale, heads_first, fuse)
 
 
 def fla_usable(device: torch.device) -> bool:
@@ -219,13 +220,14 @@ def fla_delta_rule(q, k, v, g, beta, initial_state, decode: bool, scale=None):
 
 
 def delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, decode: bool = False, chunk_size: int = 64,
-               use_fla: bool = True, recompute: bool = False):
+               use_fla: bool = True, recompute: bool = False, fuse: bool = False):
     """Pick the op: fla when asked for and usable, else the recurrent step while decoding and the
     chunked form otherwise. Shapes as in ``megamoe.layers.linear_attention.delta_rule``; ``scale``
-    multiplies q (default dk^-0.5; 1.0 when the caller has scaled q already)."""
+    multiplies q (default dk^-0.5; 1.0 when the caller has scaled q already); ``fuse``: the chunked
+    op's fused kernels (``megamoe.fusion``)."""
     if use_fla and fla_usable(q.device):
         return fla_delta_rule(q, k, v, g, beta, initial_state, decode, scale)
     if decode:
         return recurrent_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     return chunk_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
-                            recompute=recompute)
+                            recompute=recompute, fuse=fuse)

@@ -70,6 +70,7 @@ class KimiDeltaAttention(nn.Module):
         width = cfg.num_heads * cfg.head_dim
         self.local_parts = [width // tp] * 3 + [self.h]
         b = ctx.backend
+        self.fusion = b.fusion  # for the conv, the L2 norms and the chunked op
         self.in_proj = b.column_linear(ctx, ctx.hidden_size, [width, width, width, cfg.num_heads])
         self.conv_weight = conv_param(ctx, (width,) * 3, cfg.conv_kernel)
         self.forget_gate = Gate(ctx, cfg.rank(), width)
@@ -93,11 +94,12 @@ class KimiDeltaAttention(nn.Module):
         proj = self.in_proj(x)
         bsz, s = proj.shape[:2]
         qkv, b_in = proj.split([sum(self.local_parts[:3]), self.h], dim=-1)
-        qkv, state, h0 = conv_and_state(self, qkv, info)
+        fuse = self.fusion.active(x.device)
+        qkv, state, h0 = conv_and_state(self, qkv, info, fuse)
         q, k, v = (t.reshape(bsz, s, self.h, self.d) for t in qkv.split(self.local_parts[:3], dim=-1))
-        o, final = delta_rule(l2norm(q), l2norm(k), v, self.decay(x), torch.sigmoid(b_in), initial_state=h0,
-                              decode=state is not None and s == 1, chunk_size=self.cfg.chunk_size,
-                              use_fla=self.cfg.use_fla, recompute=self.recompute_core)
+        o, final = delta_rule(l2norm(q, fuse=fuse), l2norm(k, fuse=fuse), v, self.decay(x), torch.sigmoid(b_in),
+                              initial_state=h0, decode=state is not None and s == 1, chunk_size=self.cfg.chunk_size,
+                              use_fla=self.cfg.use_fla, recompute=self.recompute_core, fuse=fuse)
         if state is not None:
             state["recurrent"] = final
         gate = self.output_gate(x).reshape(bsz, s, self.h, self.d)
