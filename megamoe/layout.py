@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 from megamoe.errors import ConfigError
 
+# No model is near this deep (the largest have ~100 layers); the bound stops a typo such as
+# '(GeAd)*20000000' before the parser builds tens of millions of layers.
+MAX_LAYERS = 10_000
+
 # letter -> (name, config section of ModelConfig that parameterises it)
 MIXERS: dict[str, tuple[str, str]] = {
     "A": ("softmax attention (GQA)", "attention"),
@@ -167,6 +171,10 @@ class _Parser:
         count = int(self.text[digits_at:self.pos])
         if count < 1:
             raise self.fail("repeat count must be >= 1", digits_at)
+        layers = sum(isinstance(x, LayerKind) for x in body)
+        if layers * count > MAX_LAYERS:
+            raise self.fail(f"{layers} layer(s) repeated {count} times is {layers * count:,} layers, more than "
+                            f"megamoe's limit of {MAX_LAYERS:,}", digits_at)
         return body * count
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megamoe.config import ModelConfig, ParallelConfig, validate_model_parallel
@@ -38,13 +38,23 @@ class Recipe:
 
     def validate(self) -> None:
         """Every section, and the checks that need several (for a training run)."""
-        validate_model_parallel(self.model, self.parallel)
-        for section in (self.data, self.train, self.optim, self.checkpoint, self.logging):
+        self.validate_plan()
+        for section in (self.data, self.optim, self.checkpoint, self.logging):
             section.validate()
+
+    def validate_plan(self, world_size: int | None = None) -> None:
+        """What the trainer refuses whatever the data: model and parallel layout, LoRA, schedule,
+        the features not implemented yet and, given ``world_size``, the grid and the batch split
+        (tools' plan checks this, so it never prints a plan the trainer would refuse)."""
+        validate_model_parallel(self.model, self.parallel)
+        self.train.validate()
         if self.lora is not None:
             self.lora.validate()
         if self.parallel.cp > 1:
             raise ConfigError("parallel.cp>1: context parallelism is not implemented by the trainer yet")
+        if world_size is not None:
+            self.parallel.validate(world_size)
+            self.train.micro_batches(self.parallel.dp(world_size))
 
 
 def recipe_path(name_or_path: str | Path) -> Path:
@@ -97,6 +107,9 @@ def load_config(schema: type, path: str | Path | None = None, overrides: Sequenc
         except Exception as e:  # yaml errors carry multi-line context
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"{file}: not a valid YAML recipe ({first})") from None
+        if not isinstance(loaded, DictConfig):  # a list or a scalar at the top
+            raise ConfigError(f"{file}: a recipe is a mapping of sections (model:, data:, ...), "
+                              f"not a {type(loaded).__name__}")
         if section is not None:
             loaded = loaded.get(section, OmegaConf.create({}))
         layers.append((source, loaded))

@@ -7,7 +7,7 @@
 #   NGPU=8 EP=8 BASE=ckpt/qwen3_moe DATA=a.jsonl,b.jsonl CONFIG=my_lora.yaml \
 #       LORA_RANK=16 LORA_ALPHA=32 bash pretrain_scripts/finetune_lora.sh train.steps=2000
 #   LORA_TARGETS='[experts,shared_experts]' EXPERT_ADAPTERS=shared ...          # only the MLPs, one expert adapter
-#   DRY_RUN=1 NGPU=8 TP=2 EP=4 BASE=ckpt/base DATA=chat.jsonl bash pretrain_scripts/finetune_lora.sh
+#   DRY_RUN=1 NGPU=8 TP=2 EP=4 BASE=ckpt/base DATA=chat.jsonl bash pretrain_scripts/finetune_lora.sh train.global_batch_size=16
 # then: python tools/convert.py export-peft outputs/tiny_moe_lora/step_XXXXXXXX peft_out
 #
 # Knobs (besides pretrain_scripts/launch.sh's NGPU, NNODES, TP, PP, EP, ETP, SP, DRY_RUN):

@@ -2,16 +2,19 @@
 
     megamoe-convert import-hf HF_DIR OUT_DIR [--tp N --ep N --etp N --pp N]
     megamoe-convert export-hf CKPT_DIR OUT_DIR [--family MODEL_TYPE]
+    megamoe-convert export-hf LORA_CKPT_DIR OUT_DIR --merge      # base + adapters merged, one HF model
     megamoe-convert export-peft LORA_CKPT_DIR OUT_DIR [--family MODEL_TYPE]
     megamoe-convert families
 
 import-hf writes a megamoe checkpoint (optionally split for a TP/EP/PP layout) that
 tools/pretrain.py / finetune.py load with checkpoint.load=OUT_DIR. export-hf takes such a
 checkpoint or a training checkpoint (step_XXXXXXXX) and writes safetensors shards, index and
-config.json that transformers loads with its Auto classes. export-peft takes a checkpoint of a
+config.json that transformers loads with its Auto classes; with --merge it takes a LoRA
+fine-tune's checkpoint, loads its base (the path in its meta.json) and writes the merged model. export-peft takes a checkpoint of a
 LoRA fine-tune (adapters only) and writes a PEFT adapter for the HF family (docs/lora.md).
 """
 import argparse
+from pathlib import Path
 
 from megamoe.cli import DEBUG_HELP, number_in, run_main, tool_parser
 
@@ -29,6 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     exp.add_argument("ckpt_dir")
     exp.add_argument("out_dir")
     exp.add_argument("--family", help="HF model_type to write (default: the checkpoint's origin)")
+    exp.add_argument("--merge", action="store_true",
+                     help="CKPT_DIR is a LoRA checkpoint: write its base with the adapters merged in")
     for s in (imp, exp):
         s.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
         s.add_argument("--shard-gib", type=number_in(float, 0.001), default=2.0, help="maximum shard size (GiB)")
@@ -42,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     args = p.parse_args(argv)
 
-    from megamoe.convert import FAMILIES, export_hf, get_family, import_hf
+    from megamoe.convert import FAMILIES, get_family, import_hf
 
     if args.command == "families":
         get_family("qwen3")  # loads the registry
@@ -58,9 +63,32 @@ def main(argv: list[str] | None = None) -> None:
                         overwrite=args.overwrite, shard_bytes=int(args.shard_gib * 2**30))
         print(f"wrote megamoe checkpoint {out} (load it with checkpoint.load={out})")
     else:
-        out = export_hf(args.ckpt_dir, args.out_dir, family=args.family, overwrite=args.overwrite,
-                        shard_bytes=int(args.shard_gib * 2**30))
+        out = export(args)
         print(f"wrote HF checkpoint {out}")
+
+
+def export(args):
+    """export-hf: a checkpoint as it is, or a LoRA checkpoint merged into its base."""
+    from megamoe.commands.models import checkpoint_path, load_model
+    from megamoe.convert import export_hf, to_hf
+    from megamoe.errors import CheckpointError, ConfigError
+    from megamoe.files import check_replaceable, is_checkpoint_dir
+    from megamoe.training.checkpoint import read_meta
+
+    check_replaceable(Path(args.out_dir), args.overwrite, is_checkpoint_dir, "checkpoint")  # before any loading
+    shard_bytes = int(args.shard_gib * 2**30)
+    meta = read_meta(checkpoint_path(args.ckpt_dir))
+    if not meta.get("lora"):
+        return export_hf(args.ckpt_dir, args.out_dir, family=args.family, overwrite=args.overwrite,
+                         shard_bytes=shard_bytes)
+    if not args.merge:
+        raise ConfigError(f"{args.ckpt_dir}: a LoRA checkpoint holds adapters only; pass --merge to write its base "
+                          f"with the adapters merged in, or use export-peft for a PEFT adapter")
+    model = load_model(args.ckpt_dir, merge=True)
+    if not (args.family or getattr(model, "hf_origin", None)):
+        raise CheckpointError(f"{args.ckpt_dir}: the base weights did not come from an HF checkpoint; name the HF "
+                              f"family to export to with --family")
+    return to_hf(model, args.out_dir, family=args.family, overwrite=args.overwrite, shard_bytes=shard_bytes)
 
 
 def cli() -> None:

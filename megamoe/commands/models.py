@@ -29,6 +29,17 @@ def lora_base(path: Path, meta: dict) -> Path:
     return Path(base)
 
 
+def hf_origin_of(path: str | Path) -> dict | None:
+    """The HF origin a checkpoint records (a LoRA checkpoint's, else its base's), without loading weights."""
+    from megamoe.training.checkpoint import read_meta
+
+    path = checkpoint_path(path)
+    meta = read_meta(path)
+    if meta.get("hf") or not meta.get("lora"):
+        return meta.get("hf")
+    return read_meta(lora_base(path, meta)).get("hf")
+
+
 def load_model(path: str | Path, merge: bool = True):
     """The model in ``path`` on CPU, in eval mode, with ``hf_origin`` set when known. A LoRA
     checkpoint gives its base with the adapters applied, merged into the weights unless

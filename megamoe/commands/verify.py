@@ -40,14 +40,14 @@ def main(argv: list[str] | None = None) -> None:
 def verify_checkpoint(path: str, run):
     """A megamoe checkpoint: its model (LoRA adapters merged) against transformers on the same
     weights written as an HF directory (in a temporary folder, removed afterwards)."""
-    from megamoe.commands.models import load_model
+    from megamoe.commands.models import hf_origin_of, load_model
     from megamoe.convert import to_hf
     from megamoe.errors import CheckpointError
 
-    model = load_model(path)
-    if not getattr(model, "hf_origin", None):
+    if not hf_origin_of(path):
         raise CheckpointError(f"{path}: the weights did not come from an HF checkpoint, so there is no "
                               f"transformers family to compare with")
+    model = load_model(path)
     with tempfile.TemporaryDirectory(prefix="megamoe-verify-") as tmp:
         hf_dir = to_hf(model, Path(tmp) / "hf")
         return run(hf_dir, model)

@@ -11,11 +11,12 @@ from tqdm import tqdm
 
 from megamoe.config import ModelConfig, ParallelConfig, validate_model_parallel
 from megamoe.convert.family import Family, get_family
-from megamoe.convert.hf_io import AtomicDir, HFCheckpoint, write_hf_dir
+from megamoe.convert.hf_io import HFCheckpoint, write_hf_dir
 from megamoe.convert.mm_format import FORMAT, ConvertedCheckpoint, write_checkpoint
 from megamoe.convert.st_io import DTYPE_CODES
 from megamoe.convert.table import Entry, check_plan, expand
 from megamoe.errors import CheckpointError
+from megamoe.files import AtomicDir, check_replaceable, is_checkpoint_dir
 from megamoe.model import build_model
 from megamoe.recipe import config_from_dict, config_to_dict
 from megamoe.parallel.groups import ParallelGroups
@@ -47,12 +48,24 @@ def _open_hf(hf_dir) -> tuple[HFCheckpoint, Family, ModelConfig]:
     return ck, family, cfg
 
 
-def _checked_plan(ck: HFCheckpoint, family: Family, cfg: ModelConfig, shapes: dict) -> list[Entry]:
+def _checked_plan(ck: HFCheckpoint, family: Family, cfg: ModelConfig, meta_tensors: dict) -> list[Entry]:
+    """The mapping table expanded for this checkpoint, its coverage and shapes checked, and every
+    source of a floating-point megamoe tensor in a format the family converts (no silent casts
+    of integer or quantised weights)."""
     entries = _plan(family, cfg, ck.config, ck.names)
     skipped, why = family.skipped(ck.config, ck.names) if family.skipped else (set(), "")
     if skipped:
         log.warning("%s: %d tensors not converted: %s", ck.path, len(skipped), why)
+    shapes = {n: tuple(t.shape) for n, t in meta_tensors.items()}
     check_plan(entries, shapes, {n: s for n, s in ck.shapes.items() if n not in skipped}, str(ck.path))
+    for e in entries:
+        if not meta_tensors[e.mm].dtype.is_floating_point:
+            continue
+        for name in e.hf:
+            if ck.dtypes[name] not in family.weight_dtypes:
+                raise CheckpointError(f"{ck.path}: tensor {name} is {ck.dtypes[name]}, which {family.model_type} "
+                                      f"does not convert (integer or quantised weights; expected one of "
+                                      f"{', '.join(sorted(family.weight_dtypes))}); dequantise the checkpoint first")
     return entries
 
 
@@ -66,8 +79,8 @@ def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequenc
     ck, family, cfg = _open_hf(hf_dir)
     groups = groups or ParallelGroups()
     with torch.device("meta"):
-        shapes = {n: tuple(t.shape) for n, t in model_tensors(build_model(cfg, device="meta")).items()}
-    entries = _checked_plan(ck, family, cfg, shapes)
+        meta_tensors = model_tensors(build_model(cfg, device="meta"))
+    entries = _checked_plan(ck, family, cfg, meta_tensors)
     model = build_model(cfg, groups, sequence_parallel=sequence_parallel, device=device)
     tensors = model_tensors(model)
     for e in tqdm(entries, desc="load HF", disable=not progress, unit="tensor"):
@@ -75,7 +88,7 @@ def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequenc
         dest = tensors[e.mm]
         with torch.no_grad():
             dest.copy_(shard_full(full.to(dest.dtype), dest, groups))
-    model.hf_origin = {"model_type": family.model_type, "config": ck.config}
+    model.hf_origin = {"model_type": family.model_type, "config": ck.config, "path": str(Path(hf_dir).resolve())}
     return model.eval()
 
 
@@ -83,12 +96,13 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int =
               shard_bytes: int = 2 << 30, overwrite: bool = False, progress: bool = True) -> Path:
     """Convert an HF directory into a megamoe checkpoint (optionally split for a TP/PP/EP layout)."""
     start = time.time()
+    check_replaceable(Path(out_dir), overwrite, is_checkpoint_dir, "checkpoint")  # before any reading
     ck, family, cfg = _open_hf(hf_dir)
     parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp)
     layout = validate_model_parallel(cfg, parallel)
     with torch.device("meta"):
         meta_tensors = model_tensors(build_model(cfg, device="meta"))
-    entries = _checked_plan(ck, family, cfg, {n: tuple(t.shape) for n, t in meta_tensors.items()})
+    entries = _checked_plan(ck, family, cfg, meta_tensors)
     by_name = {e.mm: e for e in entries}
     planned = []
     for name, t in meta_tensors.items():
@@ -96,7 +110,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int =
         dtype = src_dtype if src_dtype.is_floating_point and t.dtype.is_floating_point else t.dtype
         planned.append((name, dtype, tuple(t.shape), sharding(t)))
     sizes = {g: 1 for g in GROUPS} | {"tp": tp, "pp": pp, "ep": ep, "etp": etp}
-    meta = {"step": 0, "model": config_to_dict(cfg), "hf": {"model_type": family.model_type, "config": ck.config},
+    # hf.path: where the weights came from (a PEFT adapter of a fine-tune names it as its base)
+    hf = {"model_type": family.model_type, "config": ck.config, "path": str(Path(hf_dir).resolve())}
+    meta = {"step": 0, "model": config_to_dict(cfg), "hf": hf,
             "trainer_state": {}}
     bar = tqdm(total=len(planned), desc=f"import {family.model_type}", unit="tensor", disable=not progress)
 
@@ -153,7 +169,8 @@ def _base_tensors(model) -> dict[str, torch.Tensor]:
 
 
 def to_hf(model, out_dir: str | Path, *, family: str | None = None, hf_config: dict | None = None,
-          groups: ParallelGroups | None = None, overwrite: bool = False, progress: bool = False) -> Path:
+          groups: ParallelGroups | None = None, overwrite: bool = False, progress: bool = False,
+          shard_bytes: int = 5 << 30) -> Path:
     """Write ``model`` as an HF checkpoint that ``transformers`` loads with its Auto classes.
 
     The family comes from ``family``, else from the model's HF origin (``from_hf``). Under a
@@ -166,7 +183,7 @@ def to_hf(model, out_dir: str | Path, *, family: str | None = None, hf_config: d
     tensors = _base_tensors(model)
     shapes = {n: (tuple(full_shape(t, groups)), t.dtype) for n, t in tensors.items()}
     return _write_hf(out_dir, fam, model.config, hf_config, shapes,
-                     lambda n: gather_full(tensors[n], groups), overwrite, progress)
+                     lambda n: gather_full(tensors[n], groups), overwrite, progress, shard_bytes)
 
 
 def open_megamoe_checkpoint(path: str | Path):

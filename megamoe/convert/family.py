@@ -23,6 +23,10 @@ class Family:
     # HF tensors deliberately left out, and why: (config, tensor names) -> (names, one-line reason),
     # e.g. a vision tower megamoe cannot express; the import logs the reason instead of failing
     skipped: Callable[[dict, set[str]], tuple[set[str], str]] | None = None
+    # safetensors dtypes the table's transforms take for a floating-point megamoe tensor; integer
+    # or quantised (F8, I8 ...) weights would need their scales applied, which a family that
+    # supports them declares here with rules that do it
+    weight_dtypes: frozenset = frozenset({"F32", "F16", "BF16", "F64"})
 
 
 FAMILIES: dict[str, Family] = {}

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -13,6 +11,7 @@ import torch
 
 from megamoe.convert.st_io import StreamWriter, nbytes, read_header, read_tensor
 from megamoe.errors import CheckpointError
+from megamoe.files import AtomicDir
 
 log = logging.getLogger(__name__)
 
@@ -115,31 +114,6 @@ def write_sharded(out: Path, entries: list[tuple[str, torch.dtype, tuple]], tens
         finally:
             writer.abort() if writer.next != len(shard) else writer.close()
     return weight_map
-
-
-class AtomicDir:
-    """Write into ``<out>.tmp`` and rename to ``out`` on success; remove it on any error."""
-
-    def __init__(self, out: str | Path, overwrite: bool = False):
-        self.out = Path(out)
-        self.tmp = self.out.with_name(self.out.name + ".tmp")
-        if self.out.exists() and not overwrite:
-            raise CheckpointError(f"{self.out}: already exists (pass overwrite to replace it)")
-
-    def __enter__(self) -> Path:
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
-        self.tmp.mkdir(parents=True)
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return False
-        if self.out.exists():
-            shutil.rmtree(self.out)
-        os.replace(self.tmp, self.out)
-        return False
 
 
 def write_index(out: Path, weight_map: dict[str, str], total_bytes: int) -> None:

@@ -259,16 +259,34 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+SAMPLE_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789"
+
+
 def load_tokenizer(spec: str | Path) -> Tokenizer:
-    """``"byte"``, a ``.model`` file, a ``tokenizer.json`` (any ``.json``) file, or a directory."""
+    """``"byte"``, a ``.model`` file, a ``tokenizer.json`` (any ``.json``) file, or a directory.
+    A tokenizer that cannot encode text (e.g. an HF model folder without tokenizer files, which
+    transformers reads as a one-id vocabulary) is refused: it would train at loss 0."""
     if str(spec) == "byte":
         return ByteTokenizer()
     path = Path(spec).expanduser()
     if path.is_dir():
-        return HFTokenizer(path)
+        return check_usable(HFTokenizer(path))
     if not path.is_file():
         raise DataError(f"tokenizer {str(spec)!r} not found (use 'byte', a SentencePiece .model file, "
                         "a tokenizer.json file or a tokenizer directory)")
     if path.suffix == ".json":
-        return TokenizerJson(path)
-    return SentencePieceTokenizer(path)
+        return check_usable(TokenizerJson(path))
+    return check_usable(SentencePieceTokenizer(path))
+
+
+def check_usable(tok: Tokenizer) -> Tokenizer:
+    """At least two ids (EOS and some text) and a sample sentence encodes to ids other than EOS/UNK."""
+    if tok.vocab_size < 2:
+        raise DataError(f"tokenizer {tok.name}: has {tok.vocab_size} id(s), fewer than any text needs "
+                        f"(a model folder without tokenizer files? point data.tokenizer / --tokenizer at one)")
+    ids = tok.encode(SAMPLE_TEXT)
+    unknown = {tok.eos_id, tok.token_to_id("<unk>")} - {None}
+    if not ids or all(i in unknown for i in ids):
+        raise DataError(f"tokenizer {tok.name}: encodes the sample text {SAMPLE_TEXT!r} to "
+                        f"{'nothing' if not ids else 'unknown tokens only'} ({tok.vocab_size} ids)")
+    return tok

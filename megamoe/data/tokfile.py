@@ -26,6 +26,7 @@ import numpy as np
 from megamoe.data.records import data_error, iter_documents
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.errors import DataError
+from megamoe.files import check_replaceable, has_header, replace_dir, temp_dir_beside
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +48,13 @@ def write_token_file(inputs: Sequence[str | Path], output: str | Path, tokenizer
     leaving neither ``output`` nor a temporary directory behind.
     """
     out = Path(output)
-    if out.exists() and not overwrite:
-        raise DataError(f"{out}: already exists (pass overwrite=True / --overwrite to replace it)")
+    check_replaceable(out, overwrite, lambda p: has_header(p, HEADER, FORMAT), "token directory", DataError)
     if not inputs:
         raise DataError("no input files given")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = temp_dir_beside(out)
     try:
         header = _write(tmp, [Path(p) for p in inputs], tokenizer, fmt, text_key, add_bos, batch_docs, progress)
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -112,17 +109,6 @@ def _flush(f, batch: list, tok: Tokenizer, prefix: list, dtype: np.dtype, length
         f.write(doc.astype(dtype).tobytes())
         lengths.append(len(doc))
     batch.clear()
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and removed after."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _progress_bar(total_bytes: int, enabled: bool):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from megamoe.convert.family import get_family
-from megamoe.convert.hf_io import AtomicDir
+from megamoe.files import AtomicDir
 from megamoe.convert.table import Experts, expand
 from megamoe.errors import CheckpointError
 from megamoe.lora.adapters import EXPERT_WEIGHTS
@@ -173,9 +173,17 @@ def peft_tensors(adapters: dict[str, torch.Tensor], model_config, family_name: s
     return state, sorted({params[n][0] for n in linear}), sorted(wrapped)
 
 
+def base_name(origin: dict | None, fallback: str | None = None) -> str | None:
+    """What ``adapter_config.json`` names as the base model: the HF folder the weights were
+    imported from, else the HF config's own name, else ``fallback`` (a megamoe checkpoint)."""
+    origin = origin or {}
+    return origin.get("path") or (origin.get("config") or {}).get("_name_or_path") or fallback
+
+
 def write_peft(adapters: dict[str, torch.Tensor], model_config, lora: LoRAConfig, family_name: str,
-               hf_config: dict | None, out_dir: str | Path, overwrite: bool = False) -> Path:
-    """Write a PEFT adapter directory from full megamoe adapter tensors."""
+               hf_config: dict | None, out_dir: str | Path, overwrite: bool = False, base: str | None = None) -> Path:
+    """Write a PEFT adapter directory from full megamoe adapter tensors; ``base``: the
+    ``base_model_name_or_path`` it records."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
@@ -184,7 +192,7 @@ def write_peft(adapters: dict[str, torch.Tensor], model_config, lora: LoRAConfig
     dropout = 0.0 if parameters else lora.dropout
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=dropout, use_rslora=lora.rslora,
                         target_modules=modules or None, target_parameters=parameters or None, bias="none",
-                        task_type="CAUSAL_LM")
+                        task_type="CAUSAL_LM", base_model_name_or_path=base)
     with AtomicDir(out_dir, overwrite) as tmp:
         config.save_pretrained(str(tmp))
         save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"),
@@ -215,7 +223,8 @@ def export_peft(model, out_dir: str | Path, *, family: str | None = None, hf_con
     if dist.is_initialized() and dist.get_rank() != 0:
         return Path(out_dir)
     return write_peft(adapters, model.config, model.lora_config, family,
-                      hf_config if hf_config is not None else origin.get("config"), out_dir, overwrite)
+                      hf_config if hf_config is not None else origin.get("config"), out_dir, overwrite,
+                      base_name(origin))
 
 
 def export_peft_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, family: str | None = None,
@@ -238,7 +247,8 @@ def export_peft_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, family:
     family = family or origin.get("model_type")
     if family is None:
         raise CheckpointError(f"{ckpt_dir}/meta.json: no HF origin recorded; pass --family")
-    return write_peft(adapters, cfg, lora, family, origin.get("config"), out_dir, overwrite)
+    return write_peft(adapters, cfg, lora, family, origin.get("config"), out_dir, overwrite,
+                      base_name(origin, meta.get("lora_base")))
 
 
 def read_adapter_config(path: str | Path) -> dict:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.data import BatchLayout, TrainData
-from megamoe.errors import ConfigError
+from megamoe.errors import ConfigError, DataError
 from megamoe.plan import budget
 from megamoe.parallel import comm
 from megamoe.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
@@ -263,7 +263,11 @@ class Trainer:
         start = time.perf_counter()
         local_tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
         total_tokens = comm.all_reduce_tensor(torch.tensor(float(local_tokens), dtype=torch.float64),
-                                              self.groups.dp_cp).to(torch.float32).clamp(min=1)
+                                              self.groups.dp_cp).to(torch.float32)
+        if total_tokens.item() == 0:  # the same sum on every rank: all of them stop here
+            raise DataError(f"step {self.step + 1}: the global batch has no target tokens (every label is masked), "
+                            f"so the loss would be 0 and nothing learned; check data.paths (SFT samples whose "
+                            f"answers data.seq_len truncates away?)")
         self.optimizer.zero_grad()
         with self._timing():
             loss_sum = self._forward_backward(micro, total_tokens.to(self.device))
