@@ -79,6 +79,16 @@ def test_dependencies_and_extras_never_apex():
 COMMANDS = ("pretrain", "finetune", "convert", "generate", "verify", "plan", "captions")
 
 
+def test_the_repository_stands_alone():
+    """No file points at material outside the repository (benchmark peers, design notes)."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    outside = re.compile(r"/work/shared|\.\./shared/|BENCHMARKS\.md")
+    offenders = [f for f in tracked if f != "tests/test_packaging.py" and (REPO / f).is_file()
+                 and f.endswith((".py", ".md", ".sh", ".yaml", ".sbatch", ".txt", ".cfg", ".toml"))
+                 and outside.search((REPO / f).read_text(errors="ignore"))]
+    assert not offenders, f"files citing material outside the repository: {offenders}"
+
+
 def test_every_package_folder_has_an_init():
     """find_packages silently leaves out a folder without __init__.py (megamoe/training once)."""
     missing = [str(d.relative_to(REPO)) for folder in ("megamoe", "layers", "vision")

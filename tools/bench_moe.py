@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Time megamoe's MoE layer against transformers' sparse MoE block (experts on grouped_mm).
 
-Peer (docs/performance.md, /work/shared/BENCHMARKS.md): 64 experts, top-8, 4096 tokens,
-hidden 256, expert intermediate 256, fp32, forward+backward, the same weights and inputs,
-2 threads; median of several alternating runs after warm-up.
+Peer (docs/performance.md, "Peer configurations"; the argument defaults below): 64 experts,
+top-8, 4096 tokens, hidden 256, expert intermediate 256, fp32, forward+backward, the same
+weights and inputs, 2 threads; median of several alternating runs after warm-up.
 
     python tools/bench_moe.py                  # last line: moe_speedup_vs_hf=X
     python tools/bench_moe.py --kernels        # also megamoe's other expert kernels

@@ -3,9 +3,9 @@
 
     python tools/bench_train.py [--runs 5] [--seq 512] [--batch 2] [--recompute mlp]
 
-The peer (/work/shared/BENCHMARKS.md): ``Qwen3NextForCausalLM`` (experts on grouped_mm,
-sdpa attention, GDN on its torch chunk fallback), fp32, batch 2 x 512, vocab 1000, random
-weights; megamoe runs the same weights converted with ``megamoe.convert.from_hf``. Each side
+The peer (docs/performance.md, "Peer configurations"; ``CONFIG`` below):
+``Qwen3NextForCausalLM`` (experts on grouped_mm, sdpa attention, GDN on its torch chunk
+fallback), fp32, batch 2 x 512, vocab 1000, random weights; megamoe runs the same weights converted with ``megamoe.convert.from_hf``. Each side
 runs in its own fresh process (2 threads): load, one warm-up step, then ``--runs`` timed
 forward+backward steps; sides alternate over ``--rounds`` rounds and the medians are compared.
 Memory is the step's peak resident memory above the process's RSS once the model is loaded
