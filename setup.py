@@ -7,7 +7,8 @@ PACKAGES = find_packages(include=["megamoe", "megamoe.*"])
 for folder in ("layers", "vision"):
     PACKAGES += [f"megamoe.{folder}"] + [f"megamoe.{folder}.{p}" for p in find_packages(folder)]
 
-COMMANDS = ("pretrain", "finetune", "convert", "generate", "verify", "plan", "captions")
+COMMANDS = ("pretrain", "finetune", "convert", "generate", "verify", "plan", "captions", "prepare_data",
+            "show_model")
 
 setup(
     name="megamoe",
@@ -18,7 +19,8 @@ setup(
     package_dir={"megamoe.layers": "layers", "megamoe.vision": "vision"},
     package_data={"megamoe": ["recipes/*.yaml"]},
     # the commands an installed megamoe offers from any folder (tools/*.py run the same functions)
-    entry_points={"console_scripts": [f"megamoe-{name}=megamoe.commands.{name}:cli" for name in COMMANDS]},
+    entry_points={"console_scripts": [f"megamoe-{name.replace('_', '-')}=megamoe.commands.{name}:cli"
+                                     for name in COMMANDS]},
     install_requires=[
         "torch>=2.6",
         "megatron-core>=0.16.1",

@@ -18,11 +18,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megamoe.cli import run_main
-from megamoe.commands import convert, finetune, generate, plan, pretrain, verify
+from megamoe.commands import convert, finetune, generate, plan, prepare_data, pretrain, show_model, verify
 from tests.test_convert_dense import tiny_qwen3
 
 TOOLS = {"generate": generate.main, "verify": verify.main, "convert": convert.main, "plan": plan.main,
-         "pretrain": pretrain.main, "finetune": finetune.main}
+         "pretrain": pretrain.main, "finetune": finetune.main, "prepare_data": prepare_data.main,
+         "show_model": show_model.main}
 
 
 def invoke(main, argv: list[str], capsys) -> tuple[int, str, str]:
@@ -117,6 +118,7 @@ CASES = {
                           ["unk/tokenizer.json", "unknown tokens only"]),
     "gen missing tokenizer": ("generate", ["{hf}", "--prompt", "Hi", "--tokenizer", "{tmp}/tok.model"], ["tok.model", "not found"]),
     "gen image on text model": ("generate", ["{hf}", "--ids", "1", "--image", "{tmp}/a.png"], ["--image", "no vision tower"]),
+    "gen image missing": ("generate", ["{hf}", "--ids", "1", "--image", "{tmp}/nope.png"], ["nope.png"]),
     "gen unknown option": ("generate", ["{hf}", "--ids", "1", "--beams", "4"], ["--beams"]),
     # verify
     "verify prompt-len 0": ("verify", ["{hf}", "--prompt-len", "0"], ["--prompt-len", "0"]),
@@ -176,6 +178,17 @@ CASES = {
                                        ["model.vocab_size=100", "262"]),
     "pretrain bad yaml": ("pretrain", ["--config", "{tmp}/bad.yaml"], ["bad.yaml"]),
     "pretrain recipe not mapping": ("pretrain", ["--config", "{tmp}/list.yaml"], ["list.yaml", "mapping"]),
+    "export-peft over unrelated": ("convert", ["export-peft", "{ckpt}", "{tmp}/my_notes", "--overwrite"], ["my_notes"]),
+    # prepare_data / show_model
+    "prepare over unrelated folder": ("prepare_data", ["{tmp}/bad.yaml", "--tokenizer", "byte", "--output",
+                                                       "{tmp}/my_notes", "--overwrite"], ["my_notes", "token directory"]),
+    "prepare one-id tokenizer": ("prepare_data", ["{tmp}/bad.yaml", "--tokenizer", "{hf}", "--output", "{tmp}/t"],
+                                 ["tokenizer", "1 id"]),
+    "prepare missing input": ("prepare_data", ["{tmp}/none.txt", "--tokenizer", "byte", "--output", "{tmp}/t"],
+                              ["none.txt"]),
+    "prepare show not tokens": ("prepare_data", ["--show", "{tmp}/my_notes"], ["my_notes"]),
+    "show_model batch 0": ("show_model", ["--config", "tiny_dense", "--batch", "0"], ["--batch", "0"]),
+    "show_model huge repeat": ("show_model", ["--config", "tiny_dense", "model.layout=(GeAd)*20000000"], ["model.layout"]),
     "finetune without load": ("finetune", ["--config", "tiny_moe_lora", "data.paths=[{tmp}/a.png]"], ["checkpoint.load"]),
     "finetune lora alpha": ("finetune", ["--config", "tiny_moe_lora", "lora.alpha=-1"], ["lora.alpha"]),
 }
@@ -260,26 +273,16 @@ def test_debug_flag_and_env_show_the_traceback(monkeypatch, capsys):
     assert_one_line(invoke(plan.main, ["--config", "tiny_dense", "parallel.cp=2"], capsys), "parallel.cp")
 
 
-def test_prepare_data_overwrite_and_tokenizer(hf_dir, tmp_path, capsys):
-    """tools/prepare_data.py: --overwrite keeps a folder it did not write; an HF folder without
-    tokenizer files is refused as a tokenizer."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("prepare_data", Path(__file__).parent.parent / "tools/prepare_data.py")
-    prepare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare)
+def test_prepare_data_replaces_its_own_output(tmp_path):
+    """--overwrite replaces a token directory megamoe-prepare-data wrote."""
     text = tmp_path / "a.txt"
     text.write_text("hello world\n\nsecond document\n")
-    notes = unrelated_folder(tmp_path)
-    before = snapshot(tmp_path)
-    args = [str(text), "--tokenizer", "byte", "--no-progress", "--output"]
-    assert_one_line(invoke(prepare.main, [*args, str(notes), "--overwrite"], capsys), "my_notes", "token directory")
-    assert_one_line(invoke(prepare.main, [str(text), "--tokenizer", str(hf_dir), "--output", str(tmp_path / "t")],
-                           capsys), "1 id")
-    assert snapshot(tmp_path) == before
-    run_main(prepare.main, [*args, str(tmp_path / "tok")])
-    run_main(prepare.main, [*args, str(tmp_path / "tok"), "--overwrite"])  # its own output: replaced
+    args = [str(text), "--tokenizer", "byte", "--no-progress", "--output", str(tmp_path / "tok")]
+    run_main(prepare_data.main, args)
+    (tmp_path / "tok" / "stale").write_text("x")
+    run_main(prepare_data.main, [*args, "--overwrite"])
     assert json.loads((tmp_path / "tok" / "header.json").read_text())["num_documents"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "tok"] and not (tmp_path / "tok" / "stale").exists()
 
 
 def masked_batch_step() -> str:

@@ -76,7 +76,8 @@ def test_dependencies_and_extras_never_apex():
     assert not any(re.split(r"[<>=\[ ]", r)[0].lower() == "apex" for r in everything)  # PyPI's apex is another project
 
 
-COMMANDS = ("pretrain", "finetune", "convert", "generate", "verify", "plan", "captions")
+COMMANDS = ("pretrain", "finetune", "convert", "generate", "verify", "plan", "captions", "prepare_data",
+            "show_model")
 
 
 def test_the_repository_stands_alone():
@@ -138,7 +139,7 @@ def test_wheel_installs_every_module_and_the_commands(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-1] == str(len(modules))
     for name in COMMANDS:
-        script = venv / "bin" / f"megamoe-{name}"
-        assert script.is_file(), f"the wheel installs no console script megamoe-{name}"
+        script = venv / "bin" / f"megamoe-{name.replace('_', '-')}"
+        assert script.is_file(), f"the wheel installs no console script {script.name}"
         shown = subprocess.run([str(script), "--help"], capture_output=True, text=True, cwd=tmp_path, env=env)
         assert shown.returncode == 0 and "usage:" in shown.stdout and "--debug" in shown.stdout, (name, shown.stderr)

@@ -54,8 +54,10 @@ def main(argv: list[str] | None = None) -> None:
         for name, fam in sorted(FAMILIES.items()):
             print(f"{name:<16} {fam.architecture}  {fam.notes}")
     elif args.command == "export-peft":
+        from megamoe.files import check_replaceable, is_checkpoint_dir
         from megamoe.lora import export_peft_checkpoint
 
+        check_replaceable(Path(args.out_dir), args.overwrite, is_checkpoint_dir, "checkpoint")
         out = export_peft_checkpoint(args.ckpt_dir, args.out_dir, family=args.family, overwrite=args.overwrite)
         print(f"wrote PEFT adapter {out} (peft.PeftModel.from_pretrained(hf_model, '{out}'))")
     elif args.command == "import-hf":

@@ -51,6 +51,9 @@ def write_token_file(inputs: Sequence[str | Path], output: str | Path, tokenizer
     check_replaceable(out, overwrite, lambda p: has_header(p, HEADER, FORMAT), "token directory", DataError)
     if not inputs:
         raise DataError("no input files given")
+    missing = [str(p) for p in inputs if not Path(p).is_file()]
+    if missing:  # before any output or progress bar
+        raise DataError(f"{missing[0]}: file not found")
     tmp = temp_dir_beside(out)
     try:
         header = _write(tmp, [Path(p) for p in inputs], tokenizer, fmt, text_key, add_bos, batch_docs, progress)
