@@ -1,4 +1,4 @@
-"""Weights across layouts: layout-independent init, full <-> sharded state dicts, grad sync.
+"""Weights across layouts: shard-local, layout-independent init, full <-> sharded state dicts, grad sync.
 
 All of it is driven by the ``Shard`` rules each parameter declares, so the same code
 serves every parallel layout, checkpoints and conversion.
@@ -11,7 +11,8 @@ from torch import nn
 from megamoe.errors import CheckpointError
 from megamoe.parallel import comm
 from megamoe.parallel.groups import ParallelGroups
-from megamoe.parallel.sharding import (full_shape, gather_full, partial_grad_groups, seeded_generator,
+from megamoe.parallel.init_rng import draw_blocks, key_of
+from megamoe.parallel.sharding import (KEEP, full_shape, gather_full, global_positions, partial_grad_groups,
                                        shard_full)
 
 
@@ -22,17 +23,25 @@ def unique_named_parameters(model: nn.Module):
 
 @torch.no_grad()
 def initialize(model: nn.Module, groups: ParallelGroups, seed: int = 0, select=None) -> None:
-    """Draw every parameter's full tensor from (seed, name) and keep the local piece, so every
-    parallel layout starts from the same weights. Parameters on the meta device are skipped;
-    ``select(name)`` limits it to some parameters (e.g. adapters added to loaded weights)."""
+    """Draw each rank's own piece of every parameter, block by block, at the positions it has
+    in the full tensor (``megamoe.parallel.init_rng``): every parallel layout starts from the
+    same weights and no rank holds more than its shard. Parameters on the meta device are
+    skipped; ``select(name)`` limits it to some parameters (e.g. adapters added to loaded
+    weights)."""
     for name, p in unique_named_parameters(model):
         if p.is_meta or (select is not None and not select(name)):
             continue
         fn = getattr(p, "_megamoe_init", None)
         if fn is None:
             raise RuntimeError(f"parameter {name} has no init rule (mark_init)")
-        full = fn(tuple(full_shape(p, groups)), seeded_generator(seed, name))
-        p.copy_(shard_full(full.to(p.dtype), p, groups))
+        if fn is KEEP:
+            continue
+        key = key_of(seed, name)
+        for rows, draw, pad in draw_blocks(key, global_positions(p, groups), full_shape(p, groups)):
+            values = fn(draw)
+            if pad is not None:
+                values = values.masked_fill(pad, 0.0)
+            p[rows].copy_(values)
 
 
 @torch.no_grad()

@@ -19,8 +19,7 @@ from torch import nn
 
 from megamoe.config import VisionConfig
 from megamoe.errors import ConfigError
-from megamoe.parallel.groups import ParallelGroups
-from megamoe.parallel.sharding import gather_full, mark_init, sharding
+from megamoe.parallel.sharding import KEEP, mark_init
 from megamoe.vision.checkpoint import load_encoder_weights
 
 
@@ -45,16 +44,6 @@ def _create(cfg: VisionConfig, path: str):
     if "dynamic_img_size" in cfg.encoder_args:  # the user's own choice
         return model, bool(cfg.encoder_args["dynamic_img_size"])
     return model, not model.pretrained_cfg.get("fixed_input_size", False)
-
-
-def _keep_current(param: torch.Tensor):
-    """Init rule that keeps the value the parameter has (timm's seeded init or loaded weights)."""
-    return lambda shape, gen: param.detach().clone()
-
-
-def _gather_current(param: torch.Tensor, tp_group):
-    """Init rule for a tensor-parallel piece: the full tensor, gathered from every rank's piece."""
-    return lambda shape, gen: gather_full(param, ParallelGroups(tp=tp_group))
 
 
 class TimmEncoder(nn.Module):
@@ -118,12 +107,11 @@ class TimmEncoder(nn.Module):
             if native:
                 self.model.merger = None
 
-    def mark_init_rules(self, tp_group=None) -> None:
-        """``megamoe.weights.initialize`` keeps the encoder's weights as built or loaded. A rule
-        returns the full tensor: for pieces split over ``tp_group`` it gathers them (a collective;
-        ``initialize`` visits parameters in the same order on every rank)."""
+    def mark_init_rules(self) -> None:
+        """``megamoe.weights.initialize`` keeps the encoder's weights as built or loaded (timm
+        draws them under ``cfg.seed`` on every rank; split pieces were cut from those)."""
         for p in self.parameters():
-            mark_init(p, _keep_current(p) if not sharding(p) else _gather_current(p, tp_group))
+            mark_init(p, KEEP)
 
     # ---- forward ------------------------------------------------------------------------
 

@@ -60,7 +60,7 @@ class VisionTower(nn.Module):
         self._adopt_native_merger(loaded=bool(cfg.weights) and not on_meta)
         if cfg.parallel.tp > 1:  # after loading: the loaded weights are what is split
             shard_encoder(self.encoder.model, tp_group, path)
-        self.encoder.mark_init_rules(tp_group)  # split pieces gather over it; whole tensors keep theirs
+        self.encoder.mark_init_rules()
         if cfg.freeze:
             self.encoder.requires_grad_(False)
         self.split_group = split_group if cfg.parallel.mode == "split" else None

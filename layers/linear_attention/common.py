@@ -107,10 +107,10 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | Non
     return F.silu(y.transpose(1, 2)), full[:, full.size(1) - (kernel - 1):]
 
 
-def conv_init(shape, gen: torch.Generator) -> torch.Tensor:
+def conv_init(draw) -> torch.Tensor:
     """torch's Conv1d default for a depthwise kernel: U(-1/sqrt(K), 1/sqrt(K))."""
-    bound = 1.0 / math.sqrt(shape[-1])
-    return (torch.rand(shape, generator=gen) * 2 - 1) * bound
+    bound = 1.0 / math.sqrt(draw.shape[-1])
+    return draw.uniform().mul_(2).sub_(1).mul_(bound)
 
 
 def head_param(ctx: BuildContext, full: int, init, parts=None) -> nn.Parameter:
@@ -129,7 +129,7 @@ def conv_param(ctx: BuildContext, parts: tuple[int, ...], kernel: int) -> nn.Par
 
 def log_uniform_init(low: float, high: float):
     """log(U(low, high)): the A_log init of Mamba-2, Qwen3-Next and fla."""
-    return lambda shape, gen: (torch.rand(shape, generator=gen) * (high - low) + low).log()
+    return lambda draw: draw.uniform().mul_(high - low).add_(low).log_()
 
 
 def conv_and_state(module: nn.Module, qkv: torch.Tensor, info: ForwardInfo, fuse: bool = False):

@@ -34,9 +34,9 @@ from megamoe.layers.linear_attention.common import (conv_and_state, conv_param, 
                                                     log_uniform_init)
 
 
-def dt_bias_init(shape, gen: torch.Generator) -> torch.Tensor:
+def dt_bias_init(draw) -> torch.Tensor:
     """softplus^-1 of dt ~ logU(1e-3, 1e-1), as fla and kimi_linear initialise dt_bias."""
-    dt = torch.exp(torch.rand(shape, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+    dt = torch.exp(draw.uniform() * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
     dt = dt.clamp_min(1e-4)
     return dt + torch.log(-torch.expm1(-dt))
 

@@ -55,9 +55,10 @@ def is_adapter_name(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in ADAPTER_NAMES
 
 
-def uniform_init(fan_in: int):
+def kaiming_uniform_init(fan_in: int):
+    """U(-1/sqrt(fan_in), 1/sqrt(fan_in)), as PEFT initialises lora_A."""
     bound = 1.0 / fan_in ** 0.5
-    return lambda shape, gen: (torch.rand(shape, generator=gen) * 2 - 1) * bound
+    return lambda draw: draw.uniform().mul_(2 * bound).sub_(bound)
 
 
 def _param(like: torch.Tensor, *shape: int) -> nn.Parameter:
@@ -187,7 +188,7 @@ def _attach_linear(m: nn.Module, cfg: LoRAConfig) -> None:
         set_sharding(m.lora_A, *rules)
         for r in rules:
             mark_partial_grad(m.lora_B, r.group)
-    mark_init(m.lora_A, uniform_init(m.in_features))
+    mark_init(m.lora_A, kaiming_uniform_init(m.in_features))
     mark_init(m.lora_B, const_init(0.0))
 
 
@@ -208,7 +209,7 @@ def _attach_experts(m: nn.Module, cfg: LoRAConfig, groups: ParallelGroups) -> No
     fraction = getattr(w, "_megamoe_active_fraction", 1.0)
     for name, (p, rules, fan_in) in params.items():
         set_sharding(p, *rules)
-        mark_init(p, uniform_init(fan_in) if fan_in else const_init(0.0))
+        mark_init(p, kaiming_uniform_init(fan_in) if fan_in else const_init(0.0))
         if rules:
             mark_expert_param(p)
             mark_active_fraction(p, fraction)

@@ -2,21 +2,21 @@
 
 A parameter carries an ordered list of ``Shard`` rules (e.g. stacked experts: first over
 ``ep`` along dim 0, then over ``etp`` along dim 1). The same rules serve initialisation
-(generate the full tensor, keep the local piece, so every layout starts from the same
-weights), checkpoint resharding and HF conversion.
+(each rank draws its own piece at the full tensor's positions, so every layout starts
+from the same weights), checkpoint resharding and HF conversion.
 
 Fused tensors (gate|up, q|k|v parts) are split part by part: ``parts`` gives the sizes of
 the parts along ``dim`` in the full tensor; each rank keeps its slice of every part.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from megamoe.parallel.groups import ParallelGroups
+from megamoe.parallel.init_rng import Draw, InitFn
 
 
 @dataclass(frozen=True)
@@ -61,15 +61,27 @@ def has_tp_partial_grad(param: torch.Tensor) -> bool:
 
 # ---- init rules --------------------------------------------------------------------------
 
-InitFn = Callable[[tuple, torch.Generator], torch.Tensor]
+# A rule maps a ``Draw`` (the random source of a block of the shard, positioned in the full
+# tensor: megamoe.parallel.init_rng) to the block's float32 values; rules are elementwise in
+# the draws, so any block of any shard comes out as the full tensor's values there.
 
 
 def normal_init(std: float) -> InitFn:
-    return lambda shape, gen: torch.randn(shape, generator=gen) * std
+    return lambda draw: draw.normal().mul_(std)
 
 
 def const_init(value: float) -> InitFn:
-    return lambda shape, gen: torch.full(shape, float(value))
+    return lambda draw: torch.full(draw.shape, float(value))
+
+
+def uniform_init(low: float, high: float) -> InitFn:
+    return lambda draw: draw.uniform().mul_(high - low).add_(low)
+
+
+def KEEP(draw: Draw) -> torch.Tensor:  # noqa: N802 - a sentinel rule, compared by identity
+    """The rule that keeps what the parameter holds (a tower built by timm under its own seed,
+    or loaded weights): ``initialize`` skips it."""
+    raise AssertionError("KEEP is never called: initialize skips it")
 
 
 def mark_init(param: torch.Tensor, fn: InitFn) -> torch.Tensor:
@@ -152,9 +164,33 @@ def full_shape(param: torch.Tensor, groups: ParallelGroups) -> list[int]:
     return shape
 
 
-def seeded_generator(seed: int, name: str) -> torch.Generator:
-    """A generator that depends only on the seed and the parameter name (not on the layout)."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    gen = torch.Generator()
-    gen.manual_seed(int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF)
-    return gen
+def _positions_before(pos: torch.Tensor, rule: Shard, size_in: int, rank: int, size: int) -> torch.Tensor:
+    """Positions along ``rule.dim`` before the split, of a rank's entries at positions ``pos``
+    after it (-1: padding, kept)."""
+    padded = size_in + (-size_in % size if rule.unpadded is not None else 0)
+    parts = rule.parts or (padded,)
+    local = torch.tensor([p // size for p in parts])
+    local_start = torch.cumsum(local, 0) - local
+    full_start = torch.cumsum(torch.tensor(parts), 0) - torch.tensor(parts)
+    part = torch.searchsorted(torch.cumsum(local, 0), pos.clamp_min(0), right=True)
+    out = full_start[part] + rank * local[part] + pos.clamp_min(0) - local_start[part]
+    if rule.unpadded is not None:
+        out = torch.where(out < rule.unpadded, out, -1)
+    return torch.where(pos < 0, -1, out)
+
+
+def global_positions(param: torch.Tensor, groups: ParallelGroups) -> list[torch.Tensor]:
+    """Per dim, the full-tensor positions [local size] of this rank's entries of ``param``
+    (-1 for padding). The local piece is their outer product: what ``split_full`` keeps."""
+    sizes_in, shape = [], full_shape(param, groups)
+    for rule in sharding(param):                      # each rule's input size along its dim
+        sizes_in.append(shape[rule.dim])
+        n = groups.size(rule.group)
+        shape[rule.dim] = (shape[rule.dim] + (-shape[rule.dim] % n if rule.unpadded is not None else 0)) // n
+    pos = [torch.arange(n) for n in param.shape]
+    for rule, size_in in reversed(list(zip(sharding(param), sizes_in))):
+        pos[rule.dim] = _positions_before(pos[rule.dim], rule, size_in, groups.rank(rule.group),
+                                          groups.size(rule.group))
+    return pos
+
+

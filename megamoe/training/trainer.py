@@ -64,8 +64,10 @@ class Trainer:
         self.device = _device(self.train)
         torch.manual_seed(self.train.seed * 1009 + self.rank)
         self.chunks, self.stage_ids = build_chunks(recipe.model, recipe.parallel, self.groups)
+        self.base_weights = recipe.checkpoint.load or self._lora_base_of_resume()
         for chunk in self.chunks:
-            initialize(chunk, self.groups, self.train.seed)
+            if not self._weights_will_load():  # else the shards stay empty until the checkpoint fills them
+                initialize(chunk, self.groups, self.train.seed)
             chunk.to(self.device)
             chunk.set_recompute(self.train.recompute)
             chunk.train()
@@ -74,7 +76,6 @@ class Trainer:
         self.last = self.stage_ids[-1] == self.n_stages - 1
         self.step, self.consumed, self.nan_streak, self.skipped = 0, 0, 0, 0
         self.hf_origin = None  # the HF family/config the weights came from, kept for export
-        self.base_weights = recipe.checkpoint.load or self._lora_base_of_resume()
         if self.base_weights:
             meta = ckpt.load_checkpoint(self.base_weights, self.groups, self.chunks, None, load_rng=False)
             self.hf_origin = meta.get("hf")
@@ -111,6 +112,13 @@ class Trainer:
             print(f"LoRA: {trainable:,} trainable parameters of {total:,} ({100.0 * trainable / max(total, 1):.3f}%), "
                   f"rank {lora.rank}, alpha {lora.alpha:g}, expert adapters {lora.expert_adapters}; "
                   f"router frozen, expert-bias update {'on' if lora.update_expert_bias else 'off'}", flush=True)
+
+    def _weights_will_load(self) -> bool:
+        """Every model weight comes from a checkpoint: ``checkpoint.load`` (LoRA adapters are
+        added and drawn afterwards), or a full-model resume."""
+        c = self.recipe.checkpoint
+        resuming = self.recipe.lora is None and c.dir and c.resume and ckpt.latest_checkpoint(c.dir) is not None
+        return bool(self.base_weights or resuming)
 
     def _lora_base_of_resume(self) -> str | None:
         """The base weights an adapter-only checkpoint was trained on (resuming without checkpoint.load)."""
