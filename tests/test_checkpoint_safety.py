@@ -54,10 +54,12 @@ def one_line_error(out: subprocess.CompletedProcess, *needles: str) -> str:
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, Path]:
-    """base: a tiny MoE (tiny_moe_lora's model) after 1 step; lora: 2 LoRA steps on it,
-    adapter-only; dense: tiny_train with checkpoints at steps 2 and 4."""
+    """base: a tiny MoE (tiny_moe_lora's model, hidden size 48 instead of the recipe's 64) after
+    1 step; lora: 2 LoRA steps on it by ``checkpoint.load`` alone, adapter-only; dense: tiny_train
+    with checkpoints at steps 2 and 4."""
     root = tmp_path_factory.mktemp("ckpts")
-    tool("pretrain.py", "--config", "tiny_moe_lora", "lora=null", "train.steps=1", f"checkpoint.dir={root}/base", *SMALL)
+    tool("pretrain.py", "--config", "tiny_moe_lora", "lora=null", "model.hidden_size=48", "train.steps=1",
+         f"checkpoint.dir={root}/base", *SMALL)
     tool("finetune.py", "--config", "tiny_moe_lora", "train.steps=2", f"checkpoint.dir={root}/lora",
          f"checkpoint.load={root}/base/step_00000001", *SMALL)
     tool("pretrain.py", "--config", "tiny_train", "train.steps=4", "checkpoint.save_interval=2",
@@ -160,8 +162,8 @@ def test_dcp_failures_are_one_line(ckpts, tmp_path):
     lora = ["--config", "tiny_moe_lora", "train.steps=1", run, *SMALL]
     one_line_error(tool("finetune.py", *lora, f"checkpoint.load={ckpts['lora']}", check=False),
                    f"{ckpts['lora']}: an adapter-only LoRA checkpoint")
-    one_line_error(tool("finetune.py", *lora, f"checkpoint.load={ckpts['dense']}", check=False),
-                   f"{ckpts['dense']}: cannot load checkpoint", "model/embedding.weight")
+    one_line_error(tool("pretrain.py", *lora, "lora=null", f"checkpoint.load={ckpts['dense']}", check=False),
+                   f"{ckpts['dense']}: cannot load weights", "model.hidden_size 32 -> 64")
     foreign = copy(ckpts["dense"], tmp_path / "foreign")
     (foreign / "meta.json").write_text('{"step": 4}')
     one_line_error(tool("finetune.py", *dense, f"checkpoint.load={foreign}", check=False),
@@ -170,3 +172,60 @@ def test_dcp_failures_are_one_line(ckpts, tmp_path):
     one_line_error(tool("finetune.py", *dense, f"checkpoint.load={foreign}", check=False),
                    f"{foreign}: not a megamoe checkpoint (meta.json missing)")
     assert not (tmp_path / "run").exists()
+
+
+# ---- 2. resume guards --------------------------------------------------------------------------
+
+def test_finetune_takes_the_model_from_the_checkpoint(ckpts):
+    """The fixture's LoRA run gave only checkpoint.load; the recipe says hidden_size 64, the base 48."""
+    from megamoe.training.checkpoint import read_meta
+
+    meta = read_meta(ckpts["lora"])
+    assert meta["model"]["hidden_size"] == 48 and meta["lora_base"] == str(ckpts["base"].resolve())
+    assert meta["run"]["train"]["global_batch_size"] == 8 and meta["lora"]["rank"] == 8
+
+
+def test_changed_settings_are_refused_on_resume_and_load(ckpts, tmp_path):
+    moe = ["--config", "tiny_moe_lora", "train.steps=3", *SMALL]
+    base_run = copy(ckpts["base"].parent, tmp_path / "base")
+    one_line_error(tool("pretrain.py", *moe, "lora=null", "model.hidden_size=48", "model.moe.top_k=1",
+                        "optim.lr=0.01", f"checkpoint.dir={base_run}", check=False),
+                   f"{base_run}/step_00000001: cannot resume", "model.moe.top_k 2 -> 1", "optim.lr 0.002 -> 0.01",
+                   "checkpoint.allow_changes=[model.moe.top_k,optim.lr]")
+    lora_run = copy(ckpts["lora_dir"], tmp_path / "lora")
+    one_line_error(tool("finetune.py", *moe, "lora.rank=4", f"checkpoint.dir={lora_run}", check=False),
+                   "cannot resume", "lora.rank 8 -> 4")
+    one_line_error(tool("finetune.py", *moe, "model.moe.top_k=1", f"checkpoint.load={ckpts['base']}",
+                        f"checkpoint.dir={tmp_path}/new", check=False),
+                   f"{ckpts['base']}: cannot load weights", "model.moe.top_k 2 -> 1")
+    assert read_text_tree(base_run) == read_text_tree(ckpts["base"].parent)  # meta.json not rewritten
+    assert not (tmp_path / "new").exists()
+
+
+def read_text_tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+            and "tb" not in p.parts}
+
+
+def test_allowed_changes_are_logged_and_unrecorded_fields_skipped(caplog):
+    from megamoe.training.guards import check_unchanged
+
+    meta = {"model": {"moe": {"top_k": 2}, "hidden_size": 8}, "run": {"optim": {"lr": 0.1}}}
+    with caplog.at_level("WARNING"):
+        check_unchanged(Path("ck"), meta, {"model": {"moe": {"top_k": 4}, "hidden_size": 8, "new_field": 1},
+                                           "optim": {"lr": 0.1}, "data": {"seed": 3}}, ["model.moe"])
+    assert "ck: model.moe.top_k changed from 2 to 4 (allowed by checkpoint.allow_changes)" in caplog.text
+    with pytest.raises(CheckpointError, match=r"in model.hidden_size 8 -> 9; lora null -> \{...\} \("):
+        check_unchanged(Path("ck"), meta, {"model": {"hidden_size": 9}, "lora": {"rank": 4}})
+
+
+def test_resume_from_an_earlier_step_logs_each_step_once(ckpts, tmp_path):
+    """metrics.jsonl after a run resumed from step 2 of 4: steps 1..4, each once."""
+    import json
+
+    run = copy(ckpts["dense_dir"], tmp_path / "dense")
+    (run / "latest").write_text(json.dumps({"step_dir": "step_00000002"}))
+    shutil.rmtree(run / "step_00000004")
+    tool("pretrain.py", "--config", "tiny_train", "train.steps=4", "model.hidden_size=32", f"checkpoint.dir={run}", *SMALL)
+    steps = [json.loads(line)["step"] for line in (run / "tb/metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]

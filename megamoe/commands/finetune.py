@@ -4,24 +4,25 @@
     megamoe-finetune --config RECIPE checkpoint.load=ckpt/base data.kind=sft data.paths=[chat.jsonl]
     torchrun --nproc-per-node 2 -m megamoe.commands.finetune --config RECIPE parallel.tp=2 checkpoint.load=ckpt/base
 
-Everything else is as in megamoe-pretrain (recipe + key=value overrides).
+The model is the checkpoint's own (its meta.json): the recipe adds data, training and LoRA
+settings, and a model.* override that differs from the checkpoint is refused. Everything else is
+as in megamoe-pretrain (recipe + key=value overrides).
 """
 import torch.distributed as dist
 
 from megamoe.cli import recipe_parser, run_main
 from megamoe.errors import ConfigError
-from megamoe.training.checkpoint import latest_checkpoint
-from megamoe.training.entry import load_train_recipe, run_training
+from megamoe.training.entry import adopt_checkpoint_model, load_train_recipe, run_training, weights_source
 
 
 def main(argv: list[str] | None = None) -> None:
     args = recipe_parser(__doc__.strip().splitlines()[0]).parse_args(argv)
     recipe = load_train_recipe(args.config, args.overrides)
     c = recipe.checkpoint
-    resuming = c.dir and c.resume and latest_checkpoint(c.dir) is not None
-    if not c.load and not resuming:
+    if weights_source(recipe) is None:
         raise ConfigError("checkpoint.load is not set: fine-tuning starts from existing weights "
-                          "(tools/convert.py import-hf HF_DIR OUT, then checkpoint.load=OUT)")
+                          "(megamoe-convert import-hf HF_DIR OUT, then checkpoint.load=OUT)")
+    adopt_checkpoint_model(recipe, args.overrides)  # the model is the checkpoint's
     summary = run_training(recipe)
     if summary["trainer"].rank == 0:
         last = summary["last"]

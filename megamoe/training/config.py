@@ -6,6 +6,7 @@ from typing import List, Optional
 from megamoe.config import check, check_choice, check_positive
 
 PRECISIONS = ("auto", "fp32", "bf16")
+GUARDED = ("model", "lora", "data", "train", "optim")  # the sections resume guards compare
 
 
 @dataclass
@@ -67,10 +68,16 @@ class CheckpointConfig:
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted
     resume: bool = True  # continue from the latest complete checkpoint in dir
     load: Optional[str] = None  # initial weights: a megamoe checkpoint dir (e.g. converted from HF)
+    # settings that may differ from the checkpoint's on resume/load (e.g. [model.moe.top_k] or [optim]);
+    # any other difference in model, lora, data, train.{global_batch_size,seed,precision} or optim is refused
+    allow_changes: List[str] = field(default_factory=list)
 
     def validate(self, path: str = "checkpoint") -> None:
         check(self.save_interval >= 0, f"{path}.save_interval", self.save_interval, "must be >= 0")
         check_positive(f"{path}.keep_last", self.keep_last)
+        for name in self.allow_changes:
+            check(name.split(".")[0] in GUARDED, f"{path}.allow_changes", name,
+                  f"must name a field of one of {', '.join(GUARDED)}")
 
 
 @dataclass

@@ -20,6 +20,39 @@ def load_train_recipe(path, overrides: Sequence[str] = (), validate: bool = True
     return recipe
 
 
+def weights_source(recipe) -> Path | None:
+    """Where a run's starting weights come from: ``checkpoint.load``, else the checkpoint it resumes."""
+    from megamoe.training.checkpoint import latest_checkpoint
+
+    c = recipe.checkpoint
+    if c.load:
+        return Path(c.load)
+    return latest_checkpoint(c.dir) if c.dir and c.resume else None
+
+
+def adopt_checkpoint_model(recipe, overrides: Sequence[str] = ()) -> None:
+    """Fine-tuning: the model is the one the weights were saved with (meta.json's ``model``),
+    so ``checkpoint.load=DIR`` alone is enough; ``model.*`` overrides on the command line still
+    apply on top, and the resume guards then refuse any that differs from the checkpoint."""
+    from omegaconf import OmegaConf
+
+    from megamoe.recipe import config_from_dict, config_to_dict
+    from megamoe.training.checkpoint import read_meta
+    from megamoe.training.guards import changed_fields
+
+    source = weights_source(recipe)
+    meta = read_meta(source) if source is not None else {}
+    if "model" not in meta:
+        return
+    mine = OmegaConf.from_dotlist([o for o in overrides if o.startswith("model.")]).get("model", {})
+    model = config_from_dict(OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(meta["model"]), mine)))
+    differs = [f for f, _, _ in changed_fields(config_to_dict(recipe.model), config_to_dict(model), "model")]
+    recipe.model = model
+    recipe.validate()
+    log.info("model from %s%s", source, f" (the recipe's model section differed in {', '.join(differs)})"
+             if differs else "")
+
+
 def run_training(recipe) -> dict:
     """Build tokenizer, dataset and trainer from ``recipe`` and train; returns a summary
     (last metrics and where the logs and checkpoints went) on every rank."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -65,6 +66,24 @@ def peak_tflops(cfg: LoggingConfig, device: torch.device) -> float:
     return 2 * 512**3 * n / (time.perf_counter() - start) / 1e12
 
 
+def _trimmed(path: Path, start_step: int) -> Path:
+    """``path`` without the lines of steps after ``start_step``: a run that resumes from an
+    earlier checkpoint than where the last run stopped logs those steps again, once."""
+    if not path.is_file():
+        return path
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= start_step:
+                keep.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass  # a line cut short by a kill
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+    return path
+
+
 class Monitor:
     """TensorBoard + JSONL + progress bar on the logging rank; a no-op elsewhere."""
 
@@ -79,7 +98,7 @@ class Monitor:
 
         self.dir.mkdir(parents=True, exist_ok=True)
         self.writer = SummaryWriter(str(self.dir), purge_step=start_step if start_step else None)
-        self.jsonl = open(self.dir / "metrics.jsonl", "a")
+        self.jsonl = open(_trimmed(self.dir / "metrics.jsonl", start_step), "a")
         if cfg.progress:
             from tqdm import tqdm
 

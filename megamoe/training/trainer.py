@@ -27,6 +27,7 @@ from megamoe.recipe import Recipe, config_to_dict
 from megamoe.training import checkpoint as ckpt
 from megamoe.training.config import TrainConfig
 from megamoe.training.grads import clip_grads, global_grad_norm, sync_grads
+from megamoe.training.guards import check_unchanged, run_record
 from megamoe.training.monitor import Monitor, memory_gib, peak_tflops
 from megamoe.training.optimizer import DistributedOptimizer, lr_at
 from megamoe.training.pipeline import build_chunks, build_schedule
@@ -77,6 +78,8 @@ class Trainer:
         self.step, self.consumed, self.nan_streak, self.skipped = 0, 0, 0, 0
         self.hf_origin = None  # the HF family/config the weights came from, kept for export
         if self.base_weights:
+            check_unchanged(Path(self.base_weights), ckpt.read_meta(self.base_weights),
+                            {"model": config_to_dict(recipe.model)}, recipe.checkpoint.allow_changes, "load weights")
             meta = ckpt.load_checkpoint(self.base_weights, self.groups, self.chunks, None, load_rng=False)
             self.hf_origin = meta.get("hf")
         if recipe.lora is not None:
@@ -179,7 +182,7 @@ class Trainer:
         root = self.recipe.checkpoint.dir
         if not root:
             return None
-        extra = {"model": config_to_dict(self.recipe.model), "hf": self.hf_origin}
+        extra = {"model": config_to_dict(self.recipe.model), "hf": self.hf_origin, "run": run_record(self.recipe)}
         if self.recipe.lora is not None:
             base = self.base_weights and str(Path(self.base_weights).resolve())
             extra.update(lora=config_to_dict(self.recipe.lora), lora_base=base)
@@ -193,6 +196,9 @@ class Trainer:
         path = ckpt.latest_checkpoint(c.dir)
         if path is None:
             return
+        now = {"model": config_to_dict(self.recipe.model), "lora": self.recipe.lora and config_to_dict(self.recipe.lora),
+               **run_record(self.recipe)}
+        check_unchanged(path, ckpt.read_meta(path), now, c.allow_changes)
         meta = ckpt.load_checkpoint(path, self.groups, self.chunks, self.optimizer, select=self._checkpoint_select())
         state = meta["trainer_state"]
         self.hf_origin = meta.get("hf", self.hf_origin)
