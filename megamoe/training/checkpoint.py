@@ -249,6 +249,8 @@ def load_checkpoint(path: str | Path, groups: ParallelGroups, model_parts, optim
                               "load the base and resume the adapters from checkpoint.dir, or export it merged")
     old = meta["layout"]
     _load_into(path, _targets(model_parts, optimizer, create=True, select=select), groups, old)
+    if optimizer is not None:
+        optimizer.follow_loaded_params()
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     if load_rng and meta.get("world_size") == world:

@@ -44,6 +44,7 @@ class TrainConfig:
     recompute: List[str] = field(default_factory=list)  # any of: layer, mixer, mlp, core
     nan_max_consecutive: int = 5  # skipped non-finite steps in a row before save-and-stop
     device: str = "auto"  # auto: cuda if available, else cpu
+    optimizer_offload: bool = False  # fp32 masters + Adam moments in (pinned) host memory, updated there
 
     def validate(self, path: str = "train") -> None:
         for name in ("steps", "micro_batch_size", "global_batch_size", "nan_max_consecutive"):

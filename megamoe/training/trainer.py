@@ -85,7 +85,7 @@ class Trainer:
         if recipe.lora is not None:
             self._apply_lora()
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
-        self.optimizer = DistributedOptimizer(named, self.groups, self.optim_cfg)
+        self.optimizer = DistributedOptimizer(named, self.groups, self.optim_cfg, offload=self.train.optimizer_offload)
         self._maybe_resume()
         self.after_step_hooks: list[Callable[[Trainer], None]] = []
         # communication latencies on every latency_interval-th step; None: no timing code at all
