@@ -48,7 +48,7 @@ def test_convert_verify_generate_command_lines(tmp_path):
     want = generate(from_hf(back), torch.tensor([ids]), 6)[0, len(ids):].tolist()
     assert greedy.strip().splitlines()[-1] == str(want)  # without a tokenizer it prints the ids
     batch = tool("generate.py", str(back), "--ids", "3,17,42,5", "--ids", "9", "--max-new-tokens", "4", "--stream",
-                 "--prefill-chunk", "2").stdout.strip().splitlines()
+                 "--prefill-chunk", "2", "--kv-cache", "paged", "--block-size", "2").stdout.strip().splitlines()
     want = generate_batch(from_hf(back), [[3, 17, 42, 5], [9]], 4)
     assert batch[-2:] == [str(w) for w in want] and len(batch) == 2 + 8  # 8 streamed "[row] token" lines
     assert batch[:2] == [f"[0] {want[0][0]}", f"[1] {want[1][0]}"]

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamoe.cache import zero_pads
 from megamoe.fusion import fused
 from megamoe.parallel.sharding import Shard, mark_init, set_sharding
 from megamoe.spec import BuildContext, ForwardInfo
@@ -137,7 +136,6 @@ def conv_and_state(module: nn.Module, qkv: torch.Tensor, info: ForwardInfo, fuse
 
     Returns (conv output [b, s, C], cache dict or None, initial recurrent state or None)."""
     state = None if info.cache is None else info.cache.layer(module.layer_number)
-    qkv = zero_pads(qkv, info.cache)  # padded slots: zero conv input, zero keys -> the state stays zero
     qkv, conv_state = causal_conv(qkv, module.conv_weight, None if state is None else state.get("conv"), fuse)
     if state is not None:
         state["conv"] = conv_state

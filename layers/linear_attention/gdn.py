@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megamoe.cache import zero_pads
 from megamoe.config import GDNConfig
 from megamoe.parallel.sharding import const_init
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
@@ -57,7 +58,9 @@ class GatedDeltaNet(nn.Module):
         return g, torch.sigmoid(b_in)
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
-        proj = self.in_proj(x)                                   # [b, s, sum(local parts)]
+        # padded slots (left-padded batches): zero inputs, so zero keys leave the state zero and the
+        # decays there do not depend on what the padding computed
+        proj = zero_pads(self.in_proj(x), info.cache)          # [b, s, sum(local parts)]
         bsz, s = proj.shape[:2]
         qkv_width = sum(self.local_parts[:3])
         qkv, z, b_in, a = proj.split([qkv_width, *self.local_parts[3:]], dim=-1)

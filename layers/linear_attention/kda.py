@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megamoe.cache import zero_pads
 from megamoe.config import KDAConfig
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
 from megamoe.layers.linear_attention.common import (conv_and_state, conv_param, delta_rule, head_param, l2norm,
@@ -91,13 +92,14 @@ class KimiDeltaAttention(nn.Module):
         return -rate * F.softplus(f)
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
-        proj = self.in_proj(x)
+        proj = zero_pads(self.in_proj(x), info.cache)  # padded slots: zero keys, state unchanged (as GDN)
         bsz, s = proj.shape[:2]
         qkv, b_in = proj.split([sum(self.local_parts[:3]), self.h], dim=-1)
         fuse = self.fusion.active(x.device)
         qkv, state, h0 = conv_and_state(self, qkv, info, fuse)
         q, k, v = (t.reshape(bsz, s, self.h, self.d) for t in qkv.split(self.local_parts[:3], dim=-1))
-        o, final = delta_rule(l2norm(q, fuse=fuse), l2norm(k, fuse=fuse), v, self.decay(x), torch.sigmoid(b_in),
+        g = zero_pads(self.decay(x), info.cache)  # log-decay 0 at padded slots: the state passes unchanged
+        o, final = delta_rule(l2norm(q, fuse=fuse), l2norm(k, fuse=fuse), v, g, torch.sigmoid(b_in),
                               initial_state=h0, decode=state is not None and s == 1, chunk_size=self.cfg.chunk_size,
                               use_fla=self.cfg.use_fla, recompute=self.recompute_core, fuse=fuse)
         if state is not None:

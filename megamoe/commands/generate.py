@@ -65,6 +65,9 @@ def parser():
     p.add_argument("--prefill-chunk", type=number_in(int, 0), default=0,
                    help="process the prompts in chunks of this many tokens (0: at once)")
     p.add_argument("--stream", action="store_true", help="print '[row] token' lines as tokens are produced")
+    p.add_argument("--kv-cache", choices=("contiguous", "paged", "int8"), default="contiguous",
+                   help="decode cache: contiguous tensors, paged blocks, or paged int8 blocks (per-head scales)")
+    p.add_argument("--block-size", type=number_in(int, 1), default=16, help="tokens per block of a paged cache")
     return p
 
 
@@ -97,6 +100,18 @@ def main(argv: list[str] | None = None) -> None:
         print(line, flush=True)
 
 
+def cache_factory(kind: str, block_size: int):
+    """--kv-cache: the decode cache ``stream`` makes for the batch."""
+    import functools
+
+    from megamoe.cache import InferenceCache
+    from megamoe.paged_cache import PagedCache
+
+    if kind == "contiguous":
+        return InferenceCache
+    return functools.partial(PagedCache, block_size=block_size, kv_dtype="int8" if kind == "int8" else "fp32")
+
+
 def decode_lines(model, prompts: list[list[int]], tok, args, images):
     """Decode the prompts as one batch; yield the lines to print (with --stream one per token as
     it comes, then one line per prompt)."""
@@ -106,7 +121,8 @@ def decode_lines(model, prompts: list[list[int]], tok, args, images):
     for rows, tokens in stream(model, prompts, args.max_new_tokens, do_sample=args.sample,
                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                eos_token_id=tok.eos_id if tok is not None else None, seed=args.seed,
-                               images=images, prefill_chunk=args.prefill_chunk or None):
+                               images=images, prefill_chunk=args.prefill_chunk or None,
+                               cache_factory=cache_factory(args.kv_cache, args.block_size)):
         for r, t in zip(rows.tolist(), tokens.tolist()):
             new[r].append(t)
             if args.stream:
