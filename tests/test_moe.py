@@ -284,6 +284,59 @@ def hand_count_moe_1t(m) -> tuple[int, float]:
     return total, active
 
 
+def hand_count_hybrid_vl_1t(m) -> tuple[int, float]:
+    """(total, active) of the hybrid VL preset: Gated DeltaNet 'G' and DSA 'D' mixers, dense
+    'd' and MoE 'e' MLPs, a timm tower (its count from timm itself, built on meta)."""
+    import timm
+
+    h, g, a, e = m.hidden_size, m.gdn, m.mla, m.moe
+    qk, v = g.num_key_heads * g.key_head_dim, g.num_value_heads * g.value_head_dim
+    gdn = (h * (2 * qk + 2 * v + 2 * g.num_value_heads)     # in_proj: q | k | v | z | b | a
+           + (2 * qk + v) * g.conv_kernel + 2 * g.num_value_heads + g.value_head_dim + v * h)
+    H, dn, dr, dv, rq, r = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.q_lora_rank, a.kv_lora_rank
+    mla = h * rq + rq + rq * H * (dn + dr) + h * (r + dr) + r + r * H * (dn + dv) + H * dv * h
+    ix = a.indexer
+    dsa = mla + rq * ix.num_heads * ix.head_dim + h * ix.head_dim + 2 * ix.head_dim + h * ix.num_heads
+    dense = 3 * h * m.mlp.ffn_hidden_size
+    routed = 3 * e.num_experts * h * e.moe_ffn_hidden_size
+    moe_fixed = e.num_experts * h + e.num_experts + 3 * h * e.shared_ffn()
+    counts = m.parsed_layout().counts()
+    layers = (counts["G"] * gdn + counts["D"] * dsa + (counts["G"] + counts["D"]) * 2 * h
+              + counts["d"] * dense + counts["e"] * (routed + moe_fixed))
+    with torch.device("meta"):
+        tower = timm.create_model(m.vision.encoder, pretrained=False, num_classes=0, **m.vision.encoder_args)
+    total = layers + 2 * m.vocab_size * h + h + sum(p.numel() for p in tower.parameters())
+    return total, total - counts["e"] * routed * (1 - e.top_k / e.num_experts)
+
+
+def test_hybrid_vl_1t_preset_builds_on_meta_fast_and_small():
+    """The seed's shape (3 of 4 mixers linear attention, the rest sparse MLA, 384 experts top-8,
+    a timm tower) at 1T: a fresh process builds it on meta in < 30 s and < 2 GiB, and the
+    counts equal the hand count."""
+    from megamoe.recipe import load_recipe
+
+    code = textwrap.dedent("""
+        import json, time
+        from megamoe.memory import peak_rss_mib
+        from megamoe.plan import budget
+        from megamoe.recipe import load_recipe
+        t = time.time()
+        b = budget(load_recipe("hybrid_vl_1t").model)
+        print(json.dumps({"total": b.total, "active": b.active, "seconds": time.time() - t, "rss_mib": peak_rss_mib()}))
+    """)
+    out = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                    text=True).stdout.strip().splitlines()[-1])
+    recipe = load_recipe("hybrid_vl_1t")
+    validate_model_parallel(recipe.model, recipe.parallel)
+    counts = recipe.model.parsed_layout().counts()
+    assert counts["G"] == 3 * counts["D"] and counts["e"] == 63
+    total, active = hand_count_hybrid_vl_1t(recipe.model)
+    assert out["total"] == total and total > 1.0e12
+    assert out["active"] == pytest.approx(active, rel=1e-12)
+    assert out["seconds"] < 30, out
+    assert out["rss_mib"] < 2048, out
+
+
 def test_1t_preset_builds_on_meta_fast_and_small():
     """A fresh process (so the RSS is the build's own): < 30 s, < 2 GiB, counts = hand count."""
     from megamoe.recipe import load_recipe
