@@ -16,6 +16,9 @@ from tests.mixer_utils import tiny_model
 from tests.numerics import rel_err
 
 INT8_REL = 1e-2  # int8 KV: relative error of every step's logits (measured 2e-5 .. 5e-4)
+# with a DSA indexer the rounded indexer keys can change which keys a query sees (a discrete
+# top-k choice): deepseek_v32 measured 2.2e-2, glm5_next 4.7e-4
+INT8_REL_SPARSE = 5e-2
 
 
 def build(cfg):
@@ -100,5 +103,6 @@ def test_int8_kv_logits_within_tolerance(family):
     fp32, int8 = (PagedCache(len(ps), pad=pad, block_size=16, kv_dtype=d) for d in ("fp32", "int8"))
     assert torch.equal(decode_logits(model, ps, fp32, chunk=16, steps=4), want)
     got = decode_logits(model, ps, int8, chunk=16, steps=4)
-    assert max(rel_err(g, w) for g, w in zip(got, want)) <= INT8_REL
+    sparse = any(letter in cfg.parsed_layout().compact() for letter in "DI")
+    assert max(rel_err(g, w) for g, w in zip(got, want)) <= (INT8_REL_SPARSE if sparse else INT8_REL)
     assert int8.kv_bytes() <= 0.3 * fp32.kv_bytes()
