@@ -669,6 +669,17 @@ class ParallelConfig:
         return world_size // (self.tp * self.pp * self.cp)
 
 
+def check_pipeline_support(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Pipeline layouts the trainer cannot run yet (it and the planner both call this)."""
+    if parallel.vpp > 1 and parallel.pp == 1:
+        raise ConfigError("parallel.vpp>1 needs parallel.pp>1 (virtual stages interleave pipeline ranks)")
+    attention = getattr(model, "attention", None)
+    if (parallel.pp * parallel.vpp > 1 and model.vision is not None and attention is not None
+            and attention.mrope_section is not None):
+        raise ConfigError("parallel.pp>1 with model.attention.mrope_section: later pipeline stages would need "
+                          "the multimodal positions of the first; use pp=1 for M-RoPE models")
+
+
 def validate_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> Layout:
     """Checks that need both the model and the parallel layout."""
     layout = model.validate()

@@ -17,7 +17,8 @@ def is_checkpoint_dir(path: Path) -> bool:
     (adapter_config.json) or an HF checkpoint (config.json beside its weights)."""
     if (path / "meta.json").is_file() or (path / "latest.json").is_file() or (path / "adapter_config.json").is_file():
         return True
-    weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin")) or (path / "model.safetensors.index.json").is_file()
+    weights = (any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+               or (path / "model.safetensors.index.json").is_file())
     return (path / "config.json").is_file() and weights
 
 

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megamoe.config import ModelConfig, ParallelConfig, validate_model_parallel
+from megamoe.config import ModelConfig, ParallelConfig, check_pipeline_support, validate_model_parallel
 from megamoe.data.config import DataConfig
 from megamoe.errors import ConfigError
 from megamoe.lora.config import LoRAConfig
@@ -52,6 +52,10 @@ class Recipe:
             self.lora.validate()
         if self.parallel.cp > 1:
             raise ConfigError("parallel.cp>1: context parallelism is not implemented by the trainer yet")
+        check_pipeline_support(self.model, self.parallel)
+        if self.parallel.pp > 1 and self.data.kind == "image_caption":
+            raise ConfigError("parallel.pp>1 with data.kind=image_caption: multimodal batches under pipeline "
+                              "parallelism are not supported yet (use pp=1)")
         if world_size is not None:
             self.parallel.validate(world_size)
             self.train.micro_batches(self.parallel.dp(world_size))

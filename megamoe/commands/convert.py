@@ -7,11 +7,13 @@
     megamoe-convert families
 
 import-hf writes a megamoe checkpoint (optionally split for a TP/EP/PP layout) that
-tools/pretrain.py / finetune.py load with checkpoint.load=OUT_DIR. export-hf takes such a
+megamoe-pretrain / megamoe-finetune load with checkpoint.load=OUT_DIR. export-hf takes such a
 checkpoint or a training checkpoint (step_XXXXXXXX) and writes safetensors shards, index and
 config.json that transformers loads with its Auto classes; with --merge it takes a LoRA
-fine-tune's checkpoint, loads its base (the path in its meta.json) and writes the merged model. export-peft takes a checkpoint of a
-LoRA fine-tune (adapters only) and writes a PEFT adapter for the HF family (docs/lora.md).
+fine-tune's checkpoint, loads its base (the path in its meta.json) and writes the merged model.
+export-peft takes a checkpoint of a LoRA fine-tune (adapters only) and writes a PEFT adapter
+for the HF family (docs/lora.md). An existing OUT_DIR is replaced (--overwrite) only when it is
+a checkpoint megamoe or an HF checkpoint wrote.
 """
 import argparse
 from pathlib import Path
@@ -27,7 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     imp.add_argument("hf_dir")
     imp.add_argument("out_dir")
     for flag in ("tp", "ep", "etp", "pp"):
-        imp.add_argument(f"--{flag}", type=number_in(int, 1), default=1, help=f"split the checkpoint for parallel.{flag}")
+        imp.add_argument(f"--{flag}", type=number_in(int, 1), default=1,
+                         help=f"split the checkpoint for parallel.{flag}")
     exp = sub.add_parser("export-hf", help="megamoe checkpoint -> HF directory")
     exp.add_argument("ckpt_dir")
     exp.add_argument("out_dir")
@@ -35,13 +38,13 @@ def main(argv: list[str] | None = None) -> None:
     exp.add_argument("--merge", action="store_true",
                      help="CKPT_DIR is a LoRA checkpoint: write its base with the adapters merged in")
     for s in (imp, exp):
-        s.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+        s.add_argument("--overwrite", action="store_true", help="replace OUT_DIR (only a checkpoint megamoe or HF wrote)")
         s.add_argument("--shard-gib", type=number_in(float, 0.001), default=2.0, help="maximum shard size (GiB)")
     peft = sub.add_parser("export-peft", help="LoRA checkpoint -> HF PEFT adapter directory")
     peft.add_argument("ckpt_dir")
     peft.add_argument("out_dir")
     peft.add_argument("--family", help="HF model_type to write for (default: the checkpoint's origin)")
-    peft.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    peft.add_argument("--overwrite", action="store_true", help="replace OUT_DIR (only a checkpoint megamoe or HF wrote)")
     fams = sub.add_parser("families", help="list the supported HF model types")
     for s in (imp, exp, peft, fams):
         s.add_argument("--debug", action="store_true", help=DEBUG_HELP)

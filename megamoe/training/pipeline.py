@@ -13,8 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from megamoe.config import ModelConfig, ParallelConfig
-from megamoe.errors import ConfigError
+from megamoe.config import ModelConfig, ParallelConfig, check_pipeline_support
 from megamoe.model import LanguageModel, build_model
 from megamoe.parallel.groups import ParallelGroups
 
@@ -27,13 +26,9 @@ def stage_ids(parallel: ParallelConfig, pp_rank: int) -> list[int]:
 def build_chunks(cfg: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups, device=None
                  ) -> tuple[list[LanguageModel], list[int]]:
     """This rank's model chunks (one per virtual stage) and their stage indices."""
-    if parallel.vpp > 1 and parallel.pp == 1:
-        raise ConfigError("parallel.vpp>1 needs parallel.pp>1 (virtual stages interleave pipeline ranks)")
+    check_pipeline_support(cfg, parallel)
     n_stages = parallel.pp * parallel.vpp
     stages = cfg.parsed_layout().stages(n_stages)
-    if n_stages > 1 and cfg.vision is not None and cfg.attention.mrope_section is not None:
-        raise ConfigError("parallel.pp>1 with model.attention.mrope_section: later pipeline stages would need "
-                          "the multimodal positions of the first; use pp=1 for M-RoPE models")
     ids = stage_ids(parallel, groups.rank("pp"))
     chunks = [build_model(cfg, groups, sequence_parallel=parallel.sequence_parallel, layer_ids=stages[i],
                           pre_process=i == 0, post_process=i == n_stages - 1, device=device)
