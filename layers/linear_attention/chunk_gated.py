@@ -169,6 +169,20 @@ def chunk_major(states: torch.Tensor) -> torch.Tensor:
     return states.transpose(0, 1).reshape(-1, *states.shape[2:])
 
 
+def rev_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """y_t = sum_{s >= t} x_s over the last dim."""
+    return x.flip(-1).cumsum(-1).flip(-1)
+
+
+def straddling(E: torch.Tensor) -> torch.Tensor:
+    """R_t = sum_{i >= t > j} E_ij for E [N, C, C] -> [N, C] (R_0 = 0): the d/dg_t of what
+    depends on exp(G_i - G_j), summed directly. (Row sums minus column sums, then a reverse
+    cumsum, gives the same R but adds and cancels every pair on one side of t, losing the
+    small R of early positions in the rounding of the large sums.)"""
+    S = rev_cumsum(E.cumsum(-1).mT).mT                                 # S_it = sum_{i' >= i, j <= t} E_i'j
+    return F.pad(S.diagonal(-1, -2, -1), (1, 0))                       # R_t = S_{t, t-1}
+
+
 @fused
 def intra_grads(dA, dM, dKb, dVb, dKt, dQg, D, KD, M, Qg, k, v, beta, gam_, tail_, dgam_end, rep: int, n: int):
     """The backward's elementwise part (one fused pass when the op runs with ``fuse``), from
@@ -181,16 +195,16 @@ def intra_grads(dA, dM, dKb, dVb, dKt, dQg, D, KD, M, Qg, k, v, beta, gam_, tail
     dKb_k = heads.dot_per_value(dKb, k)                                # sum_d dKb k, per token
     dbeta = torch.linalg.vecdot(dA, KD) + dKb_k * gam_ + torch.linalg.vecdot(dVb, v)
     dA.mul_(beta.unsqueeze(-1))                                        # d(k k^T D)
-    # dD * D without its diagonal: D_ii = exp(0) does not depend on G, and its O(1) term would
-    # enter both sums below and cancel only up to rounding, swamping the tiny dG of fast heads
-    E = (dA * KD).addcmul_(dM, M).tril_(-1)
-    dG = E.sum(-1) - E.sum(-2)
-    dG += dKb_k * beta * gam_ + torch.linalg.vecdot(dQg, Qg)
-    de = heads.dot_per_value(dKt, k) * tail_                           # through exp(G_C - G_j)
-    de[:, -1] = 0.0                                                    # exp(G_C - G_C): constant, as above
-    dG -= de
-    dG[:, -1] += de.sum(-1) + dgam_end * gam_[:, -1]
-    dg = dG.flip(-1).cumsum(-1).flip(-1)                               # G = cumsum(g)
+    E = (dA * KD).addcmul_(dM, M)                                      # dD * D, lower
+    # through exp(G_i) (Kb, q Gam, the chunk-end decay): G_i = g_0 + ... + g_i, a reverse cumsum
+    dabs = dKb_k * beta * gam_ + torch.linalg.vecdot(dQg, Qg)
+    dabs[:, -1] += dgam_end * gam_[:, -1]
+    dg = rev_cumsum(dabs)
+    # through exp(G_i - G_j) (j < i): g_t for j < t <= i, i.e. the pairs that straddle t
+    dg += straddling(E)
+    # through exp(G_C - G_j): g_t for t > j, an exclusive cumsum (de_C: exp(0), constant)
+    de = heads.dot_per_value(dKt, k) * tail_
+    dg[:, 1:] += de[:, :-1].cumsum(-1)
     dKK, dQK = heads.per_key(dA.mul_(D)), heads.per_key(dM * D)
     dk_direct = heads.per_key(dKb.mul((beta * gam_).unsqueeze(-1)).addcmul_(dKt, tail_.unsqueeze(-1)))
     dq_direct = heads.per_key(dQg * gam_.unsqueeze(-1))
