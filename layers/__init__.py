@@ -3,5 +3,5 @@ from megamoe.layers import attention, mlp  # noqa: F401  (registration side effe
 from megamoe.layers import dsa, lightning, mla  # noqa: F401  (letters L, M, D, I)
 from megamoe.layers.linear_attention import gdn, kda  # noqa: F401  (letters G, K)
 from megamoe.layers import moe  # noqa: F401  (letter e)
-from megamoe.layers.backend import LocalBackend, get_backend  # noqa: F401
+from megamoe.layers.backends import CpuBackend, LocalBackend, get_backend, register_backend  # noqa: F401
 from megamoe.layers.norm import RMSNorm  # noqa: F401

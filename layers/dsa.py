@@ -198,6 +198,7 @@ class SparseMLA(MultiLatentAttention):
         rope_dim = 0 if pooled else cfg.qk_rope_head_dim
         self.indexer = Indexer(cfg.indexer, ctx, cfg.q_lora_rank, rope_dim, pooled)
         self.dense_reference = False  # True: expanded heads and a mask built from the indices
+        self.sparse_core = ctx.backend.sparse_latent_attention(ctx)
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
         q_nope, q_rope, q_latent, c, k_rope = self.project(x, info)
@@ -212,7 +213,7 @@ class SparseMLA(MultiLatentAttention):
             out = self.core(torch.cat([q_nope, q_rope], dim=-1), k, v, mask=mask)
         else:
             c_all, kr_all = self.cached_latents(comm.copy_to(c, self.tp_group), k_rope, info)
-            o_lat = sparse_latent_attention(self.absorbed_query(q_nope), q_rope, c_all, kr_all, idx, self.scale)
+            o_lat = self.sparse_core(self.absorbed_query(q_nope), q_rope, c_all, kr_all, idx, self.scale)
             out = self.absorbed_output(o_lat)
         return self.finish(out, x)
 

@@ -1,5 +1,5 @@
 """Routed SwiGLU experts with stacked weights, sharded over expert (ep) and expert-tensor (etp)
-parallelism. The ``grouped_experts`` role of the local backend.
+parallelism. The ``grouped_experts`` role of both backends (their default kernels differ).
 
 Full shapes (what initialisation, checkpoints and conversion see, whatever the layout)::
 

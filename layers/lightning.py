@@ -137,6 +137,7 @@ class LightningAttention(nn.Module):
         self.linear_gate = b.column_linear(ctx, ctx.hidden_size, width)
         self.norm = b.sharded_norm(ctx, width, eps=cfg.norm_eps)
         self.linear_proj = b.row_linear(ctx, width, ctx.hidden_size)
+        self.op = b.lightning(ctx)  # .chunked / .recurrent
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
         qkv = F.silu(self.linear_qkv(x))
@@ -149,14 +150,14 @@ class LightningAttention(nn.Module):
 
     def attend(self, q, k, v, slope, cache: InferenceCache | None):
         if cache is None:
-            return lightning_chunked(q, k, v, slope, block=self.block)[0]
+            return self.op.chunked(q, k, v, slope, block=self.block)[0]
         state = cache.layer(self.layer_number)
         k, v = zero_pads(k, cache), zero_pads(v, cache)  # padded slots leave the state as it was (zero)
         if q.size(1) == 1 and "lightning_state" in state:
-            o, state["lightning_state"] = lightning_recurrent(q, k, v, slope, state["lightning_state"])
+            o, state["lightning_state"] = self.op.recurrent(q, k, v, slope, state["lightning_state"])
         else:
-            o, state["lightning_state"] = lightning_chunked(q, k, v, slope, state.get("lightning_state"),
-                                                            block=self.block)
+            o, state["lightning_state"] = self.op.chunked(q, k, v, slope, state.get("lightning_state"),
+                                                          block=self.block)
         return o
 
 

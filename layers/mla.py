@@ -33,7 +33,7 @@ from torch import nn
 
 from megamoe.cache import append_time
 from megamoe.config import MLAConfig
-from megamoe.layers.backend import causal_mask
+from megamoe.layers.core_attention import causal_mask
 from megamoe.layers.rotary import apply_rotary, apply_rotary_interleaved, cached_yarn_cos_sin, yarn_softmax_scale
 from megamoe.parallel import comm
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
@@ -79,6 +79,7 @@ class MultiLatentAttention(nn.Module):
         self.linear_gate = b.column_linear(ctx, h, H) if cfg.head_gate else None
         self.scale = cfg.softmax_scale or dq ** -0.5 * yarn_softmax_scale(cfg.yarn)
         self.core = b.core_attention(ctx, softmax_scale=self.scale)
+        self.latent_core = b.latent_attention(ctx)  # decoding: absorbed attention over cached latents
         self.linear_proj = b.row_linear(ctx, H * self.dv, h)
 
     # ---- projections --------------------------------------------------------------------
@@ -150,7 +151,7 @@ class MultiLatentAttention(nn.Module):
             mask = info.cache.attention_mask(q_nope.size(1), c_all.size(1), device=x.device)
             if mask is None:
                 mask = causal_mask(q_nope.size(1), c_all.size(1), device=x.device)
-            out = self.absorbed_output(latent_attention(self.absorbed_query(q_nope), q_rope, c_all, kr_all,
+            out = self.absorbed_output(self.latent_core(self.absorbed_query(q_nope), q_rope, c_all, kr_all,
                                                         self.scale, mask))
         return self.finish(out, x)
 

@@ -21,7 +21,6 @@ active per token), shared experts 3*h*f_shared, shared gate h.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megamoe.config import MLPConfig, MoEConfig
@@ -29,9 +28,6 @@ from megamoe.parallel import comm
 from megamoe.parallel.sharding import mark_init, mark_tp_partial_grad, normal_init
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mlp
 from megamoe.layers.dispatch import DISPATCHERS
-from megamoe.layers.grouped_gemm import shared_swiglu_add
-from megamoe.layers.mlp import SwiGLUMLP
-from megamoe.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from megamoe.layers.router import TopKRouter, attach_aux_loss
 
 
@@ -42,15 +38,15 @@ class MoELayer(nn.Module):
         self.tp, self.tp_size = ctx.groups.tp, ctx.groups.tp_size
         self.split_tokens = self.tp_size > 1 and not ctx.sp
         self.router = TopKRouter(cfg, ctx, layer_number)
-        self.fusion = ctx.backend.fusion
         self.experts = ctx.backend.grouped_experts(ctx, cfg.num_experts, cfg.moe_ffn_hidden_size,
                                                    kernel=cfg.expert_kernel,
                                                    active_fraction=cfg.top_k / cfg.num_experts,
                                                    swiglu_limit=cfg.swiglu_limit)
         self.dispatch = DISPATCHERS[cfg.dispatcher](cfg.num_experts, ctx.groups)
         shared = cfg.shared_ffn()
-        self.shared_experts = (SwiGLUMLP(MLPConfig(ffn_hidden_size=shared, swiglu_limit=cfg.swiglu_limit), ctx,
-                                         layer_number) if shared else None)
+        self.shared_experts = (ctx.backend.shared_expert(ctx, MLPConfig(ffn_hidden_size=shared,
+                                                                        swiglu_limit=cfg.swiglu_limit), layer_number)
+                               if shared else None)
         if cfg.shared_expert_gate:
             self.shared_gate = nn.Parameter(torch.empty(1, ctx.hidden_size, dtype=ctx.dtype, device=ctx.device))
             mark_init(self.shared_gate, normal_init(ctx.init_std))
@@ -61,29 +57,9 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor, info: ForwardInfo | None = None) -> torch.Tensor:
         out = self.routed(x)
-        if self._fuse_shared(x):
-            fc1, fc2 = self.shared_experts.linear_fc1, self.shared_experts.linear_fc2
-            h = x.size(-1)
-            return shared_swiglu_add(out.reshape(-1, h), x.reshape(-1, h), fc1.weight, fc2.weight, self.shared_gate,
-                                     self.cfg.swiglu_limit, self.fusion.active(x.device)).view(x.shape)
         if self.shared_experts is not None:
-            shared = self.shared_experts(x)
-            if self.shared_gate is not None:
-                shared = shared * torch.sigmoid(F.linear(x, self.shared_gate))
-            out = out + shared
+            out = self.shared_experts.add_to(out, x, self.shared_gate)
         return out
-
-    def _fuse_shared(self, x: torch.Tensor) -> bool:
-        """The shared expert as one fused op with the routed output (``shared_swiglu_add``)
-        where it is a plain one-rank SwiGLU next to the loop kernel (CPU) outside autocast;
-        under TP, with biases, or with its linears replaced (LoRA, another backend) it runs
-        as modules."""
-        mlp = self.shared_experts
-        if mlp is None or self.tp_size > 1 or torch.is_autocast_enabled(x.device.type):
-            return False
-        fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
-        return (type(fc1) is ColumnParallelLinear and type(fc2) is RowParallelLinear and fc1.bias is None
-                and fc2.bias is None and self.experts.resolved_kernel() == "loop")
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' part: [b, s, h] -> [b, s, h] (with its aux losses attached)."""

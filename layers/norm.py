@@ -1,4 +1,10 @@
-"""RMSNorm, plain (``w * x̂``) or zero-centred (``(1 + w) * x̂``, weight stored around 0)."""
+"""RMSNorm, plain (``w * x̂``) or zero-centred (``(1 + w) * x̂``, weight stored around 0).
+
+Two kernels with one contract ``(x, weight, eps, zero_centered, gate, act) -> y``:
+``rms_norm_reference`` (plain autograd ops, the local backend's) and ``HandwrittenRMSNorm``
+(a hand-written backward saving only x, the gate and 1/rms, fused per its ``Fusion``; the CPU
+backend's). ``RMSNorm`` holds the weight and calls the kernel its backend gave it.
+"""
 from __future__ import annotations
 
 import torch
@@ -102,18 +108,41 @@ class _RMSNormFn(torch.autograd.Function):
         return dx.to(x.dtype), dweight, None, None, dgate, None, None
 
 
+def rms_norm_reference(x, weight, eps: float, zero_centered: bool, gate=None, act: str = "silu"):
+    """The definition in plain autograd ops: w * x / rms(x) [* act(gate)], fp32 inside (float64
+    stays float64), the result in x's dtype."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(dtype)
+    w = weight.to(dtype) + 1.0 if zero_centered else weight.to(dtype)
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w
+    if gate is not None:
+        out = out * _GATES[act][0](gate.to(dtype))
+    return out.to(x.dtype)
+
+
+class HandwrittenRMSNorm:
+    """``_RMSNormFn`` as a kernel, fused where ``fusion`` is active for the input's device."""
+
+    def __init__(self, fusion: Fusion = EAGER):
+        self.fusion = fusion
+
+    def __call__(self, x, weight, eps: float, zero_centered: bool, gate=None, act: str = "silu"):
+        return _RMSNormFn.apply(x, weight, eps, zero_centered, gate, act, self.fusion.active(x.device))
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim; statistics in fp32 whatever the input dtype.
 
     ``tp_partial_grad``: the weight is replicated over TP but sees only part of the work
     (a sequence shard under SP, or one rank's heads), so ``finalize_grads`` sums its
-    gradient over TP. ``fusion``: the building backend's policy (default: eager).
+    gradient over TP. ``kernel``: the building backend's (default: the hand-written one, eager).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False, *,
-                 tp_partial_grad: bool = False, dtype=None, device=None, fusion: Fusion = EAGER):
+                 tp_partial_grad: bool = False, dtype=None, device=None, kernel=None):
         super().__init__()
-        self.eps, self.zero_centered, self.fusion = eps, zero_centered, fusion
+        self.eps, self.zero_centered = eps, zero_centered
+        self.kernel = kernel or HandwrittenRMSNorm()
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
         mark_init(self.weight, const_init(0.0 if zero_centered else 1.0))
         if tp_partial_grad:
@@ -122,8 +151,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None, gate_act: str = "silu") -> torch.Tensor:
         """x [..., dim] -> same; with ``gate`` (x's shape): the gated norm of the linear mixers'
         outputs, ``norm(x) * act(gate)`` with act ``silu`` (Qwen3-Next) or ``sigmoid`` (KDA)."""
-        return _RMSNormFn.apply(x, self.weight, self.eps, self.zero_centered, gate, gate_act,
-                                self.fusion.active(x.device))
+        return self.kernel(x, self.weight, self.eps, self.zero_centered, gate, gate_act)
 
     def extra_repr(self) -> str:
         return f"{self.weight.numel()}, eps={self.eps}, zero_centered={self.zero_centered}"

@@ -25,7 +25,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megamoe.config import MoEConfig
@@ -150,6 +149,7 @@ class TopKRouter(nn.Module):
         self.shards = ctx.groups.tp_size * ctx.groups.size("cp")
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, ctx.hidden_size, dtype=ctx.dtype,
                                                device=ctx.device))
+        self.gemm = ctx.backend.router_logits(ctx)  # (x, weight) -> fp32 logits
         mark_init(self.weight, normal_init(ctx.init_std))
         if ctx.groups.tp_size > 1:
             mark_tp_partial_grad(self.weight)
@@ -168,7 +168,7 @@ class TopKRouter(nn.Module):
     # -- forward -------------------------------------------------------------------------
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return self.gemm(x, self.weight)
 
     def forward(self, x: torch.Tensor, batch: int) -> Routing:
         """x: [T, h] with T = batch * s_local tokens in batch-major order."""

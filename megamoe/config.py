@@ -366,7 +366,7 @@ class GDNConfig:
     # training chunk length of the torch op, a power of two (all give the same result); None:
     # 32 for head dims up to 64, else 64 (the faster of the two on CPU, measured)
     chunk_size: Optional[int] = None
-    use_fla: bool = True  # fla kernels when importable and on CUDA; the torch ops otherwise
+    use_fla: bool = True  # fla kernels, for a CUDA backend (none ships in this build: no effect yet)
 
     def resolved_chunk_size(self) -> int:
         if self.chunk_size is not None:
@@ -583,7 +583,7 @@ class ModelConfig:
     max_seq_len: int = 4096
     init_std: float = 0.02
     params_dtype: str = "float32"
-    backend: str = "local"  # role provider: local (pure torch) or te (Transformer Engine)
+    backend: str = "auto"  # role provider (megamoe.layers.backends): auto | local (pure-torch reference) | cpu
     fusion: Optional[str] = None  # auto | on | off: compiled elementwise kernels (megamoe.fusion); None: MEGAMOE_FUSION
     vision: Optional[VisionConfig] = None  # image encoder + projector (megamoe.multimodal)
 
@@ -597,7 +597,9 @@ class ModelConfig:
         check(self.norm_eps > 0, f"{path}.norm_eps", self.norm_eps, "must be > 0")
         check(self.init_std > 0, f"{path}.init_std", self.init_std, "must be > 0")
         check_choice(f"{path}.params_dtype", self.params_dtype, DTYPES)
-        check_choice(f"{path}.backend", self.backend, ("local", "te"))
+        # the registry (megamoe.layers.backends) knows the names; building the model checks them
+        check(isinstance(self.backend, str) and self.backend.isidentifier(), f"{path}.backend", self.backend,
+              "must be a backend name")
         if self.fusion is not None:
             # YAML 1.1 reads a bare on/off as a boolean, which OmegaConf then stores as 'True'/'False'
             self.fusion = {"True": "on", "False": "off"}.get(str(self.fusion), self.fusion)

@@ -19,7 +19,7 @@ import megamoe.layers  # noqa: F401  (registers the layout letters)
 from megamoe.fusion import Fusion
 from megamoe.config import ModelConfig
 from megamoe.errors import ConfigError
-from megamoe.layers.backend import get_backend
+from megamoe.layers.backends import get_backend
 from megamoe.layers.hyper_connection import HyperConnection, expand_streams, merge_streams
 from megamoe.layout import MIXERS, MLPS, LayerKind
 from megamoe.parallel import comm

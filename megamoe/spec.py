@@ -39,7 +39,7 @@ class BuildContext:
 
     hidden_size: int
     groups: ParallelGroups = field(default_factory=ParallelGroups)
-    backend: Any = None  # a megamoe.layers.backend provider; filled by model assembly
+    backend: Any = None  # a megamoe.layers.backends instance; filled by model assembly
     sequence_parallel: bool = False
     norm_eps: float = 1e-6
     norm_zero_centered: bool = False

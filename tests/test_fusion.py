@@ -91,7 +91,7 @@ def test_shared_expert(modes, gate, limit):
 @needs_compiler
 @pytest.mark.parametrize("zero_centered,act", [(False, None), (True, "silu"), (False, "sigmoid")])
 def test_rmsnorm(modes, zero_centered, act):
-    from megamoe.layers.norm import RMSNorm, _norm_fused
+    from megamoe.layers.norm import HandwrittenRMSNorm, RMSNorm, _norm_fused
 
     norm = RMSNorm(8, 1e-6, zero_centered)
     with torch.no_grad():
@@ -99,7 +99,7 @@ def test_rmsnorm(modes, zero_centered, act):
     rows = randn(3, 5, 20)[..., 4:12]  # strided, like a head slice of a projection
     inputs = [rows, norm.weight] + ([randn(3, 5, 8, seed=6)] if act else [])
     def run(fuse):
-        norm.fusion = fusion.Fusion("on" if fuse else "off")
+        norm.kernel = HandwrittenRMSNorm(fusion.Fusion("on" if fuse else "off"))
         return fwd_bwd(lambda x, w, *g: RMSNorm.forward(norm, x, gate=g[0] if g else None, gate_act=act or "silu"),
                        inputs)
 
@@ -201,15 +201,18 @@ def test_modes_and_errors():
 
 
 def test_each_model_keeps_its_own_policy():
-    """Building a model sets nothing process-wide: every fusing module of a model follows that
-    model's backend, whatever was built before or after it."""
+    """Building a model sets nothing process-wide: every fusing role of a model (the CPU
+    backend's) follows that model's backend, whatever was built before or after it."""
     on, off = hybrid_moe("on"), hybrid_moe("off")
     for model, mode in ((on, "on"), (off, "off")):
-        assert model.ctx.backend.fusion.mode == mode
-        owners = [m for m in model.modules() if hasattr(m, "fusion")]
-        kinds = {type(m).__name__ for m in owners}
-        assert {"RMSNorm", "GroupedExperts", "GatedDeltaNet", "MoELayer"} <= kinds, kinds
-        assert all(m.fusion is model.ctx.backend.fusion for m in owners)
+        assert model.ctx.backend.name == "cpu" and model.ctx.backend.fusion.mode == mode
+        roles = [m.kernel for m in model.modules() if hasattr(m, "kernel") and hasattr(m.kernel, "fusion")]
+        for m in model.modules():
+            roles += [getattr(m, a) for a in ("conv", "l2norm", "op") if hasattr(getattr(m, a, None), "fusion")]
+            roles += [m] if hasattr(m, "fusion") else []
+        kinds = {type(r).__name__ for r in roles}
+        assert {"HandwrittenRMSNorm", "GroupedExperts", "FusedSharedExpert", "ChunkedDeltaRule", "_Fused"} <= kinds, kinds
+        assert all(r.fusion is model.ctx.backend.fusion for r in roles)
 
 
 def test_recipe_key_sets_the_backend_policy(monkeypatch):

@@ -51,32 +51,29 @@ def test_token_by_token_decoding_equals_full_forward(name):
         assert rel_err(decode_steps(mixer, x, prefill=11), full) <= REL
 
 
-def reference_ops(monkeypatch):
-    """Swap the mixers' fast ops for their slow twins: the naive recurrence for the chunked
-    delta rule and torch's conv1d for the fused causal conv + SiLU."""
+def reference_ops(mixer) -> None:
+    """Swap the mixer's fast roles for their slow twins: the naive recurrence for the chunked
+    delta rule, torch's conv1d for the fused causal conv + SiLU, the L2 norm formula."""
     import torch.nn.functional as F
 
-    import megamoe.layers.linear_attention.common as common
-    import megamoe.layers.linear_attention.gdn as gdn
-    import megamoe.layers.linear_attention.kda as kda
+    from megamoe.layers.linear_attention.common import l2norm_reference
     from megamoe.layers.linear_attention.delta_rule import naive_delta_rule
 
-    def naive(q, k, v, g, beta, *, scale=None, initial_state=None, **_):
-        return naive_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+    class Naive:
+        def chunked(self, q, k, v, g, beta, *, scale=None, initial_state=None, **_):
+            return naive_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state)
 
-    def conv(x, weight, state=None, fuse=False):
+    def conv(x, weight, state=None):
         assert state is None
         full = F.pad(x, (0, 0, weight.size(-1) - 1, 0)).transpose(1, 2)
         y = F.silu(F.conv1d(full, weight.unsqueeze(1), groups=x.size(-1))).transpose(1, 2)
         return y, None
 
-    for module in (gdn, kda):
-        monkeypatch.setattr(module, "delta_rule", naive)
-    monkeypatch.setattr(common, "causal_conv", conv)
+    mixer.op, mixer.conv, mixer.l2norm = Naive(), conv, l2norm_reference
 
 
 @pytest.mark.parametrize("name", VARIANTS)
-def test_mixer_forward_and_param_grads_match_naive_reference(name, monkeypatch):
+def test_mixer_forward_and_param_grads_match_naive_reference(name):
     """The whole mixer on its fast ops (chunked delta rule across chunk boundaries, fused conv)
     against the same mixer on the naive recurrence and torch's conv1d: output, input gradient
     and every parameter gradient, fp32, rel <= 1e-5."""
@@ -85,7 +82,7 @@ def test_mixer_forward_and_param_grads_match_naive_reference(name, monkeypatch):
     x = random_x(2, 21, seed=3).requires_grad_(True)
     out = full_forward(mixer, x)
     got = torch.autograd.grad(out.square().sum(), [x, *params])
-    reference_ops(monkeypatch)
+    reference_ops(mixer)
     ref = full_forward(mixer, x)
     want = torch.autograd.grad(ref.square().sum(), [x, *params])
     assert rel_err(out, ref) <= REL

@@ -20,14 +20,14 @@ from tests.numerics import rel_err
 H = 16
 
 
-def moe_layer(**kw):
+def moe_layer(backend: str = "auto", **kw):
     from megamoe.layers.moe import MoELayer
     from megamoe.model import build_context
     from megamoe.parallel.groups import ParallelGroups
     from megamoe.weights import initialize
 
     base = dict(num_experts=6, top_k=2, moe_ffn_hidden_size=8)
-    cfg = ModelConfig(hidden_size=H, layout="Ae", moe=MoEConfig(**{**base, **kw}))
+    cfg = ModelConfig(hidden_size=H, layout="Ae", moe=MoEConfig(**{**base, **kw}), backend=backend)
     layer = MoELayer(cfg.moe, build_context(cfg), 0)
     initialize(layer, ParallelGroups(), seed=0)
     return layer
@@ -382,20 +382,15 @@ def test_show_model_cli_reports_the_hand_count():
 @pytest.mark.parametrize("gate", [True, False])
 @pytest.mark.parametrize("limit", [None, 0.05])  # 0.05: about half the pre-activations clamp
 def test_fused_shared_expert_equals_the_modules(gate, limit):
-    """The one-rank shared expert runs fused with the routed output (``shared_swiglu_add``);
-    it must give the modules' result: output and every gradient (shared gate included)."""
-    from megamoe.parallel.linear import ColumnParallelLinear
-
-    fused = moe_layer(num_shared_experts=1, shared_expert_gate=gate, swiglu_limit=limit)
-    assert fused._fuse_shared(torch.zeros(1))
-    plain = moe_layer(num_shared_experts=1, shared_expert_gate=gate, swiglu_limit=limit)
+    """On the CPU backend the one-rank shared expert runs fused with the routed output
+    (``shared_swiglu_add``); it must give the modules' result (the local backend's shared
+    expert, same weights and kernel): output and every gradient (shared gate included)."""
+    fused = moe_layer("cpu", num_shared_experts=1, shared_expert_gate=gate, swiglu_limit=limit, expert_kernel="loop")
+    assert fused.shared_experts.fuses(torch.zeros(1))
+    plain = moe_layer("local", num_shared_experts=1, shared_expert_gate=gate, swiglu_limit=limit,
+                      expert_kernel="loop")
     plain.load_state_dict(fused.state_dict())
-
-    class Unfused(ColumnParallelLinear):  # any other class of linear takes the module path
-        pass
-
-    plain.shared_experts.linear_fc1.__class__ = Unfused
-    assert not plain._fuse_shared(torch.zeros(1))
+    assert not hasattr(plain.shared_experts, "fuses")
     x = torch.randn(2, 7, H, generator=torch.Generator().manual_seed(3))
     dy = torch.randn(2, 7, H, generator=torch.Generator().manual_seed(4))
     outs = []

@@ -94,11 +94,17 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | Non
     """Depthwise causal conv followed by SiLU. x [b, t, c], weight [c, K], state [b, K-1, c] or None
     (zeros: the start of a sequence) -> (y [b, t, c], new state [b, K-1, c]). ``fuse``: the
     training form runs its fused kernels (``megamoe.fusion``)."""
-    b, t, c = x.shape
-    kernel = weight.size(-1)
+    t, kernel = x.size(1), weight.size(-1)
     if state is None and torch.is_grad_enabled():
         y = _CausalConvSiLU.apply(x, weight, fuse)
         return y, F.pad(x[:, max(0, t - (kernel - 1)):], (0, 0, max(0, kernel - 1 - t), 0))
+    return causal_conv_reference(x, weight, state)
+
+
+def causal_conv_reference(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None):
+    """``causal_conv`` as torch's depthwise conv1d over [state | x] (plain autograd)."""
+    b, t, c = x.shape
+    kernel = weight.size(-1)
     if state is None:
         state = x.new_zeros(b, kernel - 1, c)
     full = torch.cat([state.to(x.dtype), x], dim=1)                  # [b, K-1+t, c]
@@ -131,12 +137,13 @@ def log_uniform_init(low: float, high: float):
     return lambda draw: draw.uniform().mul_(high - low).add_(low).log_()
 
 
-def conv_and_state(module: nn.Module, qkv: torch.Tensor, info: ForwardInfo, fuse: bool = False):
-    """Short conv over q|k|v, continuing from the decode cache when there is one.
+def conv_and_state(module: nn.Module, qkv: torch.Tensor, info: ForwardInfo):
+    """Short conv over q|k|v (the module's ``conv`` role), continuing from the decode cache when
+    there is one.
 
     Returns (conv output [b, s, C], cache dict or None, initial recurrent state or None)."""
     state = None if info.cache is None else info.cache.layer(module.layer_number)
-    qkv, conv_state = causal_conv(qkv, module.conv_weight, None if state is None else state.get("conv"), fuse)
+    qkv, conv_state = module.conv(qkv, module.conv_weight, None if state is None else state.get("conv"))
     if state is not None:
         state["conv"] = conv_state
     return qkv, state, None if state is None else state.get("recurrent")
@@ -199,6 +206,13 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6, scale: float = 1.0, heads_first: 
     return _L2Norm.apply(x, eps, scale, heads_first, fuse)
 
 
+def l2norm_reference(x: torch.Tensor, eps: float = 1e-6, scale: float = 1.0, heads_first: bool = False
+                     ) -> torch.Tensor:
+    """``l2norm``'s values in plain autograd ops (``heads_first`` is a storage hint it ignores)."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps) * scale
+
+
 def fla_usable(device: torch.device) -> bool:
     """fla's Triton kernels only on CUDA, and only when installed; never imported otherwise."""
     return device.type == "cuda" and importlib.util.find_spec("fla") is not None
@@ -215,6 +229,15 @@ def fla_delta_rule(q, k, v, g, beta, initial_state, decode: bool, scale=None):
     fn = recurrent if decode else chunk
     state = None if initial_state is None else initial_state.float()
     return fn(q, k, v, g.float(), beta.to(v.dtype), scale=scale, initial_state=state, output_final_state=True)
+
+
+def run_delta_rule(op, q, k, v, g, beta, *, scale=None, initial_state=None, decode: bool = False,
+                   chunk_size: int = 64, recompute: bool = False):
+    """A backend's delta-rule role: its recurrent step while decoding, its chunked form otherwise."""
+    if decode:
+        return op.recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+    return op.chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
+                      recompute=recompute)
 
 
 def delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, decode: bool = False, chunk_size: int = 64,

@@ -27,8 +27,8 @@ from megamoe.cache import zero_pads
 from megamoe.config import GDNConfig
 from megamoe.parallel.sharding import const_init
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
-from megamoe.layers.linear_attention.common import (conv_and_state, conv_param, delta_rule, head_param, l2norm,
-                                                    log_uniform_init)
+from megamoe.layers.linear_attention.common import (conv_and_state, conv_param, head_param, log_uniform_init,
+                                                    run_delta_rule)
 from megamoe.layers.linear_attention.hf_layout import GDNShapes
 
 
@@ -43,7 +43,7 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = cfg.key_head_dim, cfg.value_head_dim
         self.local_parts = [p // tp for p in shapes.in_proj_parts()]
         b = ctx.backend
-        self.fusion = b.fusion  # for the conv, the L2 norms and the chunked op
+        self.conv, self.l2norm, self.op = b.short_conv(ctx), b.l2_norm(ctx), b.delta_rule(ctx)  # kernel roles
         self.in_proj = b.column_linear(ctx, ctx.hidden_size, list(shapes.in_proj_parts()))
         self.conv_weight = conv_param(ctx, shapes.conv_parts(), cfg.conv_kernel)
         self.A_log = head_param(ctx, cfg.num_value_heads, log_uniform_init(1.0, 16.0))
@@ -64,16 +64,16 @@ class GatedDeltaNet(nn.Module):
         bsz, s = proj.shape[:2]
         qkv_width = sum(self.local_parts[:3])
         qkv, z, b_in, a = proj.split([qkv_width, *self.local_parts[3:]], dim=-1)
-        fuse = self.fusion.active(x.device)
-        qkv, state, h0 = conv_and_state(self, qkv, info, fuse)
+        qkv, state, h0 = conv_and_state(self, qkv, info)
         q, k, v = qkv.split(self.local_parts[:3], dim=-1)
         # q carries the dk^-0.5 softmax-free scale; both stored heads-first for the chunked op
-        q = l2norm(q.reshape(bsz, s, self.hk, self.dk), scale=self.dk ** -0.5, heads_first=True, fuse=fuse)
-        k = l2norm(k.reshape(bsz, s, self.hk, self.dk), heads_first=True, fuse=fuse)
+        q = self.l2norm(q.reshape(bsz, s, self.hk, self.dk), scale=self.dk ** -0.5, heads_first=True)
+        k = self.l2norm(k.reshape(bsz, s, self.hk, self.dk), heads_first=True)
         v = v.reshape(bsz, s, self.hv, self.dv)
         g, beta = self.decay_and_beta(b_in, a)
-        o, final = delta_rule(q, k, v, g, beta, scale=1.0, initial_state=h0, decode=state is not None and s == 1,
-                              chunk_size=self.cfg.resolved_chunk_size(), use_fla=self.cfg.use_fla, recompute=self.recompute_core, fuse=fuse)
+        o, final = run_delta_rule(self.op, q, k, v, g, beta, scale=1.0, initial_state=h0,
+                                  decode=state is not None and s == 1, chunk_size=self.cfg.resolved_chunk_size(),
+                                  recompute=self.recompute_core)
         if state is not None:
             state["recurrent"] = final
         o = self.norm(o, gate=z.reshape(bsz, s, self.hv, self.dv))

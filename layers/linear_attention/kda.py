@@ -31,8 +31,8 @@ from torch import nn
 from megamoe.cache import zero_pads
 from megamoe.config import KDAConfig
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
-from megamoe.layers.linear_attention.common import (conv_and_state, conv_param, delta_rule, head_param, l2norm,
-                                                    log_uniform_init)
+from megamoe.layers.linear_attention.common import (conv_and_state, conv_param, head_param, log_uniform_init,
+                                                    run_delta_rule)
 
 
 def dt_bias_init(draw) -> torch.Tensor:
@@ -71,7 +71,7 @@ class KimiDeltaAttention(nn.Module):
         width = cfg.num_heads * cfg.head_dim
         self.local_parts = [width // tp] * 3 + [self.h]
         b = ctx.backend
-        self.fusion = b.fusion  # for the conv, the L2 norms and the chunked op
+        self.conv, self.l2norm, self.op = b.short_conv(ctx), b.l2_norm(ctx), b.delta_rule(ctx)  # kernel roles
         self.in_proj = b.column_linear(ctx, ctx.hidden_size, [width, width, width, cfg.num_heads])
         self.conv_weight = conv_param(ctx, (width,) * 3, cfg.conv_kernel)
         self.forget_gate = Gate(ctx, cfg.rank(), width)
@@ -95,13 +95,12 @@ class KimiDeltaAttention(nn.Module):
         proj = zero_pads(self.in_proj(x), info.cache)  # padded slots: zero keys, state unchanged (as GDN)
         bsz, s = proj.shape[:2]
         qkv, b_in = proj.split([sum(self.local_parts[:3]), self.h], dim=-1)
-        fuse = self.fusion.active(x.device)
-        qkv, state, h0 = conv_and_state(self, qkv, info, fuse)
+        qkv, state, h0 = conv_and_state(self, qkv, info)
         q, k, v = (t.reshape(bsz, s, self.h, self.d) for t in qkv.split(self.local_parts[:3], dim=-1))
         g = zero_pads(self.decay(x), info.cache)  # log-decay 0 at padded slots: the state passes unchanged
-        o, final = delta_rule(l2norm(q, fuse=fuse), l2norm(k, fuse=fuse), v, g, torch.sigmoid(b_in),
-                              initial_state=h0, decode=state is not None and s == 1, chunk_size=self.cfg.chunk_size,
-                              use_fla=self.cfg.use_fla, recompute=self.recompute_core, fuse=fuse)
+        o, final = run_delta_rule(self.op, self.l2norm(q), self.l2norm(k), v, g, torch.sigmoid(b_in),
+                                  initial_state=h0, decode=state is not None and s == 1,
+                                  chunk_size=self.cfg.chunk_size, recompute=self.recompute_core)
         if state is not None:
             state["recurrent"] = final
         gate = self.output_gate(x).reshape(bsz, s, self.h, self.d)

@@ -1,0 +1,87 @@
+"""The roles every backend shares: pure-torch layers with no faster CPU form (the parallel
+linears, the sharded norm, softmax attention through torch's SDPA, the MLA and DSA latent
+cores, the router GEMM). ``local`` and ``cpu`` both inherit them; a GPU backend overrides
+what it accelerates."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megamoe.fusion import EAGER, Fusion
+from megamoe.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from megamoe.spec import BuildContext
+from megamoe.layers.core_attention import CoreAttention
+from megamoe.layers.dsa import sparse_latent_attention
+from megamoe.layers.mla import latent_attention
+from megamoe.layers.norm import ShardedRMSNorm
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, h], weight [E, h] -> fp32 logits [T, E] (routing is decided in fp32)."""
+    return F.linear(x.float(), weight.float())
+
+
+class BaseBackend:
+    """Shared roles; subclasses add the kernel-bearing ones. ``fusion``: the instance's policy
+    for compiled elementwise kernels (``megamoe.fusion``)."""
+
+    name = "base"
+
+    def __init__(self, fusion: Fusion = EAGER):
+        self.fusion = fusion
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(fusion={self.fusion.mode!r})"
+
+    # ---- linears ------------------------------------------------------------------------
+
+    def column_linear(self, ctx: BuildContext, in_features: int, out_features: int | Sequence[int], *,
+                      bias: bool = False, gather_output: bool = False, sequence_parallel: bool | None = None,
+                      group: str = "tp", init_std: float | None = None) -> nn.Module:
+        sp = ctx.sp if sequence_parallel is None else sequence_parallel
+        return ColumnParallelLinear(in_features, out_features, getattr(ctx.groups, group), bias=bias,
+                                    gather_output=gather_output, sequence_parallel=sp,
+                                    init_std=init_std or ctx.init_std, dtype=ctx.dtype, device=ctx.device,
+                                    group_name=group)
+
+    def row_linear(self, ctx: BuildContext, in_features: int | Sequence[int], out_features: int, *,
+                   bias: bool = False, sequence_parallel: bool | None = None, group: str = "tp",
+                   init_std: float | None = None) -> nn.Module:
+        sp = ctx.sp if sequence_parallel is None else sequence_parallel
+        std = init_std or ctx.init_std / (2.0 * ctx.num_layers) ** 0.5  # output projections: scaled init
+        return RowParallelLinear(in_features, out_features, getattr(ctx.groups, group), bias=bias,
+                                 sequence_parallel=sp, init_std=std, dtype=ctx.dtype, device=ctx.device,
+                                 group_name=group)
+
+    def replicated_linear(self, ctx: BuildContext, in_features: int, out_features: int, *, bias: bool = False,
+                          sequence_parallel: bool | None = None, init_std: float | None = None) -> nn.Module:
+        """A linear every TP rank holds whole (see ``ReplicatedLinear`` for the gradient contract)."""
+        sp = ctx.sp if sequence_parallel is None else sequence_parallel
+        return ReplicatedLinear(in_features, out_features, ctx.groups.tp, bias=bias, sequence_parallel=sp,
+                                init_std=init_std or ctx.init_std, dtype=ctx.dtype, device=ctx.device)
+
+    # ---- norms and attention cores --------------------------------------------------------
+
+    def sharded_norm(self, ctx: BuildContext, full_dim: int, *, eps: float | None = None) -> nn.Module:
+        """RMSNorm over a dim split over TP (statistics all-reduced); weight ones."""
+        return ShardedRMSNorm(full_dim, ctx.groups.tp, ctx.norm_eps if eps is None else eps,
+                              dtype=ctx.dtype, device=ctx.device)
+
+    def core_attention(self, ctx: BuildContext, *, softmax_scale: float, window: int = 0) -> nn.Module:
+        """Causal softmax attention with GQA and an optional sliding window (``CoreAttention``)."""
+        return CoreAttention(softmax_scale, window)
+
+    def latent_attention(self, ctx: BuildContext):
+        """MLA's absorbed attention over cached latents (``megamoe.layers.mla.latent_attention``)."""
+        return latent_attention
+
+    def sparse_latent_attention(self, ctx: BuildContext):
+        """DSA's attention over the indexer's selection (``megamoe.layers.dsa.sparse_latent_attention``)."""
+        return sparse_latent_attention
+
+    def router_logits(self, ctx: BuildContext):
+        """The router GEMM: (x [T, h], weight [E, h]) -> fp32 logits [T, E]."""
+        return router_logits

@@ -1,0 +1,117 @@
+"""``cpu``: the CPU fast paths, the default on machines without CUDA.
+
+Hand-written backwards (RMSNorm, the short convolution, the L2 norm, the per-head chunked
+gated delta rule, the expert loop kernel, the fused shared expert) whose elementwise chains
+run compiled where the instance's ``Fusion`` is active; the chunked forms of the linear-
+attention ops (recurrent steps for decoding). Plain torch otherwise, so it runs on any device.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megamoe.config import MLPConfig
+from megamoe.fusion import EAGER, Fusion
+from megamoe.layers.grouped_gemm import shared_swiglu_add
+from megamoe.spec import BuildContext
+from megamoe.layers.backends.base import BaseBackend
+from megamoe.layers.backends.local import _norm
+from megamoe.layers.experts import GroupedExperts
+from megamoe.layers.lightning import lightning_chunked, lightning_recurrent
+from megamoe.layers.linear_attention.chunk_delta import chunk_delta_rule
+from megamoe.layers.linear_attention.common import causal_conv, l2norm
+from megamoe.layers.linear_attention.delta_rule import recurrent_delta_rule
+from megamoe.layers.norm import HandwrittenRMSNorm
+from megamoe.layers.shared_expert import SharedExpert
+
+
+class ChunkedDeltaRule:
+    """``chunk_delta_rule`` (fused per ``fusion``) for sequences, the recurrence for decode steps."""
+
+    def __init__(self, fusion):
+        self.fusion = fusion
+
+    def chunked(self, q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
+                recompute: bool = False):
+        return chunk_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
+                                recompute=recompute, fuse=self.fusion.active(v.device))
+
+    def recurrent(self, q, k, v, g, beta, *, scale=None, initial_state=None):
+        return recurrent_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+
+
+class ChunkedLightning:
+    def chunked(self, q, k, v, slope, initial_state=None, block: int = 64):
+        return lightning_chunked(q, k, v, slope, initial_state, block=block)
+
+    def recurrent(self, q, k, v, slope, initial_state=None):
+        return lightning_recurrent(q, k, v, slope, initial_state)
+
+
+class _Fused:
+    """``fn(*args, fuse=<policy for the first tensor's device>, **kwargs)``."""
+
+    def __init__(self, fn, fusion):
+        self.fn, self.fusion = fn, fusion
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, x, *args, **kwargs):
+        return self.fn(x, *args, fuse=self.fusion.active(x.device), **kwargs)
+
+
+class FusedSharedExpert(SharedExpert):
+    """The CPU backend's: one op with the routed output (``shared_swiglu_add``: the gate applied
+    to the intermediate, the output GEMM accumulating into ``out``) where the expert is a plain
+    one-rank SwiGLU on CPU outside autocast; otherwise (TP, a bias, adapters on its linears)
+    the modules' form."""
+
+    def __init__(self, cfg: MLPConfig, ctx: BuildContext, layer_number: int = 0, *, fusion: Fusion = EAGER):
+        super().__init__(cfg, ctx, layer_number)
+        self.fusion, self.tp_size = fusion, ctx.groups.tp_size
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether ``add_to`` runs fused for this input. The fused op reads only the two weights
+        and communicates nothing, so the linears must hold nothing else (no bias, no adapter)
+        and be whole (one TP rank)."""
+        plain = all([n for n, _ in m.named_parameters()] == ["weight"] for m in (self.linear_fc1, self.linear_fc2))
+        return (plain and self.tp_size == 1 and x.device.type == "cpu"
+                and not torch.is_autocast_enabled(x.device.type))
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor, gate_w: torch.Tensor | None) -> torch.Tensor:
+        if not self.fuses(x):
+            return super().add_to(out, x, gate_w)
+        h = x.size(-1)
+        return shared_swiglu_add(out.reshape(-1, h), x.reshape(-1, h), self.linear_fc1.weight, self.linear_fc2.weight,
+                                 gate_w, self.swiglu_limit, self.fusion.active(x.device)).view(x.shape)
+
+
+class CpuBackend(BaseBackend):
+    name = "cpu"
+
+    def norm(self, ctx: BuildContext, dim: int, *, sequence_parallel: bool = False, head_sharded: bool = False,
+             eps: float | None = None, zero_centered: bool | None = None):
+        """RMSNorm with the hand-written backward (see ``LocalBackend.norm`` for the arguments)."""
+        return _norm(ctx, dim, sequence_parallel, head_sharded, eps, zero_centered, HandwrittenRMSNorm(self.fusion))
+
+    def l2_norm(self, ctx: BuildContext):
+        return _Fused(l2norm, self.fusion)
+
+    def short_conv(self, ctx: BuildContext):
+        return _Fused(causal_conv, self.fusion)
+
+    def delta_rule(self, ctx: BuildContext):
+        return ChunkedDeltaRule(self.fusion)
+
+    def lightning(self, ctx: BuildContext):
+        return ChunkedLightning()
+
+    def grouped_experts(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str = "auto",
+                        active_fraction: float = 1.0, swiglu_limit: float | None = None):
+        """Stacked SwiGLU experts; ``auto`` runs the loop kernel (torch's grouped GEMM where it works
+        on an accelerator), its SwiGLU passes fused per ``fusion``."""
+        return GroupedExperts(ctx, num_experts, ffn_hidden_size, kernel=kernel, active_fraction=active_fraction,
+                              swiglu_limit=swiglu_limit, fusion=self.fusion)
+
+    def shared_expert(self, ctx: BuildContext, cfg, layer_number: int = 0):
+        return FusedSharedExpert(cfg, ctx, layer_number, fusion=self.fusion)

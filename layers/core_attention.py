@@ -1,0 +1,41 @@
+"""Causal softmax attention (GQA, sliding window): the core both backends' roles return."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def causal_mask(t_q: int, t_k: int, window: int = 0, device=None) -> torch.Tensor:
+    """[t_q, t_k] bool, True = may attend. Queries are the last t_q of the t_k positions;
+    ``window`` > 0 limits each query to the last ``window`` keys (itself included)."""
+    q = torch.arange(t_k - t_q, t_k, device=device).unsqueeze(1)
+    k = torch.arange(t_k, device=device).unsqueeze(0)
+    allowed = k <= q
+    if window > 0:
+        allowed &= k > q - window
+    return allowed
+
+
+class CoreAttention(nn.Module):
+    """Causal softmax attention with GQA and an optional sliding window.
+
+    q: [b, t, hq, d], k: [b, tk, hk, d], v: [b, tk, hk, dv] -> [b, t, hq, dv]; tk >= t and the
+    queries are the last t positions (decoding with a cache).
+    """
+
+    def __init__(self, softmax_scale: float, window: int = 0):
+        super().__init__()
+        self.scale, self.window = softmax_scale, window
+
+    def forward(self, q, k, v, mask: torch.Tensor | None = None):
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, t, d]
+        t, tk = q.size(2), k.size(2)
+        gqa = q.size(1) != k.size(1)
+        if mask is None and self.window == 0 and t == tk:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        else:
+            if mask is None:
+                mask = causal_mask(t, tk, self.window, q.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        return out.transpose(1, 2)

@@ -1,0 +1,87 @@
+"""The backend registry: how a backend is chosen, what an unknown or unavailable one says, the
+registration point for new ones, and layers that ask roles instead of testing types."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from megamoe.errors import ConfigError
+from megamoe.layers import backends
+from megamoe.layers.backends import LocalBackend, available_backends, get_backend, register_backend
+from tests.mixer_utils import tiny_model
+
+
+@pytest.fixture
+def registry():
+    """Registers test backends for one test and removes them afterwards."""
+    before = dict(backends._REGISTRY)
+    yield register_backend
+    backends._REGISTRY.clear()
+    backends._REGISTRY.update(before)
+
+
+def test_auto_is_cpu_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("auto picks local where CUDA is present")
+    assert get_backend("auto").name == "cpu"
+    assert get_backend("local").name == "local" and get_backend("cpu").name == "cpu"
+    assert {"local", "cpu"} <= set(available_backends())
+
+
+def test_an_unknown_backend_is_one_line():
+    with pytest.raises(ConfigError) as e:
+        get_backend("te")
+    assert str(e.value) == "model.backend='te' is not a backend: allowed: auto, local, cpu"
+    from megamoe.model import LanguageModel
+
+    with pytest.raises(ConfigError, match=r"^model.backend='tensorrt' is not a backend: allowed: auto, local, cpu$"):
+        LanguageModel(tiny_model("Ad", backend="tensorrt"))
+    with pytest.raises(ConfigError, match=r"model.backend"):
+        tiny_model("Ad", backend="two words").validate()
+
+
+def test_an_unavailable_backend_names_what_is_missing(registry):
+    registry("fancy", LocalBackend, missing=lambda: "package fancy_kernels is not installed")
+    assert "fancy" not in available_backends()
+    with pytest.raises(ConfigError) as e:
+        get_backend("fancy")
+    assert str(e.value) == "model.backend='fancy' is unavailable here: package fancy_kernels is not installed"
+
+
+def test_a_registered_backend_fills_the_roles(registry):
+    """A new backend subclasses one that exists and overrides the roles it accelerates; a model
+    built with its name asks it for every role."""
+    from megamoe.model import LanguageModel
+
+    asked = []
+
+    class Counting(LocalBackend):
+        name = "counting"
+
+        def norm(self, ctx, dim, **kw):
+            asked.append(dim)
+            return super().norm(ctx, dim, **kw)
+
+    registry("counting", Counting)
+    model = LanguageModel(tiny_model("GdAd", backend="counting"))
+    assert model.ctx.backend.name == "counting"
+    assert len(asked) == 2 + 2 + 2 + 1 + 1  # two norms per layer, GDN's and attention's q/k norms, the final norm
+
+
+LAYER_FILES = [p for p in Path(__file__).resolve().parents[1].joinpath("layers").rglob("*.py")
+               if "backends" not in p.parts
+               # op libraries the backends pick kernels from (probes of torch's grouped GEMM, FP8, fla)
+               and p.name not in ("grouped_gemm.py", "fp8.py", "fp8_experts.py", "common.py")]
+FORBIDDEN = re.compile(r"__class__|\btype\([^)]*\)\s+is\b|Backend\b|[\"'](local|cpu|te|cuda)[\"']|\.device\.type|"
+                       r"\.is_cuda|torch\.cuda")
+
+
+def test_layers_test_no_types_backends_or_devices():
+    assert len(LAYER_FILES) > 15
+    hits = [f"{p.name}:{i}: {line.strip()}" for p in LAYER_FILES
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if FORBIDDEN.search(line) and not line.lstrip().startswith("from megamoe.layers.backends")]
+    assert hits == []
