@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megamoe.errors import CheckpointError
+from megamoe.parallel.groups import ParallelGroups
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["data.kind=synthetic", "data.seq_len=32", "logging.progress=false", "logging.latency_interval=0"]
@@ -229,3 +230,106 @@ def test_resume_from_an_earlier_step_logs_each_step_once(ckpts, tmp_path):
     tool("pretrain.py", "--config", "tiny_train", "train.steps=4", "model.hidden_size=32", f"checkpoint.dir={run}", *SMALL)
     steps = [json.loads(line)["step"] for line in (run / "tb/metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+# ---- 3. saves that fail leave the previous state; resume falls back; reruns; ports ------------
+
+DISK_FULL_AT_SAVE_2 = """
+import errno, sys
+import torch.distributed.checkpoint.filesystem as fs
+from megamoe.training import checkpoint
+real_write, saves = fs._write_item, []
+real_save = checkpoint.save_checkpoint
+def counting_save(*a, **k):
+    saves.append(1)
+    return real_save(*a, **k)
+def full_disk_write(transforms, stream, data, *a, **k):
+    if len(saves) == 2:  # the second save: some bytes land, then the disk is full
+        stream.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return real_write(transforms, stream, data, *a, **k)
+fs._write_item, checkpoint.save_checkpoint = full_disk_write, counting_save
+sys.argv = sys.argv[1:]
+from megamoe.commands.pretrain import cli
+cli()
+"""
+
+
+def test_failed_write_keeps_previous_latest_and_no_tmp(tmp_path):
+    run = tmp_path / "run"
+    args = ["--config", "tiny_train", "model.hidden_size=32", "train.steps=4", "checkpoint.save_interval=2",
+            f"checkpoint.dir={run}", *SMALL]
+    out = subprocess.run([sys.executable, "-c", DISK_FULL_AT_SAVE_2, "pretrain", *args], capture_output=True,
+                         text=True, env=env(), timeout=300)
+    one_line_error(out, f"{run}/step_00000004.tmp: cannot save checkpoint", "No space left on device",
+                   "the partial save was removed, step_00000002 stays latest")
+    from megamoe.training.checkpoint import latest_checkpoint
+
+    assert latest_checkpoint(run) == run / "step_00000002"
+    assert sorted(p.name for p in run.iterdir()) == ["latest", "step_00000002", "tb"]
+
+
+def test_free_disk_is_checked_before_writing(tmp_path, monkeypatch):
+    import shutil as real_shutil
+
+    from megamoe.training import checkpoint
+
+    _linear_checkpoint(tmp_path)
+    usage = real_shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage._replace(free=4096))
+    with pytest.raises(CheckpointError, match=f"{tmp_path}: not enough free disk for checkpoint step 2 "
+                                              r"\(1.0 MiB needed on a rank, 0.0 MiB free\); nothing written"):
+        checkpoint.save_checkpoint(tmp_path, 2, ParallelGroups(), [torch.nn.Linear(2, 2)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
+
+
+def test_truncated_newest_falls_back_and_rerun_is_a_no_op(ckpts, tmp_path):
+    """The newest checkpoint's data cut short: resume from the one before it, saying so, and
+    replace the broken folder when its step comes round again. Then the same recipe with fewer
+    steps is nothing to do (no 'Directory not empty'); both runs without MASTER_PORT while
+    port 29500 is taken (a second single-process run used to fail with EADDRINUSE)."""
+    import json
+    import socket
+
+    run = copy(ckpts["dense_dir"], tmp_path / "dense")
+    part = next((run / "step_00000004").glob("*.distcp"))
+    part.write_bytes(part.read_bytes()[:1000])
+    args = ["--config", "tiny_train", "model.hidden_size=32", "checkpoint.save_interval=2", f"checkpoint.dir={run}",
+            *SMALL]
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", 29500))
+    except OSError:
+        pass  # taken already, as wanted
+    free_env = {k: v for k, v in env().items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+    try:
+        out = subprocess.run([sys.executable, str(REPO / "tools/pretrain.py"), *args, "train.steps=5"],
+                             capture_output=True, text=True, env=free_env, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert re.search(r"WARNING .*step_00000004: cannot load checkpoint .*; falling back to the checkpoint "
+                         r"before it, .*step_00000002\n", out.stderr), out.stderr[-3000:]
+        assert "resumed from" in out.stderr and "step_00000002 at step 2" in out.stderr
+        steps = [json.loads(line)["step"] for line in (run / "tb/metrics.jsonl").read_text().splitlines()]
+        assert steps == [1, 2, 3, 4, 5]
+        assert sorted(p.name for p in run.glob("step_*")) == ["step_00000004", "step_00000005"]
+        again = subprocess.run([sys.executable, str(REPO / "tools/pretrain.py"), *args, "train.steps=3"],
+                               capture_output=True, text=True, env=free_env, timeout=300)
+        assert again.returncode == 0 and "nothing trained" in again.stdout, again.stderr[-3000:]
+        assert sorted(p.name for p in run.glob("step_*")) == ["step_00000004", "step_00000005"]
+    finally:
+        holder.close()
+
+
+def test_nonfinite_stop_is_one_line_and_keeps_the_last_finite_latest(tmp_path):
+    from megamoe.training.checkpoint import latest_checkpoint, read_meta
+
+    run = tmp_path / "run"
+    out = tool("pretrain.py", "--config", "tiny_train", "model.hidden_size=32", "train.steps=12",
+               "train.nan_max_consecutive=2", "optim.lr=1e30", "optim.min_lr=0", "optim.warmup_steps=0",
+               "optim.clip_grad=0", "checkpoint.save_interval=1", f"checkpoint.dir={run}", *SMALL, check=False)
+    line = one_line_error(out, "consecutive steps had a non-finite gradient norm; stopped without saving")
+    latest = latest_checkpoint(run)
+    state = read_meta(latest)["trainer_state"]
+    assert f"{latest} stays latest" in line and state["nan_streak"] == 0 and state["skipped_steps"] == 0
+    stopped = int(re.search(r"error: step (\d+):", line).group(1))
+    assert state["step"] == stopped - 2

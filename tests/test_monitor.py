@@ -55,7 +55,7 @@ def nan_run(ckpt_dir: str) -> dict:
 
     recipe = tiny_recipe(ParallelConfig(), steps=20, nan_max_consecutive=3)
     recipe.optim.lr, recipe.optim.warmup_steps, recipe.optim.clip_grad = 1e30, 0, 0.0
-    recipe.checkpoint.dir = ckpt_dir
+    recipe.checkpoint.dir, recipe.checkpoint.save_interval = ckpt_dir, 1
     trainer = Trainer(recipe, SyntheticDataset(64, 16, seed=3))
     snapshots = []
     trainer.after_step_hooks.append(lambda t: snapshots.append(t.step))
@@ -67,11 +67,13 @@ def nan_run(ckpt_dir: str) -> dict:
     return {"message": None}
 
 
-def test_nonfinite_steps_are_skipped_then_saved_and_stopped(pool, tmp_path):
+def test_nonfinite_steps_are_skipped_then_stopped_keeping_the_last_finite_checkpoint(pool, tmp_path):
     from megamoe.training.checkpoint import latest_checkpoint, read_meta
 
     out = pool(1).run(nan_run, str(tmp_path))[0]
     assert out["message"] and "3 consecutive steps had a non-finite gradient norm" in out["message"]
     assert out["skipped"] == 3 and out["step"] == out["updates"][-1] + 3  # updates stopped, steps went on
+    # saves pause during the streak and the stop writes nothing: latest is the last updated step
     ckpt = latest_checkpoint(tmp_path)
-    assert ckpt is not None and read_meta(ckpt)["trainer_state"]["skipped_steps"] == 3
+    state = read_meta(ckpt)["trainer_state"]
+    assert state["step"] == out["updates"][-1] and state["skipped_steps"] == 0 and f"{ckpt} stays latest" in out["message"]

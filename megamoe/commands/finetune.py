@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megamoe.cli import recipe_parser, run_main
 from megamoe.errors import ConfigError
-from megamoe.training.entry import adopt_checkpoint_model, load_train_recipe, run_training, weights_source
+from megamoe.training.entry import adopt_checkpoint_model, done_line, load_train_recipe, run_training, weights_source
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = run_training(recipe)
     if summary["trainer"].rank == 0:
         last = summary["last"]
-        print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {last.get('loss', float('nan')):.4f}")
+        print(done_line(summary))
         print(f"TensorBoard logs: {summary['log_dir']}")
         if c.dir:
             print(f"checkpoints: {c.dir}")

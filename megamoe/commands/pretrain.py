@@ -6,7 +6,7 @@
 import torch.distributed as dist
 
 from megamoe.cli import recipe_parser, run_main
-from megamoe.training.entry import load_train_recipe, run_training
+from megamoe.training.entry import done_line, load_train_recipe, run_training
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = run_training(load_train_recipe(args.config, args.overrides))
     if summary["trainer"].rank == 0:
         last = summary["last"]
-        print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {last.get('loss', float('nan')):.4f}")
+        print(done_line(summary))
         print(f"TensorBoard logs: {summary['log_dir']}  (tensorboard --logdir {summary['log_dir']})")
         if summary["checkpoint_dir"]:
             print(f"checkpoints: {summary['checkpoint_dir']}")

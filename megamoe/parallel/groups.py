@@ -73,19 +73,23 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> t
     """Initialise torch.distributed from torchrun's environment (gloo on CPU, NCCL on GPU).
 
     Returns (rank, world_size). A single process without torchrun's variables gets a world
-    of one on a local port.
+    of one over an in-process store, so no port is taken (two such runs side by side do not
+    collide); MASTER_ADDR/MASTER_PORT, when set, are honoured instead.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    if world == 1 and "MASTER_PORT" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return 0, 1
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     return rank, world
 
 

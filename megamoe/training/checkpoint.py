@@ -17,19 +17,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megamoe.errors import CheckpointError
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.pieces import (all_pieces, assemble, layout_sizes, my_ranks, piece_key,
                                      stored_rules, unchanged)
 from megamoe.parallel.sharding import sharding, split_full
-from megamoe.training.safe_dcp import SafeFileSystemReader, dcp_load, quiet  # noqa: F401  (re-exported)
+from megamoe.training.safe_dcp import SafeFileSystemReader, checkpoint_error, dcp_load, quiet  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -86,36 +88,83 @@ def _write_json_atomic(path: Path, data) -> None:
 
 
 def _finalize(tmp: Path, final: Path, root: Path) -> None:
-    """Make a fully written checkpoint visible: rename, then point ``latest`` at it."""
+    """Make a fully written checkpoint visible: rename, then point ``latest`` at it. A folder of
+    the same step already there (a run resumed from an earlier checkpoint, or re-run) is one
+    megamoe wrote: it is moved aside first and removed once the new one is in place."""
+    stale = None
+    if final.exists():
+        stale = final.with_name(f"{final.name}.replaced")
+        shutil.rmtree(stale, ignore_errors=True)
+        os.replace(final, stale)
     os.replace(tmp, final)
     _write_json_atomic(root / LATEST, {"step_dir": final.name})
+    if stale is not None:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _agree(problem: str | None) -> str | None:
+    """The first rank's problem, on every rank (a collective): all ranks stop or go on together."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return problem
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, problem)
+    return next((p for p in every if p), None)
+
+
+def _space_problem(root: Path, items: dict[str, torch.Tensor], step: int) -> str | None:
+    """Whether the disk under ``root`` lacks room for this rank's part of the checkpoint."""
+    need = int(sum(t.numel() * t.element_size() for t in items.values()) * 1.05) + (1 << 20)
+    where = next(p for p in (root, *root.parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    if free >= need:
+        return None
+    return (f"{root}: not enough free disk for checkpoint step {step} ({need / 2**20:.1f} MiB needed on a rank, "
+            f"{free / 2**20:.1f} MiB free); nothing written")
+
+
+def _write(tmp: Path, items: dict, meta: dict) -> str | None:
+    """DCP-save ``items`` into ``tmp`` and (rank 0) its meta.json; the failure as one line, or None."""
+    try:
+        with quiet():
+            dcp.save(items, checkpoint_id=str(tmp), no_dist=_single_process())
+        if _is_root():
+            (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001  (CheckpointException is a BaseException)
+        return str(checkpoint_error(tmp, "save", e))
+    return None
 
 
 def save_checkpoint(root: str | Path, step: int, groups: ParallelGroups, model_parts, optimizer=None,
                     trainer_state: dict | None = None, keep_last: int = 2, extra_meta: dict | None = None,
                     select=None) -> Path:
     """Write ``root/step_XXXXXXXX`` atomically (a collective: every rank calls it). ``select(name)``:
-    which model tensors to write (default all)."""
+    which model tensors to write (default all). Too little free disk, or a failed write on any
+    rank, is a ``CheckpointError`` on every rank; the partial folder is removed and the previous
+    checkpoint stays ``latest``."""
     root = Path(root)
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
+    ranks, sizes = my_ranks(groups), layout_sizes(groups)
+    items = {piece_key(kind, name, rules, ranks, sizes): t for t, kind, name, rules in _targets(model_parts, optimizer, select=select)}
+    items[f"rng/rank{dist.get_rank() if dist.is_initialized() else 0}"] = torch.get_rng_state().clone()
+    problem = _agree(_space_problem(root, items, step))
+    if problem:
+        raise CheckpointError(problem)
     if _is_root():
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
     _barrier()
-    ranks, sizes = my_ranks(groups), layout_sizes(groups)
-    items = {piece_key(kind, name, rules, ranks, sizes): t for t, kind, name, rules in _targets(model_parts, optimizer, select=select)}
-    items[f"rng/rank{dist.get_rank() if dist.is_initialized() else 0}"] = torch.get_rng_state().clone()
-    with quiet():
-        dcp.save(items, checkpoint_id=str(tmp), no_dist=_single_process())
-    if _is_root():
-        meta = {**(extra_meta or {}), "step": step, "layout": layout_sizes(groups),
-                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "trainer_state": trainer_state or {}}
-        (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
-    _barrier()
+    meta = {**(extra_meta or {}), "step": step, "layout": layout_sizes(groups),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1, "trainer_state": trainer_state or {}}
+    problem = _agree(_write(tmp, items, meta))
+    if problem:
+        if _is_root():
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest_checkpoint(root)
+        raise CheckpointError(f"{problem}; the partial save was removed, "
+                              f"{previous.name if previous else 'no checkpoint'} stays latest")
     if _is_root():
         _finalize(tmp, final, root)
         _prune(root, keep_last)
@@ -124,29 +173,41 @@ def save_checkpoint(root: str | Path, step: int, groups: ParallelGroups, model_p
     return final
 
 
+def _steps(root: Path) -> list[Path]:
+    """Complete checkpoint folders (``step_XXXXXXXX`` with a meta.json), oldest first."""
+    return sorted(p for p in root.glob("step_*") if re.fullmatch(r"step_\d{8}", p.name) and (p / META).is_file())
+
+
 def _prune(root: Path, keep_last: int) -> None:
-    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for old in done[:-keep_last]:
+    for old in _steps(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob("step_*.tmp"):
+    for stale in [*root.glob("step_*.tmp"), *root.glob("step_*.replaced")]:
         shutil.rmtree(stale, ignore_errors=True)
 
 
 # ---- load --------------------------------------------------------------------------------
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under root (``latest``, else the highest step_*)."""
+def checkpoints_newest_first(root: str | Path) -> list[Path]:
+    """Complete checkpoints under root: the one ``latest`` names first, then the others by step,
+    newest first (the candidates a resume tries in turn)."""
     root = Path(root)
+    done = _steps(root)[::-1]
     pointer = root / LATEST
     if pointer.is_file():
         try:
             path = root / json.loads(pointer.read_text())["step_dir"]
-            if (path / META).is_file():
-                return path
-        except (ValueError, KeyError):
+            if path in done:
+                done.remove(path)
+                done.insert(0, path)
+        except (ValueError, KeyError, TypeError, OSError):
             log.warning("%s is unreadable; scanning for checkpoints", pointer)
-    done = sorted(p for p in root.glob("step_*") if (p / META).is_file() and not p.name.endswith(".tmp"))
-    return done[-1] if done else None
+    return done
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under root (``latest``, else the highest step_*)."""
+    done = checkpoints_newest_first(root)
+    return done[0] if done else None
 
 
 def read_meta(path: str | Path) -> dict:

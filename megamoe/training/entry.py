@@ -75,3 +75,11 @@ def run_training(recipe) -> dict:
     last = history[-1] if history else {}
     return {"trainer": trainer, "log_dir": log_dir, "checkpoint_dir": recipe.checkpoint.dir,
             "first_loss": history[0]["loss"] if history else None, "last": last, "steps": trainer.step}
+
+
+def done_line(summary: dict) -> str:
+    """The closing line of a training command."""
+    if summary["first_loss"] is None:
+        return f"done: the checkpoint is at step {summary['steps']}, which train.steps does not exceed; nothing trained"
+    last = summary["last"].get("loss", float("nan"))
+    return f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {last:.4f}"

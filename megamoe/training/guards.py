@@ -24,6 +24,10 @@ TRAIN_KEYS = ("global_batch_size", "seed", "precision")
 DATA_SKIP = ("num_workers",)
 
 
+class CheckpointMismatch(CheckpointError):
+    """The run's settings differ from the checkpoint's: the user's to resolve (no fallback)."""
+
+
 def run_record(recipe) -> dict:
     """The parallel-independent settings a checkpoint records besides model and LoRA."""
     data = {k: v for k, v in config_to_dict(recipe.data).items() if k not in DATA_SKIP}
@@ -72,5 +76,5 @@ def check_unchanged(path: Path, meta: dict, now: dict, allow=(), what: str = "re
         log.warning("%s: %s changed from %s to %s (allowed by checkpoint.allow_changes)", path, field, old, new)
     if refused:
         listed = "; ".join(f"{f} {_show(o)} -> {_show(n)}" for f, o, n in refused)
-        raise CheckpointError(f"{path}: cannot {what}, the run differs from the checkpoint in {listed} "
+        raise CheckpointMismatch(f"{path}: cannot {what}, the run differs from the checkpoint in {listed} "
                               f"(revert, or accept with checkpoint.allow_changes=[{','.join(f for f, _, _ in refused)}])")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megamoe.data import BatchLayout, TrainData
-from megamoe.errors import ConfigError, DataError
+from megamoe.errors import CheckpointError, ConfigError, DataError, MegamoeError
 from megamoe.plan import budget
 from megamoe.parallel import comm
 from megamoe.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
@@ -27,7 +27,7 @@ from megamoe.recipe import Recipe, config_to_dict
 from megamoe.training import checkpoint as ckpt
 from megamoe.training.config import TrainConfig
 from megamoe.training.grads import clip_grads, global_grad_norm, sync_grads
-from megamoe.training.guards import check_unchanged, run_record
+from megamoe.training.guards import CheckpointMismatch, check_unchanged, run_record
 from megamoe.training.monitor import Monitor, memory_gib, peak_tflops
 from megamoe.training.optimizer import DistributedOptimizer, lr_at
 from megamoe.training.pipeline import build_chunks, build_schedule
@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 TrainRecipe = Recipe  # the training runtime reads every section of a recipe
 
 
-class NonFiniteStop(RuntimeError):
-    """Raised after ``train.nan_max_consecutive`` skipped steps (a checkpoint was saved)."""
+class NonFiniteStop(MegamoeError, RuntimeError):
+    """Raised after ``train.nan_max_consecutive`` skipped steps; nothing is saved, so ``latest``
+    stays the last checkpoint written before the streak (periodic saves pause during one)."""
 
 
 def _device(train: TrainConfig) -> torch.device:
@@ -76,6 +77,7 @@ class Trainer:
         self.first = self.stage_ids[0] == 0
         self.last = self.stage_ids[-1] == self.n_stages - 1
         self.step, self.consumed, self.nan_streak, self.skipped = 0, 0, 0, 0
+        self.saved_step = None  # the step of the checkpoint last written or resumed from
         self.hf_origin = None  # the HF family/config the weights came from, kept for export
         if self.base_weights:
             check_unchanged(Path(self.base_weights), ckpt.read_meta(self.base_weights),
@@ -186,25 +188,40 @@ class Trainer:
         if self.recipe.lora is not None:
             base = self.base_weights and str(Path(self.base_weights).resolve())
             extra.update(lora=config_to_dict(self.recipe.lora), lora_base=base)
-        return ckpt.save_checkpoint(root, self.step, self.groups, self.chunks, self.optimizer, self.state(),
+        path = ckpt.save_checkpoint(root, self.step, self.groups, self.chunks, self.optimizer, self.state(),
                                     self.recipe.checkpoint.keep_last, extra, select=self._checkpoint_select())
+        self.saved_step = self.step
+        return path
 
     def _maybe_resume(self) -> None:
+        """Continue from the newest intact checkpoint in ``checkpoint.dir``: one that cannot be
+        read (truncated, corrupted) is skipped for the one before it, saying so; a checkpoint
+        whose settings differ from the run's is the user's to resolve and stops the run."""
         c = self.recipe.checkpoint
         if not (c.dir and c.resume):
             return
-        path = ckpt.latest_checkpoint(c.dir)
-        if path is None:
-            return
         now = {"model": config_to_dict(self.recipe.model), "lora": self.recipe.lora and config_to_dict(self.recipe.lora),
                **run_record(self.recipe)}
-        check_unchanged(path, ckpt.read_meta(path), now, c.allow_changes)
-        meta = ckpt.load_checkpoint(path, self.groups, self.chunks, self.optimizer, select=self._checkpoint_select())
-        state = meta["trainer_state"]
-        self.hf_origin = meta.get("hf", self.hf_origin)
-        self.step, self.consumed = state["step"], state["consumed_samples"]
-        self.nan_streak, self.skipped = state.get("nan_streak", 0), state.get("skipped_steps", 0)
-        log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed)
+        candidates = ckpt.checkpoints_newest_first(c.dir)
+        for i, path in enumerate(candidates):
+            try:
+                check_unchanged(path, ckpt.read_meta(path), now, c.allow_changes)
+                meta = ckpt.load_checkpoint(path, self.groups, self.chunks, self.optimizer,
+                                            select=self._checkpoint_select())
+            except CheckpointMismatch:
+                raise
+            except CheckpointError as e:
+                if i + 1 == len(candidates):
+                    raise
+                log.warning("%s; falling back to the checkpoint before it, %s", e, candidates[i + 1])
+                continue
+            state = meta["trainer_state"]
+            self.hf_origin = meta.get("hf", self.hf_origin)
+            self.step, self.consumed = state["step"], state["consumed_samples"]
+            self.nan_streak, self.skipped = state.get("nan_streak", 0), state.get("skipped_steps", 0)
+            self.saved_step = self.step
+            log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed)
+            return
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -333,6 +350,13 @@ class Trainer:
                 out.setdefault(k.split("/", 1)[1], []).extend(v)
         return out
 
+    def _nonfinite_message(self) -> str:
+        root = self.recipe.checkpoint.dir
+        latest = ckpt.latest_checkpoint(root) if root else None
+        kept = f"{latest} stays latest" if latest else "no checkpoint was written"
+        return (f"step {self.step}: {self.nan_streak} consecutive steps had a non-finite gradient norm; stopped "
+                f"without saving, {kept}; lower optim.lr or inspect the data")
+
     def fit(self, log_dir: str | Path | None = None, dataset=None) -> list[dict]:
         """Train until ``train.steps``; returns the per-step metrics of this run."""
         self.dataset = dataset if dataset is not None else self.dataset
@@ -360,14 +384,15 @@ class Trainer:
                 monitor.log_step(self.step, metrics, latencies, load, moe_scalars)
                 history.append(metrics)
                 if self.nan_streak >= self.train.nan_max_consecutive:
-                    path = self.save()
-                    raise NonFiniteStop(
-                        f"{self.nan_streak} consecutive steps had a non-finite gradient norm (step {self.step}); "
-                        f"saved {path or 'nothing (checkpoint.dir unset)'}; lower optim.lr or inspect the data")
+                    raise NonFiniteStop(self._nonfinite_message())
                 every = cfg.checkpoint.save_interval
-                if every and self.step % every == 0 and self.step < self.train.steps:
+                if every and self.step % every == 0 and self.step < self.train.steps and not self.nan_streak:
                     self.save()
-            self.save()
+            if self.saved_step != self.step:
+                self.save()
+            elif self.rank == 0:
+                log.info("checkpoint step %d already reaches train.steps=%d: nothing to train", self.step,
+                         self.train.steps)
         finally:
             monitor.close()
         return history
