@@ -366,7 +366,7 @@ class GDNConfig:
     # training chunk length of the torch op, a power of two (all give the same result); None:
     # 32 for head dims up to 64, else 64 (the faster of the two on CPU, measured)
     chunk_size: Optional[int] = None
-    use_fla: bool = True  # fla kernels, for a CUDA backend (none ships in this build: no effect yet)
+    use_fla: bool = True  # read by no backend (the cuda backend uses fla wherever it is installed)
 
     def resolved_chunk_size(self) -> int:
         if self.chunk_size is not None:

@@ -172,9 +172,10 @@ class OutputLayer(nn.Module):
 
 
 def build_context(cfg: ModelConfig, groups: ParallelGroups | None = None, *,
-                  sequence_parallel: bool = False, device=None) -> BuildContext:
+                  sequence_parallel: bool = False, device=None, fp8: str | None = None) -> BuildContext:
+    """``fp8``: the FP8 recipe the backend's GEMMs run (train.fp8; None: none)."""
     layout = cfg.validate()
-    backend = get_backend(cfg.backend, Fusion.from_config(cfg.fusion))  # the model's own instance
+    backend = get_backend(cfg.backend, Fusion.from_config(cfg.fusion), fp8=fp8)  # the model's own instance
     return BuildContext(
         hidden_size=cfg.hidden_size, groups=groups or ParallelGroups(), backend=backend,
         sequence_parallel=sequence_parallel, norm_eps=cfg.norm_eps, norm_zero_centered=cfg.norm_zero_centered,
@@ -190,11 +191,11 @@ class LanguageModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups | None = None, *,
                  sequence_parallel: bool = False, layer_ids: Sequence[int] | None = None,
-                 pre_process: bool = True, post_process: bool = True, device=None):
+                 pre_process: bool = True, post_process: bool = True, device=None, fp8: str | None = None):
         super().__init__()
         self.config = cfg
         self.layout = cfg.validate()
-        self.ctx = ctx = build_context(cfg, groups, sequence_parallel=sequence_parallel, device=device)
+        self.ctx = ctx = build_context(cfg, groups, sequence_parallel=sequence_parallel, device=device, fp8=fp8)
         self.groups = ctx.groups
         self.pre_process, self.post_process = pre_process, post_process
         ids = range(self.layout.num_layers) if layer_ids is None else layer_ids

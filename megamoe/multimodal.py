@@ -99,11 +99,12 @@ class MultimodalModel(LanguageModel):
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups | None = None, *,
                  sequence_parallel: bool = False, layer_ids: Sequence[int] | None = None,
-                 pre_process: bool = True, post_process: bool = True, device=None, vision_split_group=None):
+                 pre_process: bool = True, post_process: bool = True, device=None, vision_split_group=None,
+                 fp8: str | None = None):
         if cfg.vision is None:
             raise ConfigError("model.vision is not set: a multimodal model needs a vision section")
         super().__init__(cfg, groups, sequence_parallel=sequence_parallel, layer_ids=layer_ids,
-                         pre_process=pre_process, post_process=post_process, device=device)
+                         pre_process=pre_process, post_process=post_process, device=device, fp8=fp8)
         self.image_token_id = cfg.vision.image_token_id
         self.mrope = cfg.attention.mrope_section is not None
         self.vision = None

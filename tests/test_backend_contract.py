@@ -13,12 +13,28 @@ import pytest
 import torch
 
 from megamoe.config import MLPConfig
-from megamoe.layers.backends import available_backends, get_backend
+from megamoe.layers.backends import available_backends, get_backend, register_backend
+from megamoe.layers.backends.cuda import CudaBackend
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.spec import BuildContext
 from tests.numerics import rel_err
 
-BACKENDS = available_backends()
+# the cuda backend's roles on CPU tensors, where its CUDA-only kernels (fla) fall back to the
+# torch ops: every role's wiring is checked here too; tests/test_gpu.py runs it on the device
+class CudaOnCpu(CudaBackend):
+    name = "cuda_on_cpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cuda_on_cpu():
+    from megamoe.layers import backends
+
+    register_backend("cuda_on_cpu", CudaOnCpu)
+    yield
+    backends._REGISTRY.pop("cuda_on_cpu")
+
+
+BACKENDS = [b for b in available_backends() if b != "cuda"] + ["cuda_on_cpu"]
 EXACT, ALGO = 1e-6, 1e-5
 
 

@@ -25,7 +25,7 @@ def registry():
 
 def test_auto_is_cpu_without_cuda():
     if torch.cuda.is_available():
-        pytest.skip("auto picks local where CUDA is present")
+        pytest.skip("auto picks cuda where CUDA is present")
     assert get_backend("auto").name == "cpu"
     assert get_backend("local").name == "local" and get_backend("cpu").name == "cpu"
     assert {"local", "cpu"} <= set(available_backends())
@@ -34,10 +34,10 @@ def test_auto_is_cpu_without_cuda():
 def test_an_unknown_backend_is_one_line():
     with pytest.raises(ConfigError) as e:
         get_backend("te")
-    assert str(e.value) == "model.backend='te' is not a backend: allowed: auto, local, cpu"
+    assert str(e.value) == "model.backend='te' is not a backend: allowed: auto, local, cpu, cuda"
     from megamoe.model import LanguageModel
 
-    with pytest.raises(ConfigError, match=r"^model.backend='tensorrt' is not a backend: allowed: auto, local, cpu$"):
+    with pytest.raises(ConfigError, match=r"^model.backend='tensorrt' is not a backend: allowed: auto, local, cpu, cuda$"):
         LanguageModel(tiny_model("Ad", backend="tensorrt"))
     with pytest.raises(ConfigError, match=r"model.backend"):
         tiny_model("Ad", backend="two words").validate()
@@ -85,3 +85,18 @@ def test_layers_test_no_types_backends_or_devices():
             for i, line in enumerate(p.read_text().splitlines(), 1)
             if FORBIDDEN.search(line) and not line.lstrip().startswith("from megamoe.layers.backends")]
     assert hits == []
+
+
+def test_cuda_and_fp8_refusals_are_one_line():
+    """Without CUDA the cuda backend says so; an FP8 recipe on a backend without it names the
+    backends that have one."""
+    from megamoe.training.config import TrainConfig
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"^model.backend='cuda' is unavailable here: no CUDA device"):
+            get_backend("cuda")
+    with pytest.raises(ConfigError, match=r"^train.fp8='torch' is not available on the cpu backend; "
+                                          r"backends with FP8: cuda \(torch\)$"):
+        get_backend("cpu", fp8="torch")
+    with pytest.raises(ConfigError, match=r"^train.fp8"):
+        TrainConfig(fp8="e4m3").validate()

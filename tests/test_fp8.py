@@ -139,3 +139,57 @@ def test_fp8_swiglu_experts_on_cuda_against_bf16():
     ref = _grads(swiglu_experts_reference, counts, inputs)
     for name, a, b in zip(("out", "dx", "dprobs", "dw1", "dw2"), got, ref):
         assert_close(a, b, 8e-2, name)
+
+
+# ---- the cuda backend's FP8 roles at TP=2 ---------------------------------------------------
+
+def fp8_mlp_case(seed: int) -> dict:
+    """An FP8 column -> SiLU -> row pair at this rank's TP layout against the fp32 MLP of one
+    process (weights from the same shard-local initialisation); forward and every gradient."""
+    import torch.distributed as dist
+
+    from megamoe.layers.backends.cuda import FP8ColumnParallelLinear, FP8RowParallelLinear
+    from megamoe.parallel.groups import ParallelGroups
+    from megamoe.weights import full_state_dict, initialize
+
+    tp = dist.group.WORLD if dist.get_world_size() > 1 else None
+    groups = ParallelGroups(tp=tp)
+    mlp = torch.nn.Sequential(FP8ColumnParallelLinear(64, 96, tp, bias=True, init_std=0.1),
+                              torch.nn.SiLU(), FP8RowParallelLinear(96, 64, tp, init_std=0.1))
+    initialize(mlp, groups, seed)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+    y = mlp(x)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 1))
+    y.backward(dy)
+    from megamoe.weights import finalize_grads
+
+    finalize_grads(mlp, groups)
+    full = full_state_dict(mlp, groups)
+    grads = {n: _gathered_grad(p, groups) for n, p in mlp.named_parameters()}
+    w1, b1, w2 = (full[k].clone().requires_grad_() for k in ("0.weight", "0.bias", "2.weight"))
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = F.linear(F.silu(F.linear(x_ref, w1, b1)), w2)
+    y_ref.backward(dy)
+    errs = {"y": _rel(y, y_ref), "dx": _rel(x.grad, x_ref.grad)}
+    for name, ref in (("0.weight", w1), ("0.bias", b1), ("2.weight", w2)):
+        errs[name] = _rel(grads[name], ref.grad)
+    return errs
+
+
+def _gathered_grad(p, groups):
+    from megamoe.parallel.sharding import gather_full
+
+    return gather_full(p, groups, p.grad)
+
+
+def _rel(a, b):
+    from tests.numerics import rel_err
+
+    return rel_err(a, b)
+
+
+def test_fp8_linear_roles_at_tp2_match_the_fp32_mlp(pool):
+    one = pool(1).run(fp8_mlp_case, 5)[0]
+    two = pool(2).run(fp8_mlp_case, 5)
+    for errs in [one, *two]:
+        assert max(errs.values()) < FP8_VS_FP32, errs

@@ -29,6 +29,8 @@ class BaseBackend:
     for compiled elementwise kernels (``megamoe.fusion``)."""
 
     name = "base"
+    # the classes the linear roles build (a backend with another local GEMM overrides them)
+    column_cls, row_cls, replicated_cls = ColumnParallelLinear, RowParallelLinear, ReplicatedLinear
 
     def __init__(self, fusion: Fusion = EAGER):
         self.fusion = fusion
@@ -42,7 +44,7 @@ class BaseBackend:
                       bias: bool = False, gather_output: bool = False, sequence_parallel: bool | None = None,
                       group: str = "tp", init_std: float | None = None) -> nn.Module:
         sp = ctx.sp if sequence_parallel is None else sequence_parallel
-        return ColumnParallelLinear(in_features, out_features, getattr(ctx.groups, group), bias=bias,
+        return self.column_cls(in_features, out_features, getattr(ctx.groups, group), bias=bias,
                                     gather_output=gather_output, sequence_parallel=sp,
                                     init_std=init_std or ctx.init_std, dtype=ctx.dtype, device=ctx.device,
                                     group_name=group)
@@ -52,7 +54,7 @@ class BaseBackend:
                    init_std: float | None = None) -> nn.Module:
         sp = ctx.sp if sequence_parallel is None else sequence_parallel
         std = init_std or ctx.init_std / (2.0 * ctx.num_layers) ** 0.5  # output projections: scaled init
-        return RowParallelLinear(in_features, out_features, getattr(ctx.groups, group), bias=bias,
+        return self.row_cls(in_features, out_features, getattr(ctx.groups, group), bias=bias,
                                  sequence_parallel=sp, init_std=std, dtype=ctx.dtype, device=ctx.device,
                                  group_name=group)
 
@@ -60,7 +62,7 @@ class BaseBackend:
                           sequence_parallel: bool | None = None, init_std: float | None = None) -> nn.Module:
         """A linear every TP rank holds whole (see ``ReplicatedLinear`` for the gradient contract)."""
         sp = ctx.sp if sequence_parallel is None else sequence_parallel
-        return ReplicatedLinear(in_features, out_features, ctx.groups.tp, bias=bias, sequence_parallel=sp,
+        return self.replicated_cls(in_features, out_features, ctx.groups.tp, bias=bias, sequence_parallel=sp,
                                 init_std=init_std or ctx.init_std, dtype=ctx.dtype, device=ctx.device)
 
     # ---- norms and attention cores --------------------------------------------------------

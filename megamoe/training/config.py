@@ -6,6 +6,7 @@ from typing import List, Optional
 from megamoe.config import check, check_choice, check_positive
 
 PRECISIONS = ("auto", "fp32", "bf16")
+FP8_CHOICES = ("torch", "delayed", "current", "blockwise", "mxfp8")
 GUARDED = ("model", "lora", "data", "train", "optim")  # the sections resume guards compare
 
 
@@ -45,12 +46,17 @@ class TrainConfig:
     nan_max_consecutive: int = 5  # skipped non-finite steps in a row before save-and-stop
     device: str = "auto"  # auto: cuda if available, else cpu
     optimizer_offload: bool = False  # fp32 masters + Adam moments in (pinned) host memory, updated there
+    # FP8 GEMMs: torch (row-wise scaled torch._scaled_mm, model.backend=cuda); delayed, current,
+    # blockwise, mxfp8 name Transformer Engine recipes (a te backend: not in this build). None: off
+    fp8: Optional[str] = None
 
     def validate(self, path: str = "train") -> None:
         for name in ("steps", "micro_batch_size", "global_batch_size", "nan_max_consecutive"):
             check_positive(f"{path}.{name}", getattr(self, name))
         check_choice(f"{path}.precision", self.precision, PRECISIONS)
         check_choice(f"{path}.device", self.device, ("auto", "cpu", "cuda"))
+        if self.fp8 is not None:
+            check_choice(f"{path}.fp8", self.fp8, FP8_CHOICES)
         for part in self.recompute:
             check_choice(f"{path}.recompute", part, ("layer", "mixer", "mlp", "core"))
 

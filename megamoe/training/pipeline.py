@@ -23,15 +23,16 @@ def stage_ids(parallel: ParallelConfig, pp_rank: int) -> list[int]:
     return [pp_rank + i * parallel.pp for i in range(parallel.vpp)]
 
 
-def build_chunks(cfg: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups, device=None
-                 ) -> tuple[list[LanguageModel], list[int]]:
-    """This rank's model chunks (one per virtual stage) and their stage indices."""
+def build_chunks(cfg: ModelConfig, parallel: ParallelConfig, groups: ParallelGroups, device=None,
+                 fp8: str | None = None) -> tuple[list[LanguageModel], list[int]]:
+    """This rank's model chunks (one per virtual stage) and their stage indices; ``fp8``: the
+    backend's FP8 recipe (train.fp8)."""
     check_pipeline_support(cfg, parallel)
     n_stages = parallel.pp * parallel.vpp
     stages = cfg.parsed_layout().stages(n_stages)
     ids = stage_ids(parallel, groups.rank("pp"))
     chunks = [build_model(cfg, groups, sequence_parallel=parallel.sequence_parallel, layer_ids=stages[i],
-                          pre_process=i == 0, post_process=i == n_stages - 1, device=device)
+                          pre_process=i == 0, post_process=i == n_stages - 1, device=device, fp8=fp8)
               for i in ids]
     return chunks, ids
 

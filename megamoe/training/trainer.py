@@ -65,7 +65,7 @@ class Trainer:
         self.n_micro = self.train.micro_batches(self.dp)
         self.device = _device(self.train)
         torch.manual_seed(self.train.seed * 1009 + self.rank)
-        self.chunks, self.stage_ids = build_chunks(recipe.model, recipe.parallel, self.groups)
+        self.chunks, self.stage_ids = build_chunks(recipe.model, recipe.parallel, self.groups, fp8=self.train.fp8)
         self.base_weights = recipe.checkpoint.load or self._lora_base_of_resume()
         for chunk in self.chunks:
             if not self._weights_will_load():  # else the shards stay empty until the checkpoint fills them

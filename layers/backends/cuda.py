@@ -1,0 +1,168 @@
+"""``cuda``: the GPU backend, the default when CUDA is present.
+
+- Gated DeltaNet and KDA through flash-linear-attention's Triton ops (chunked for training and
+  prefill, fused-recurrent for decoding) when ``fla`` is installed; Lightning through fla's
+  ``simple_gla`` ops (a per-head constant decay ``g_gamma = -slope``, no query scaling). Without
+  fla (or off CUDA) the CPU backend's chunked torch ops run instead: same results, slower.
+- Softmax attention through torch's SDPA (flash / memory-efficient kernels on CUDA).
+- Routed experts through torch's grouped GEMM over the whole permuted batch (``grouped_mm``).
+- ``fp8="torch"`` (``train.fp8=torch``): the column, row and replicated linears and the routed
+  experts run their forward and input-gradient GEMMs in e4m3 with row-wise scales
+  (``megamoe.layers.fp8``, ``megamoe.layers.fp8_experts``); the router GEMM, the norms, the
+  attention cores and the linear-attention ops stay in higher precision. Weights stay in their
+  dtype (FP8 copies live only inside a GEMM), so checkpoints and HF export do not depend on it.
+
+bf16 autocast comes from the trainer (``train.precision``), not from the backend.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from megamoe.errors import ConfigError
+from megamoe.fusion import EAGER, Fusion
+from megamoe.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from megamoe.spec import BuildContext
+from megamoe.layers.backends.cpu import ChunkedDeltaRule, ChunkedLightning, CpuBackend
+from megamoe.layers.experts import GroupedExperts
+from megamoe.layers.fp8 import fp8_linear
+from megamoe.layers.fp8_experts import swiglu_experts_fp8
+from megamoe.layers.grouped_gemm import swiglu_experts
+from megamoe.layers.linear_attention.common import expand_key_heads
+
+FP8_RECIPES = ("torch",)  # the Transformer Engine recipes (delayed, current, blockwise, mxfp8) need TE
+
+
+def fla_installed() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def missing() -> str | None:
+    """What the cuda backend lacks here (None: it can run)."""
+    return None if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
+
+
+# ---- linear attention through fla ---------------------------------------------------------
+
+class FlaDeltaRule(ChunkedDeltaRule):
+    """fla's chunked / fused-recurrent gated delta rule (GDN: g [b, t, hv]; KDA: g [b, t, h, dk]).
+    fla wants one key head per value head and one dtype for q, k, v; states in fp32."""
+
+    def _fla(self, q, k, v, g, beta, scale, initial_state, decode: bool):
+        q, k = (x.to(v.dtype) for x in expand_key_heads(q, k, v.size(2)))
+        if g.dim() == 4:
+            from fla.ops.kda import chunk_kda as chunk, fused_recurrent_kda as recurrent
+        else:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
+            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as recurrent
+        state = None if initial_state is None else initial_state.float()
+        return (recurrent if decode else chunk)(q, k, v, g.float(), beta.to(v.dtype), scale=scale,
+                                                initial_state=state, output_final_state=True)
+
+    def chunked(self, q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
+                recompute: bool = False):
+        if q.is_cuda and fla_installed():
+            return self._fla(q, k, v, g, beta, scale, initial_state, decode=False)
+        return super().chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
+                               recompute=recompute)
+
+    def recurrent(self, q, k, v, g, beta, *, scale=None, initial_state=None):
+        if q.is_cuda and fla_installed():
+            return self._fla(q, k, v, g, beta, scale, initial_state, decode=True)
+        return super().recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+
+
+class FlaLightning(ChunkedLightning):
+    """Lightning attention as fla's simple GLA with a per-head constant decay:
+    S_t = exp(-slope) S_{t-1} + k_t^T v_t, o_t = q_t S_t (scale 1)."""
+
+    @staticmethod
+    def _fla(q, k, v, slope, initial_state, decode: bool):
+        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+
+        fn = fused_recurrent_simple_gla if decode else chunk_simple_gla
+        state = None if initial_state is None else initial_state.float()
+        o, s = fn(q, k.to(q.dtype), v.to(q.dtype), g_gamma=-slope.float(), scale=1.0, initial_state=state,
+                  output_final_state=True)
+        return o.to(v.dtype), s
+
+    def chunked(self, q, k, v, slope, initial_state=None, block: int = 64):
+        if q.is_cuda and fla_installed():
+            return self._fla(q, k, v, slope, initial_state, decode=False)
+        return super().chunked(q, k, v, slope, initial_state, block=block)
+
+    def recurrent(self, q, k, v, slope, initial_state=None):
+        if q.is_cuda and fla_installed():
+            return self._fla(q, k, v, slope, initial_state, decode=True)
+        return super().recurrent(q, k, v, slope, initial_state)
+
+
+# ---- FP8 linears and experts --------------------------------------------------------------
+
+class FP8ColumnParallelLinear(ColumnParallelLinear):
+    def local_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias)
+
+
+class FP8RowParallelLinear(RowParallelLinear):
+    def local_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight)
+
+
+class FP8ReplicatedLinear(ReplicatedLinear):
+    def local_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias)
+
+
+class FP8GroupedExperts(GroupedExperts):
+    """Routed experts with FP8 grouped GEMMs; widths the scaled GEMM rejects run the configured
+    high-precision kernel."""
+
+    def forward(self, x, idx, counts, probs, out_rows):
+        out = swiglu_experts_fp8(x, idx, counts, probs, self.gate_up_weight, self.down_weight, out_rows,
+                                 self.swiglu_limit)
+        if out is not None:
+            return out
+        return swiglu_experts(self.kernel, x, idx, counts, probs, self.gate_up_weight, self.down_weight, out_rows,
+                              self.swiglu_limit, self.fusion.active(x.device))
+
+
+class CudaBackend(CpuBackend):
+    name = "cuda"
+
+    def __init__(self, fusion: Fusion = EAGER, fp8: str | None = None):
+        super().__init__(fusion)
+        if fp8 is not None and fp8 not in FP8_RECIPES:
+            raise ConfigError(f"train.fp8={fp8!r} is not available on the cuda backend: allowed: torch")
+        self.fp8 = fp8
+
+    def __repr__(self) -> str:
+        return f"CudaBackend(fusion={self.fusion.mode!r}, fp8={self.fp8!r})"
+
+    # the base roles build these classes (same arguments, only the local GEMM differs)
+    @property
+    def column_cls(self):
+        return FP8ColumnParallelLinear if self.fp8 else ColumnParallelLinear
+
+    @property
+    def row_cls(self):
+        return FP8RowParallelLinear if self.fp8 else RowParallelLinear
+
+    @property
+    def replicated_cls(self):
+        return FP8ReplicatedLinear if self.fp8 else ReplicatedLinear
+
+    def delta_rule(self, ctx: BuildContext):
+        return FlaDeltaRule(self.fusion)
+
+    def lightning(self, ctx: BuildContext):
+        return FlaLightning()
+
+    def grouped_experts(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str = "auto",
+                        active_fraction: float = 1.0, swiglu_limit: float | None = None):
+        """Stacked SwiGLU experts; ``auto`` runs torch's grouped GEMM where it works (the loop
+        kernel otherwise, e.g. on the CPU in the contract tests)."""
+        cls = FP8GroupedExperts if self.fp8 else GroupedExperts
+        return cls(ctx, num_experts, ffn_hidden_size, kernel=kernel, active_fraction=active_fraction,
+                   swiglu_limit=swiglu_limit, fusion=self.fusion)
