@@ -74,3 +74,24 @@ def test_generate_and_verify_take_a_lora_checkpoint(lora_run, capsys):
     with pytest.raises(SystemExit) as e:
         run_main(verify.main, [str(run), "--tokens", "4"])
     assert e.value.code == 0 and capsys.readouterr().out.strip().endswith("OK")
+
+
+def test_lora_checkpoint_without_its_base_is_one_line(lora_run, tmp_path, capsys):
+    """A LoRA checkpoint whose recorded base is gone, or exported without --merge: one line
+    naming the checkpoint and what to do, nothing written."""
+    import shutil
+
+    from tests.test_bad_inputs import assert_one_line, invoke
+
+    _, _, run, _ = lora_run
+    moved = tmp_path / "moved"
+    shutil.copytree(run / "step_00000003", moved)
+    meta = json.loads((moved / "meta.json").read_text())
+    meta["lora_base"] = str(tmp_path / "deleted_base")
+    (moved / "meta.json").write_text(json.dumps(meta))
+    out = str(tmp_path / "out")
+    assert_one_line(invoke(convert.main, ["export-hf", str(run), out], capsys), "LoRA checkpoint", "--merge")
+    assert_one_line(invoke(convert.main, ["export-hf", str(moved), out, "--merge"], capsys), "deleted_base")
+    assert_one_line(invoke(generate.main, [str(moved), "--ids", "1,2"], capsys), "lora_base", "deleted_base")
+    assert_one_line(invoke(verify.main, [str(moved)], capsys), "deleted_base")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["moved"]
