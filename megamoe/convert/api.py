@@ -70,8 +70,9 @@ def _checked_plan(ck: HFCheckpoint, family: Family, cfg: ModelConfig, meta_tenso
 
 
 def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequence_parallel: bool = False,
-            device=None, progress: bool = False):
-    """A megamoe model holding an HF checkpoint's weights (this rank's shards under ``groups``).
+            device=None, progress: bool = False, fp8: str | None = None):
+    """A megamoe model holding an HF checkpoint's weights (this rank's shards under ``groups``);
+    ``fp8``: the backend's FP8 recipe (as ``train.fp8``).
 
     ``model(input_ids)`` returns logits [b, t, V]. The HF origin is kept on ``model.hf_origin``
     so ``to_hf`` can write the same family back.
@@ -81,7 +82,7 @@ def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequenc
     with torch.device("meta"):
         meta_tensors = model_tensors(build_model(cfg, device="meta"))
     entries = _checked_plan(ck, family, cfg, meta_tensors)
-    model = build_model(cfg, groups, sequence_parallel=sequence_parallel, device=device)
+    model = build_model(cfg, groups, sequence_parallel=sequence_parallel, device=device, fp8=fp8)
     tensors = model_tensors(model)
     for e in tqdm(entries, desc="load HF", disable=not progress, unit="tensor"):
         full = e.to_mm([ck.tensor(n) for n in e.hf])

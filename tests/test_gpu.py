@@ -1,0 +1,148 @@
+"""The cuda backend on a GPU (marked `gpu`, skipped without CUDA; run by tools/gpu_check.sh).
+
+- fla's delta-rule and lightning ops against megamoe's recurrence in float64 (on the CPU), at
+  lengths that are not multiples of fla's chunk, with key heads shared by 1 or 2 value heads
+  and decays from mild to strong; outputs, final states and every input gradient.
+  Tolerances (rel_err): fp32 5e-3 (fla's kernels round through TF32 dots), bf16 3e-2.
+- the grouped-GEMM experts and the FP8 roles against the reference on the device.
+- a tiny hybrid MoE's loss curve trained on the GPU against the same run on the CPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.numerics import rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+REPO = Path(__file__).resolve().parent.parent
+TOL = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
+
+
+def _backend():
+    from megamoe.layers.backends import get_backend
+
+    return get_backend("cuda")
+
+
+def _grads(fn, inputs, seed=0):
+    leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    out, state = fn(*leaves)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    cot = torch.randn(out.shape, generator=g).to(out.device, out.dtype)
+    grads = torch.autograd.grad(out, leaves, cot)
+    return [out.detach(), state.detach(), *grads]
+
+
+def _delta_inputs(t, rep, per_channel, strong, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, hk, dk, dv = 2, 2, 64, 64
+    hv = hk * rep
+    q = F.normalize(torch.randn(b, t, hk, dk, generator=g), dim=-1)
+    k = F.normalize(torch.randn(b, t, hk, dk, generator=g), dim=-1)
+    v = torch.randn(b, t, hv, dv, generator=g)
+    decay = 8.0 if strong else 0.5                      # log-decays down to about -8 per token
+    shape = (b, t, hv, dk) if per_channel else (b, t, hv)
+    logd = -decay * torch.rand(shape, generator=g)
+    beta = torch.rand(b, t, hv, generator=g)
+    return [q, k, v, logd, beta]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,rep,strong", [(63, 1, False), (500, 2, True), (130, 2, False)])
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_fla_delta_rule_matches_the_float64_recurrence(dtype, t, rep, strong, per_channel):
+    from megamoe.layers.linear_attention.delta_rule import recurrent_delta_rule
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    inputs = _delta_inputs(t, rep, per_channel, strong)
+    op = _backend().delta_rule(None)
+    got = _grads(lambda q, k, v, g, b: op.chunked(q, k, v, g, b),
+                 [x.cuda().to(dtype) if i != 3 else x.cuda() for i, x in enumerate(inputs)])
+    want = _grads(lambda q, k, v, g, b: recurrent_delta_rule(q, k, v, g, b), [x.double() for x in inputs])
+    for name, a, w in zip(("out", "state", "dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert rel_err(a.float().cpu(), w) <= TOL[dtype], (name, rel_err(a.float().cpu(), w))
+
+
+def test_fla_decode_step_continues_the_chunked_state():
+    from megamoe.layers.linear_attention.delta_rule import recurrent_delta_rule
+
+    inputs = _delta_inputs(40, 2, False, False)
+    op = _backend().delta_rule(None)
+    cuda = [x.cuda() for x in inputs]
+    _, state = op.chunked(*(x[:, :39] for x in cuda))
+    out, _ = op.recurrent(*(x[:, 39:] for x in cuda), initial_state=state)
+    ref, _ = recurrent_delta_rule(*(x.double() for x in inputs))
+    assert rel_err(out.cpu(), ref[:, 39:]) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("t", [1, 77])
+def test_fla_lightning_matches_the_float64_recurrence(t):
+    from megamoe.layers.lightning import lightning_recurrent
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, t, 4, 64, generator=g) * 0.3 for _ in range(3))
+    slope = torch.tensor([0.9, 0.3, 0.05, 0.01])
+    op = _backend().lightning(None)
+    form = op.recurrent if t == 1 else op.chunked
+    got = _grads(lambda *x: form(*x, slope.cuda()), [q.cuda(), k.cuda(), v.cuda()])
+    want = _grads(lambda *x: lightning_recurrent(*x, slope.double()), [q.double(), k.double(), v.double()])
+    for name, a, w in zip(("out", "state", "dq", "dk", "dv"), got, want):
+        assert rel_err(a.float().cpu(), w) <= TOL[torch.float32], name
+
+
+def test_grouped_gemm_experts_match_the_reference():
+    from megamoe.layers.grouped_gemm import swiglu_experts
+
+    g = torch.Generator().manual_seed(4)
+    counts = [40, 0, 130, 3, 77, 16]
+    x = torch.randn(200, 256, generator=g).cuda().bfloat16().requires_grad_()
+    idx = torch.randint(0, 200, (sum(counts),), generator=g).cuda()
+    w1 = (torch.randn(6, 256, 256, generator=g) * 0.05).cuda().bfloat16().requires_grad_()
+    w2 = (torch.randn(6, 256, 128, generator=g) * 0.05).cuda().bfloat16().requires_grad_()
+    outs = []
+    for kernel in ("grouped_mm", "reference"):
+        y = swiglu_experts(kernel, x, idx, counts, None, w1, w2, 200)
+        outs.append([y, *torch.autograd.grad(y, (x, w1, w2), torch.ones_like(y))])
+    for a, b in zip(*outs):
+        assert rel_err(a, b) <= 1e-2
+
+
+def test_fp8_linear_on_cuda_against_bf16():
+    from megamoe.layers.fp8 import fp8_linear
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(512, 1024, generator=g).cuda().bfloat16().requires_grad_()
+    w = (torch.randn(2048, 1024, generator=g) * 0.03).cuda().bfloat16().requires_grad_()
+    got = [fp8_linear(x, w)]
+    got += torch.autograd.grad(got[0], (x, w), torch.ones_like(got[0]))
+    want = [F.linear(x, w)]
+    want += torch.autograd.grad(want[0], (x, w), torch.ones_like(want[0]))
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 6e-2
+
+
+def _losses(tmp: Path, device: str, *extra: str) -> list[float]:
+    env = dict(os.environ, MASTER_PORT=str(random.randint(20000, 40000)), MEGAMOE_FUSION="off")
+    subprocess.run([sys.executable, str(REPO / "tools/pretrain.py"), "--config", "tiny_hybrid_moe",
+                    "train.steps=8", f"train.device={device}", "train.precision=fp32", f"checkpoint.dir={tmp}",
+                    "logging.interval=1", "logging.progress=false", *extra], check=True, env=env,
+                   capture_output=True)
+    lines = (tmp / "tb" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+def test_loss_curve_on_the_gpu_matches_the_cpu(tmp_path):
+    """fp32 on both sides (no TF32): fla and torch's grouped GEMM against the CPU backend's ops."""
+    cpu = _losses(tmp_path / "cpu", "cpu")
+    gpu = _losses(tmp_path / "gpu", "cuda")
+    assert len(cpu) == len(gpu) == 8
+    assert max(abs(a - b) / abs(b) for a, b in zip(gpu, cpu)) < 2e-3, (gpu, cpu)
