@@ -62,8 +62,9 @@ def debug_wanted(argv: Sequence[str]) -> bool:
 
 
 def run_main(main: Callable, argv: Sequence[str] | None = None) -> None:
-    """Run ``main(argv)`` (``main()`` when it takes no argument list); user errors become one line
-    on stderr and exit status 2, unless --debug / MEGAMOE_DEBUG=1 asks for the traceback."""
+    """Run ``main(argv)`` (default: the process's arguments); user errors become one line on
+    stderr and exit status 2, unless --debug / MEGAMOE_DEBUG=1 asks for the traceback. Other
+    exceptions are bugs and keep their traceback."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its import-time notices are not ours
     argv = list(sys.argv[1:] if argv is None else argv)

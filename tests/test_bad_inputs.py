@@ -102,6 +102,8 @@ CASES = {
     "gen max-new-tokens -5": ("generate", ["{hf}", "--ids", "1,2", "--max-new-tokens", "-5"], ["--max-new-tokens", "-5"]),
     "gen max-new-tokens 0": ("generate", ["{hf}", "--ids", "1", "--max-new-tokens", "0"], ["--max-new-tokens", ">= 1"]),
     "gen max-new-tokens x": ("generate", ["{hf}", "--ids", "1", "--max-new-tokens", "x"], ["--max-new-tokens", "'x'"]),
+    "gen beyond max_seq_len": ("generate", ["{hf}", "--ids", "1,2", "--max-new-tokens", "100000000000"],
+                               ["--max-new-tokens 100000000000", "max_seq_len 32768"]),
     "gen ids 999": ("generate", ["{hf}", "--ids", "999"], ["999", "vocab_size 96"]),
     "gen ids -3": ("generate", ["{hf}", "--ids", "-3"], ["--ids", "-3", "negative"]),
     "gen ids 5,abc": ("generate", ["{hf}", "--ids", "5,abc"], ["--ids", "'abc'"]),

@@ -96,6 +96,10 @@ def main(argv: list[str] | None = None) -> None:
         prompts = [ids]
     for ids in prompts:
         check_ids(ids, model.config.vocab_size, "--ids" if args.ids else "--prompt")
+    longest, limit = max(len(ids) for ids in prompts), model.config.max_seq_len
+    if longest + args.max_new_tokens > limit:  # the model's context, not a hang of 10^11 steps
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: with the prompt's {longest} tokens that is more "
+                          f"than the model's max_seq_len {limit}")
     for line in decode_lines(model, prompts, tok, args, images):
         print(line, flush=True)
 

@@ -24,9 +24,10 @@ def lora_base(path: Path, meta: dict) -> Path:
     if not base:
         raise CheckpointError(f"{path}/meta.json: a LoRA checkpoint without 'lora_base' (the run had no "
                               f"checkpoint.load), so there are no base weights to put the adapters on")
-    if not (Path(base) / "meta.json").is_file():
+    found = checkpoint_path(base)  # a checkpoint, or a run's folder (its latest checkpoint)
+    if not (found / "meta.json").is_file():
         raise CheckpointError(f"{path}/meta.json: lora_base {base} is not a megamoe checkpoint (moved or deleted?)")
-    return Path(base)
+    return found
 
 
 def hf_origin_of(path: str | Path) -> dict | None:
