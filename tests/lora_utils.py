@@ -14,8 +14,8 @@ MOE = dict(num_experts=4, top_k=2, moe_ffn_hidden_size=16, num_shared_experts=1,
            aux_loss_coeff=0.01, expert_bias=True)
 
 
-def lora_model_config(layout: str = LAYOUT, **moe):
-    return tiny_model(layout, moe=MoEConfig(**{**MOE, **moe}))
+def lora_model_config(layout: str = LAYOUT, backend: str = "auto", **moe):
+    return tiny_model(layout, backend=backend, moe=MoEConfig(**{**MOE, **moe}))
 
 
 def randomize_adapters(model, groups=None, seed: int = 5, std: float = 0.1) -> None:

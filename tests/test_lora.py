@@ -1,24 +1,48 @@
 """LoRA on one process: merge/unmerge, decoding with adapters, the expert maths against a merged
-reference (forward and backward), target selection, freezing and config errors."""
+reference (forward and backward), target selection, freezing and config errors; on every
+available backend, and each backend's adapted model against the local backend's."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from megamoe.errors import ConfigError
+from megamoe.layers.backends import available_backends
 from tests.lora_utils import build_lora_model, lora_model_config, token_batches
 from tests.numerics import rel_err
 
 REL = 1e-5
+per_backend = pytest.mark.parametrize("backend", available_backends())
 
 
-def test_merged_model_equals_adapter_model_and_unmerge_restores():
+@per_backend
+def test_adapted_model_matches_the_local_backend(backend):
+    """Adapters on whatever roles a backend returned: logits, the loss's gradient of every
+    adapter factor and of the input embedding, against the same adapted model on ``local``."""
+    from megamoe.lora import lora_parameters
+
+    ids = token_batches(1, 2, 13, 61)[0]
+    runs = []
+    for name in (backend, "local"):
+        model = build_lora_model(lora_model_config(backend=name))
+        assert model.ctx.backend.name == name
+        logits = model(ids)
+        logits.square().mean().backward()
+        # the DSA indexers' adapters get no gradient from the loss (the indexer is not trained through it)
+        runs.append([logits.detach()] + [p.grad for n, p in sorted(lora_parameters(model)) if ".indexer." not in n])
+    assert len(runs[0]) > 40 and all(g is not None and g.abs().sum() > 0 for g in runs[0][1:])
+    for a, b in zip(*runs):
+        assert rel_err(a, b) <= REL
+
+
+@per_backend
+def test_merged_model_equals_adapter_model_and_unmerge_restores(backend):
     from megamoe.cache import InferenceCache
     from megamoe.lora import merge, unmerge
     from megamoe.model import LanguageModel
     from megamoe.weights import initialize
 
-    cfg = lora_model_config()
+    cfg = lora_model_config(backend=backend)
     ids = token_batches(1, 2, 10, cfg.vocab_size)[0]
     base = LanguageModel(cfg)
     initialize(base, base.groups, 0)
@@ -83,12 +107,13 @@ def test_expert_adapters_match_merged_weights_reference(shared, impl, limit):
         assert rel_err(a, b) <= REL, name
 
 
-def test_adapter_dropout_trains_stochastically_and_evaluates_exactly():
+@per_backend
+def test_adapter_dropout_trains_stochastically_and_evaluates_exactly(backend):
     """dropout > 0: in training two passes differ and adapters (experts' included, through the
     autograd expert path) get gradients; in eval the model equals the same adapters without dropout."""
     from megamoe.lora import lora_parameters
 
-    cfg = lora_model_config("GeAe")
+    cfg = lora_model_config("GeAe", backend=backend)
     ids = token_batches(1, 2, 10, cfg.vocab_size)[0]
     plain = build_lora_model(cfg).eval()
     dropped = build_lora_model(cfg, dropout=0.5)
@@ -103,13 +128,14 @@ def test_adapter_dropout_trains_stochastically_and_evaluates_exactly():
         assert rel_err(dropped.eval()(ids), plain(ids)) <= REL
 
 
-def test_targets_freezing_and_names():
+@per_backend
+def test_targets_freezing_and_names(backend):
     from megamoe.lora import LoRAConfig, apply_lora, lora_parameters
     from megamoe.lora.adapters import has_lora
     from megamoe.lora.api import adaptable_modules
     from megamoe.model import LanguageModel
 
-    cfg = lora_model_config("GeAd")
+    cfg = lora_model_config("GeAd", backend=backend)
     model = apply_lora(LanguageModel(cfg), LoRAConfig(rank=2))
     mods = adaptable_modules(model)
     assert all(has_lora(m) for m in mods.values()) and "layers.0.mlp.experts" in mods
