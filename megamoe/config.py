@@ -455,6 +455,9 @@ class MoEConfig:
     dispatcher: str = "alltoall"  # token exchange over the expert grid: alltoall | allgather
     expert_kernel: str = "auto"  # auto | grouped_mm | loop | reference (see megamoe.layers.grouped_gemm)
     swiglu_limit: Optional[float] = None  # routed and shared experts: clamp as MLPConfig.swiglu_limit (GLM-5)
+    # expert placement {layer: order}: slot s (EP rank s // (E/ep)) holds the HF checkpoint's
+    # expert order[s]; applied by the converter (megamoe.placement). None: slot s holds expert s
+    placement: Optional[Dict[str, List[int]]] = None
 
     def shared_ffn(self) -> int:
         """Width of the fused shared-expert SwiGLU (0 without shared experts)."""
@@ -607,6 +610,12 @@ class ModelConfig:
         layout = parse_layout(self.layout, f"{path}.layout")
         self._validate_sections(layout, path)
         self._validate_residual(path)
+        if self.moe is not None and self.moe.placement:
+            from megamoe.placement import check_placement
+
+            moe_layers = [i for i, k in enumerate(layout.layers) if k.mlp == "e"]
+            check_placement(self.moe.placement, self.moe.num_experts, moe_layers, self.moe.n_group,
+                            f"{path}.moe.placement")
         if self.vision is not None:
             self.vision.validate(self.hidden_size, f"{path}.vision")
             check(self.vision.image_token_id < self.vocab_size, f"{path}.vision.image_token_id",

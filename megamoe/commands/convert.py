@@ -1,6 +1,6 @@
 """Convert checkpoints between HF and megamoe, streaming one tensor at a time.
 
-    megamoe-convert import-hf HF_DIR OUT_DIR [--tp N --ep N --etp N --pp N]
+    megamoe-convert import-hf HF_DIR OUT_DIR [--tp N --ep N --etp N --pp N] [--placement FILE]
     megamoe-convert export-hf CKPT_DIR OUT_DIR [--family MODEL_TYPE]
     megamoe-convert export-hf LORA_CKPT_DIR OUT_DIR --merge      # base + adapters merged, one HF model
     megamoe-convert export-peft LORA_CKPT_DIR OUT_DIR [--family MODEL_TYPE]
@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("tp", "ep", "etp", "pp"):
         imp.add_argument(f"--{flag}", type=number_in(int, 1), default=1,
                          help=f"split the checkpoint for parallel.{flag}")
+    imp.add_argument("--placement", help="expert placement JSON (megamoe-plan experts --out) to lay the experts out by")
     exp = sub.add_parser("export-hf", help="megamoe checkpoint -> HF directory")
     exp.add_argument("ckpt_dir")
     exp.add_argument("out_dir")
@@ -64,8 +65,11 @@ def main(argv: list[str] | None = None) -> None:
         out = export_peft_checkpoint(args.ckpt_dir, args.out_dir, family=args.family, overwrite=args.overwrite)
         print(f"wrote PEFT adapter {out} (peft.PeftModel.from_pretrained(hf_model, '{out}'))")
     elif args.command == "import-hf":
+        from megamoe.placement import read_placement
+
+        placement = read_placement(args.placement) if args.placement else None
         out = import_hf(args.hf_dir, args.out_dir, tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp,
-                        overwrite=args.overwrite, shard_bytes=int(args.shard_gib * 2**30))
+                        overwrite=args.overwrite, shard_bytes=int(args.shard_gib * 2**30), placement=placement)
         print(f"wrote megamoe checkpoint {out} (load it with checkpoint.load={out})")
     else:
         out = export(args)

@@ -1,14 +1,81 @@
 """Print the plan of a run without starting it: layout, parameter budget, parallel grid and
-per-stage memory per rank.
+per-stage memory per rank; or place experts over EP ranks from their measured load.
 
     megamoe-plan --config moe_1t --world-size 1024 parallel.tp=8 parallel.pp=4 parallel.ep=64
+    megamoe-plan experts --load LOAD.json --ep 8 [--out PLACEMENT.json]
+    megamoe-plan experts --calibrate HF_DIR --text FILE --ep 8 [--seq-len 512] [--save-load LOAD.json]
+
+``experts`` reads tokens per expert per MoE layer (JSON {"layers": {"3": [...], ...}}, or a
+calibration pass of an HF model over a text file with its tokenizer), prints each layer's
+busiest-rank load (max/mean) before and after, and writes the placement that
+``megamoe-convert import-hf --placement`` applies (docs/moe.md).
 """
-from megamoe.cli import number_in, recipe_parser, run_main
+import sys
+
+from megamoe.cli import number_in, recipe_parser, run_main, tool_parser
 from megamoe.plan import describe, memory_plan
 from megamoe.training.entry import load_train_recipe
 
 
+def experts(argv: list[str]) -> None:
+    from megamoe.placement import balanced_order, imbalance, read_load, write_json
+
+    p = tool_parser("Place experts over EP ranks from their measured load")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--load", help="JSON of tokens per expert per MoE layer")
+    src.add_argument("--calibrate", metavar="HF_DIR", help="measure the load: an HF model over --text")
+    p.add_argument("--text", help="with --calibrate: a UTF-8 text file of user data")
+    p.add_argument("--seq-len", type=number_in(int, 2), default=512, help="with --calibrate: tokens per sequence")
+    p.add_argument("--save-load", help="with --calibrate: also write the measured load here")
+    p.add_argument("--ep", type=number_in(int, 1), required=True, help="expert-parallel ranks")
+    p.add_argument("--out", help="write the placement here (JSON)")
+    args = p.parse_args(argv)
+    if args.calibrate:
+        load = _calibrate(args)
+        if args.save_load:
+            write_json(args.save_load, load)
+    else:
+        load = read_load(args.load)
+    placement = {}
+    print(f"{'layer':>5} {'experts':>8} {'busiest/mean before':>20} {'after':>7}")
+    for layer, counts in sorted(load.items()):
+        order = balanced_order(counts, args.ep)
+        placement[layer] = order
+        print(f"{layer:>5} {len(counts):>8} {imbalance(counts, range(len(counts)), args.ep):>20.3f} "
+              f"{imbalance(counts, order, args.ep):>7.3f}")
+    if args.out:
+        write_json(args.out, placement)
+        print(f"wrote {args.out} (megamoe-convert import-hf HF_DIR OUT --placement {args.out})")
+
+
+def _calibrate(args) -> dict:
+    from pathlib import Path
+
+    import torch
+
+    from megamoe.convert import from_hf
+    from megamoe.data.tokenizer import load_tokenizer
+    from megamoe.errors import ConfigError
+    from megamoe.placement import calibrate
+
+    if not args.text:
+        raise ConfigError("--calibrate needs --text FILE (the user data to route)")
+    try:
+        text = Path(args.text).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{args.text}: cannot read the calibration text ({e})") from None
+    ids = torch.tensor(load_tokenizer(args.calibrate).encode(text))
+    n = ids.numel() // args.seq_len
+    if n == 0:
+        raise ConfigError(f"{args.text}: {ids.numel()} tokens, fewer than one --seq-len={args.seq_len} sequence")
+    batches = ids[:n * args.seq_len].view(n, args.seq_len).split(4)
+    return calibrate(from_hf(args.calibrate), batches)
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["experts"]:
+        return experts(argv[1:])
     p = recipe_parser(__doc__.strip().splitlines()[0])
     p.add_argument("--world-size", type=number_in(int, 1), default=1, help="number of ranks (GPUs) of the run")
     args = p.parse_args(argv)

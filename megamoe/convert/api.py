@@ -15,13 +15,14 @@ from megamoe.convert.hf_io import HFCheckpoint, write_hf_dir
 from megamoe.convert.mm_format import FORMAT, ConvertedCheckpoint, write_checkpoint
 from megamoe.convert.st_io import DTYPE_CODES
 from megamoe.convert.table import Entry, check_plan, expand
-from megamoe.errors import CheckpointError
+from megamoe.errors import CheckpointError, ConfigError
 from megamoe.files import AtomicDir, check_replaceable, is_checkpoint_dir
 from megamoe.model import build_model
 from megamoe.recipe import config_from_dict, config_to_dict
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.pieces import GROUPS
 from megamoe.parallel.sharding import full_shape, gather_full, shard_full, sharding
+from megamoe.placement import to_logical, to_slots
 
 log = logging.getLogger(__name__)
 TORCH_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
@@ -70,14 +71,16 @@ def _checked_plan(ck: HFCheckpoint, family: Family, cfg: ModelConfig, meta_tenso
 
 
 def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequence_parallel: bool = False,
-            device=None, progress: bool = False, fp8: str | None = None):
+            device=None, progress: bool = False, fp8: str | None = None, placement: dict | None = None):
     """A megamoe model holding an HF checkpoint's weights (this rank's shards under ``groups``);
-    ``fp8``: the backend's FP8 recipe (as ``train.fp8``).
+    ``fp8``: the backend's FP8 recipe (as ``train.fp8``); ``placement``: {layer: expert order}
+    laid out over the EP slots (``megamoe.placement``; recorded in ``model.moe.placement``).
 
     ``model(input_ids)`` returns logits [b, t, V]. The HF origin is kept on ``model.hf_origin``
     so ``to_hf`` can write the same family back.
     """
     ck, family, cfg = _open_hf(hf_dir)
+    _set_placement(cfg, placement)
     groups = groups or ParallelGroups()
     with torch.device("meta"):
         meta_tensors = model_tensors(build_model(cfg, device="meta"))
@@ -85,7 +88,7 @@ def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequenc
     model = build_model(cfg, groups, sequence_parallel=sequence_parallel, device=device, fp8=fp8)
     tensors = model_tensors(model)
     for e in tqdm(entries, desc="load HF", disable=not progress, unit="tensor"):
-        full = e.to_mm([ck.tensor(n) for n in e.hf])
+        full = to_slots(e.mm, e.to_mm([ck.tensor(n) for n in e.hf]), _placement(cfg))
         dest = tensors[e.mm]
         with torch.no_grad():
             dest.copy_(shard_full(full.to(dest.dtype), dest, groups))
@@ -94,11 +97,14 @@ def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequenc
 
 
 def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
-              shard_bytes: int = 2 << 30, overwrite: bool = False, progress: bool = True) -> Path:
-    """Convert an HF directory into a megamoe checkpoint (optionally split for a TP/PP/EP layout)."""
+              shard_bytes: int = 2 << 30, overwrite: bool = False, progress: bool = True,
+              placement: dict | None = None) -> Path:
+    """Convert an HF directory into a megamoe checkpoint (optionally split for a TP/PP/EP layout;
+    ``placement``: {layer: expert order} over the EP slots, see ``megamoe.placement``)."""
     start = time.time()
     check_replaceable(Path(out_dir), overwrite, is_checkpoint_dir, "checkpoint")  # before any reading
     ck, family, cfg = _open_hf(hf_dir)
+    _set_placement(cfg, placement)
     parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp)
     layout = validate_model_parallel(cfg, parallel)
     with torch.device("meta"):
@@ -119,13 +125,27 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int =
 
     def produce(name: str) -> torch.Tensor:
         e = by_name[name]
-        return e.to_mm([ck.tensor(n) for n in e.hf])
+        return to_slots(name, e.to_mm([ck.tensor(n) for n in e.hf]), _placement(cfg))
 
     with AtomicDir(out_dir, overwrite) as tmp:
         write_checkpoint(tmp, meta, planned, produce, sizes, layout.stages(pp), shard_bytes, bar)
     bar.close()
     log.info("imported %s (%s) into %s in %.1fs", hf_dir, family.model_type, out_dir, time.time() - start)
     return Path(out_dir)
+
+
+def _placement(cfg: ModelConfig) -> dict:
+    return (cfg.moe.placement or {}) if cfg.moe is not None else {}
+
+
+def _set_placement(cfg: ModelConfig, placement: dict | None) -> None:
+    """Record an expert placement in the config the weights will be laid out by."""
+    if not placement:
+        return
+    if cfg.moe is None:
+        raise ConfigError("placement: the model has no routed experts")
+    cfg.moe.placement = {str(k): [int(e) for e in v] for k, v in placement.items()}
+    cfg.validate()
 
 
 # ---- megamoe -> HF -------------------------------------------------------------------------
@@ -151,7 +171,7 @@ def _write_hf(out_dir, family: Family, cfg: ModelConfig, hf_config: dict | None,
 
     def stream():
         for e in entries:
-            outs = e.to_hf(read_full(e.mm))
+            outs = e.to_hf(to_logical(e.mm, read_full(e.mm), _placement(cfg)))  # HF holds the logical order
             yield from zip(e.hf, (o.contiguous() for o in outs))
             bar.update(1)
 

@@ -1,0 +1,102 @@
+"""Expert placement (megamoe/placement.py): balanced slot orders from measured load, applied by
+the converter, invisible in the outputs and in the HF files written back."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megamoe.errors import ConfigError
+from megamoe.placement import balanced_order, calibrate, imbalance, read_load, write_json
+from tests.numerics import rel_err
+
+E, EP = 8, 2
+
+
+def test_balanced_order_fills_every_rank_and_evens_the_load():
+    load = [100, 90, 5, 5, 5, 5, 1, 1]                    # two hot experts, both on rank 0 as given
+    order = balanced_order(load, EP)
+    assert sorted(order) == list(range(E))
+    assert {e for e in order[:4]} & {0, 1} and {e for e in order[4:]} & {0, 1}   # the hot pair split
+    assert imbalance(load, range(E), EP) > 1.8 and imbalance(load, order, EP) < 1.1
+    assert balanced_order(load, EP) == order                                    # deterministic
+    with pytest.raises(ConfigError, match="must divide the 8 experts"):
+        balanced_order(load, 3)
+
+
+def _skewed_hf(path):
+    """A tiny Qwen3-MoE (layers d, e, d) with 8 experts whose router rows 0 and 1 are scaled 4x:
+    those two experts take about half of the tokens each, so rank 0 of EP=2 is the busiest."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tests.test_convert_qwen import SHAPE, randomized
+
+    cfg = Qwen3MoeConfig(num_hidden_layers=3, intermediate_size=40, decoder_sparse_step=2, norm_topk_prob=False,
+                         **dict(SHAPE, num_experts=E))
+    model = randomized(Qwen3MoeForCausalLM(cfg))
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.weight[:2] *= 4
+    model.save_pretrained(path)
+    return load_file(str(path / "model.safetensors"))
+
+
+def _batches():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 96, (4, 32), generator=g) for _ in range(4)]
+
+
+def test_calibrated_placement_evens_the_busiest_rank_and_changes_no_output(tmp_path):
+    from megamoe.convert import from_hf, to_hf
+
+    original = _skewed_hf(tmp_path / "hf")
+    model = from_hf(tmp_path / "hf")
+    load = calibrate(model, _batches())
+    assert list(load) == [1] and len(load[1]) == E
+    order = balanced_order(load[1], EP)
+    before, after = imbalance(load[1], range(E), EP), imbalance(load[1], order, EP)
+    assert before > 1.2 and after < before and after < 1.1, (before, after)
+
+    placed = from_hf(tmp_path / "hf", placement={1: order})
+    assert placed.config.moe.placement == {"1": order}
+    ids = _batches()[0]
+    with torch.no_grad():
+        assert rel_err(placed(ids), model(ids)) < 1e-6
+    # measured on the placed model, rank r's slots carry what the plan said they would
+    placed_load = calibrate(placed, _batches())[1]
+    assert imbalance(placed_load, range(E), EP) == pytest.approx(after)
+    # HF files always hold the logical order
+    to_hf(placed, tmp_path / "back")
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
+
+
+def test_import_with_a_placement_file_and_export(tmp_path):
+    from megamoe.commands.convert import main as convert
+    from megamoe.commands.plan import main as plan
+    from megamoe.convert import from_hf
+    from megamoe.convert.api import open_megamoe_checkpoint
+
+    original = _skewed_hf(tmp_path / "hf")
+    write_json(tmp_path / "load.json", calibrate(from_hf(tmp_path / "hf"), _batches()))
+    plan(["experts", "--load", str(tmp_path / "load.json"), "--ep", "2", "--out", str(tmp_path / "place.json")])
+    convert(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt"), "--ep", "2",
+             "--placement", str(tmp_path / "place.json")])
+    meta, cfg, _, _ = open_megamoe_checkpoint(tmp_path / "ckpt")
+    assert meta["model"]["moe"]["placement"]["1"] == cfg.moe.placement["1"] != list(range(E))
+    convert(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "back")])
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert all(torch.equal(back[k], original[k]) for k in original)
+
+
+def test_bad_load_and_placement_files_are_one_line(tmp_path):
+    from megamoe.recipe import load_recipe
+
+    (tmp_path / "bad.json").write_text('{"layers": {"x": [1]}}')
+    with pytest.raises(ConfigError, match=r"bad.json: layers.x must be a layer number"):
+        read_load(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="no such expert-load file"):
+        read_load(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match=r"model.moe.placement: layer 0 must order each of the 8 experts once"):
+        load_recipe("tiny_hybrid_moe", ["model.moe.placement={'0': [0, 1, 2, 3, 4, 5, 6, 6]}"])
+    with pytest.raises(ConfigError, match="group-limited routing"):
+        load_recipe("tiny_hybrid_moe", ["model.moe.placement={'0': [0, 1, 2, 3, 4, 5, 6, 7]}", "model.moe.n_group=2"])
