@@ -146,3 +146,11 @@ def test_wheel_installs_every_module_and_the_commands(tmp_path):
     for script, proc in zip(scripts, running):
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0 and "usage:" in out and "--debug" in out, (script.name, err[-2000:])
+    # from any folder: a shipped recipe is found, a run the trainer would refuse is one line
+    plan = subprocess.run([str(venv / "bin" / "megamoe-plan"), "--config", "tiny_dense"], capture_output=True,
+                          text=True, cwd=tmp_path, env=env)
+    assert plan.returncode == 0 and "summary:" in plan.stdout, plan.stderr[-2000:]
+    refused = subprocess.run([str(venv / "bin" / "megamoe-plan"), "--config", "tiny_dense", "parallel.cp=2"],
+                             capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "error: parallel.cp>1: context parallelism is not implemented by the trainer yet"], refused.stderr
