@@ -48,12 +48,13 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0, device=None) -> 
     return ids, pad
 
 
-def prefill(model, ids: torch.Tensor, cache: InferenceCache, chunk: int | None, **kwargs) -> torch.Tensor:
-    """Run the prompt ids [b, T] through ``model`` in chunks of ``chunk`` time steps (all at once
-    when None); returns the last position's logits [b, V] (fp32). Images go with the first chunk."""
+def prefill(forward, ids: torch.Tensor, cache: InferenceCache, chunk: int | None, **kwargs) -> torch.Tensor:
+    """Run the prompt ids [b, T] through ``forward`` (the model, or ``StageForward`` of a
+    pipeline) in chunks of ``chunk`` time steps (all at once when None); returns the last
+    position's logits [b, V] (fp32). Images go with the first chunk."""
     step = ids.size(1) if not chunk else chunk
     for lo in range(0, ids.size(1), step):
-        logits = model(ids[:, lo:lo + step], cache=cache, **kwargs)
+        logits = forward(ids[:, lo:lo + step], cache=cache, **kwargs)
         kwargs = {}
     return logits[:, -1].float()
 
@@ -63,11 +64,14 @@ def stream(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_token
            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id: int | None = None,
            seed: int | None = None, images=None, suppress_tokens: list[int] | None = None,
            prefill_chunk: int | None = None, cache_factory: Callable[..., InferenceCache] = InferenceCache,
-           ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+           forward: Callable[..., torch.Tensor] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield (rows [n], tokens [n]) once per step: the prompt indices still decoding and the token
     each produced. A row stops after EOS or ``max_new_tokens``. ``suppress_tokens`` are never
     generated; a multimodal model's image placeholder is always suppressed (a generated one has
-    no image behind it). ``cache_factory(batch_size, pad=...)`` makes the cache (e.g. paged)."""
+    no image behind it). ``cache_factory(batch_size, pad=...)`` makes the cache (e.g. paged);
+    ``forward(ids, cache=...)`` -> logits [b, s, V] runs the model (default: ``model`` itself;
+    ``megamoe.parallel_inference.StageForward`` for a pipeline stage)."""
+    forward = forward or model
     if isinstance(prompts, torch.Tensor):
         ids, pad = prompts, torch.zeros(prompts.size(0), dtype=torch.long, device=prompts.device)
     else:
@@ -89,7 +93,7 @@ def stream(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_token
         return logits
 
     try:
-        logits = masked(prefill(model, ids, cache, prefill_chunk, **({"images": images} if images is not None else {})))
+        logits = masked(prefill(forward, ids, cache, prefill_chunk, **({"images": images} if images is not None else {})))
         rows = torch.arange(ids.size(0), device=ids.device)
         for i in range(max_new_tokens):
             token = pick(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -102,7 +106,7 @@ def stream(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_token
                 index = keep.nonzero().squeeze(1)
                 cache.select_rows(index)
                 rows, token = rows[index], token[index]
-            logits = masked(model(token.unsqueeze(1), cache=cache)[:, -1].float())
+            logits = masked(forward(token.unsqueeze(1), cache=cache)[:, -1].float())
     finally:
         model.train(was_training)
 

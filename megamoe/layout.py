@@ -58,12 +58,13 @@ class Layout:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def stages(self, num_stages: int = 1) -> list[list[int]]:
+    def stages(self, num_stages: int = 1, balanced: bool = False) -> list[list[int]]:
         """Layer indices per pipeline stage.
 
         With explicit cuts the number of stages must equal ``num_stages`` (a single stage
         ignores the cuts, so one recipe runs with and without pipelining); without cuts the
-        layers are split evenly, which requires divisibility.
+        layers are split evenly, which requires divisibility, unless ``balanced`` (decoding an HF
+        checkpoint, which has no cuts): then the first ``n % num_stages`` stages get one more.
         """
         n = self.num_layers
         if num_stages == 1:
@@ -75,6 +76,10 @@ class Layout:
                     f"model.layout has {len(bounds) - 1} pipeline stages ('|' cuts) but "
                     f"parallel.pp*vpp={num_stages}")
             return [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        if n % num_stages and balanced and n >= num_stages:
+            sizes = [n // num_stages + (i < n % num_stages) for i in range(num_stages)]
+            starts = [sum(sizes[:i]) for i in range(num_stages)]
+            return [list(range(a, a + k)) for a, k in zip(starts, sizes)]
         if n % num_stages:
             raise ConfigError(
                 f"model.layout has {n} layers and no '|' cuts; {n} layers do not split evenly "

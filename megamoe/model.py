@@ -293,7 +293,7 @@ class LanguageModel(nn.Module):
         if self.pre_process:
             hidden = self.embed(ids)
         hidden = self.run_layers(hidden, ForwardInfo(positions=positions, cache=cache))
-        if cache is not None and self.post_process:
+        if cache is not None:  # every pipeline stage keeps its own cache
             cache.advance(positions.size(-1))
         return self.head(hidden) if self.post_process else hidden
 

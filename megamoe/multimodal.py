@@ -177,7 +177,7 @@ class MultimodalModel(LanguageModel):
             if positions is None:
                 positions = self.default_positions(None, hidden, cache)
         hidden = self.run_layers(hidden, ForwardInfo(positions=positions, cache=cache))
-        if cache is not None and self.post_process:
+        if cache is not None:  # every pipeline stage keeps its own cache
             cache.advance(positions.size(-1))
         return self.head(hidden) if self.post_process else hidden
 

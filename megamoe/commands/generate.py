@@ -5,6 +5,7 @@ fine-tune's checkpoint too: its base comes from its meta.json, the adapters are 
     megamoe-generate MODEL_DIR --ids 1,2,3 --sample --temperature 0.8 --top-p 0.9 --seed 0
     megamoe-generate MODEL_DIR --prompt "Hi" --prompt "Once upon a time" --stream   # one batch
     megamoe-generate VLM_DIR --image shapes.png --tokenizer byte     # caption an image
+    torchrun --nproc-per-node 4 -m megamoe.commands.generate HF_DIR --tp 2 --pp 2 --ids 1,2,3   # at a layout
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from megamoe.cli import number_in, run_main, tool_parser
 from megamoe.errors import ConfigError
+from megamoe.parallel_inference import parallel_flags, parallel_from_args
 
 
 def image_prompt(model, path: str, ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:
@@ -68,12 +70,12 @@ def parser():
     p.add_argument("--kv-cache", choices=("contiguous", "paged", "int8"), default="contiguous",
                    help="decode cache: contiguous tensors, paged blocks, or paged int8 blocks (per-head scales)")
     p.add_argument("--block-size", type=number_in(int, 1), default=16, help="tokens per block of a paged cache")
+    parallel_flags(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    from megamoe.commands.models import load_model
     from megamoe.data import load_tokenizer
 
     prompts = [parse_ids(ids) for ids in args.ids] if args.ids else None  # before the (slow) model load
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError("give --prompt (with a tokenizer), --image (with a tokenizer) or --ids")
     if args.image and len(args.ids or args.prompt or [""]) > 1:
         raise ConfigError("--image: give one prompt with an image")
-    model = load_model(args.model_dir)
+    model, forward, show = load_for_layout(args)
     tok = load_tokenizer(args.tokenizer or args.model_dir) if (args.prompt or args.tokenizer) else None
     if prompts is None:
         if tok is None:
@@ -100,8 +102,27 @@ def main(argv: list[str] | None = None) -> None:
     if longest + args.max_new_tokens > limit:  # the model's context, not a hang of 10^11 steps
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: with the prompt's {longest} tokens that is more "
                           f"than the model's max_seq_len {limit}")
-    for line in decode_lines(model, prompts, tok, args, images):
-        print(line, flush=True)
+    for line in decode_lines(model, prompts, tok, args, images, forward):
+        if show:
+            print(line, flush=True)
+
+
+def load_for_layout(args):
+    """(model, forward, whether this rank prints): one process, or this rank's stage and shards
+    under torchrun at --tp/--pp/--ep/--etp (every rank decodes, the first prints)."""
+    import torch.distributed as dist
+
+    from megamoe.commands.models import load_model
+    from megamoe.parallel_inference import StageForward, inference_groups, load_model as load_stage
+
+    parallel = parallel_from_args(args)
+    if parallel is None:
+        return load_model(args.model_dir), None, True
+    if args.image and parallel.pp > 1:
+        raise ConfigError("--image with --pp > 1: the vision tower sits on the first stage only; use --pp 1")
+    groups = inference_groups(parallel)
+    model = load_stage(args.model_dir, parallel, groups)
+    return model, StageForward(model, groups), dist.get_rank() == 0
 
 
 def cache_factory(kind: str, block_size: int):
@@ -116,7 +137,7 @@ def cache_factory(kind: str, block_size: int):
     return functools.partial(PagedCache, block_size=block_size, kv_dtype="int8" if kind == "int8" else "fp32")
 
 
-def decode_lines(model, prompts: list[list[int]], tok, args, images):
+def decode_lines(model, prompts: list[list[int]], tok, args, images, forward=None):
     """Decode the prompts as one batch; yield the lines to print (with --stream one per token as
     it comes, then one line per prompt)."""
     from megamoe.generate import stream
@@ -126,7 +147,7 @@ def decode_lines(model, prompts: list[list[int]], tok, args, images):
                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                eos_token_id=tok.eos_id if tok is not None else None, seed=args.seed,
                                images=images, prefill_chunk=args.prefill_chunk or None,
-                               cache_factory=cache_factory(args.kv_cache, args.block_size)):
+                               cache_factory=cache_factory(args.kv_cache, args.block_size), forward=forward):
         for r, t in zip(rows.tolist(), tokens.tolist()):
             new[r].append(t)
             if args.stream:

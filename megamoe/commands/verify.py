@@ -2,6 +2,7 @@
 
     megamoe-verify HF_DIR [--atol 1e-4] [--tokens 16] [--prompt-len 12]
     megamoe-verify CKPT_DIR        # a megamoe or LoRA checkpoint: exported to HF (adapters merged), then compared
+    torchrun --nproc-per-node 2 -m megamoe.commands.verify HF_DIR --tp 2   # megamoe at a layout, read sharded
 
 Exits 1 when the logits differ by more than --atol or decoding differs.
 """
@@ -12,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from megamoe.cli import number_in, run_main, tool_parser
+from megamoe.parallel_inference import parallel_flags, parallel_from_args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,20 +23,41 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=number_in(int, 1), default=16, help="greedy tokens to compare")
     p.add_argument("--prompt-len", type=number_in(int, 1), default=12)
     p.add_argument("--seed", type=number_in(int, 0), default=0)
+    parallel_flags(p)
     args = p.parse_args(argv)
     from megamoe.convert.verify import verify
 
-    def run(hf_dir, model=None):
+    def run(hf_dir, model=None, **layout):
         return verify(hf_dir, prompt_len=args.prompt_len, new_tokens=args.tokens, seed=args.seed, atol=args.atol,
-                      model=model)
+                      model=model, **layout)
 
-    if (Path(args.model_dir) / "config.json").is_file():
+    parallel = parallel_from_args(args)
+    if parallel is not None:
+        report = verify_at_layout(args.model_dir, parallel, run)
+        if report is None:  # not the reporting rank
+            return
+    elif (Path(args.model_dir) / "config.json").is_file():
         report = run(args.model_dir)
     else:
         report = verify_checkpoint(args.model_dir, run)
     print(report)
     print("OK" if report.ok else "MISMATCH")
     sys.exit(0 if report.ok else 1)
+
+
+def verify_at_layout(hf_dir: str, parallel, run):
+    """Every rank builds its stage from the HF folder, sharded on load; rank 0 alone loads the
+    transformers reference and gets the report."""
+    import torch.distributed as dist
+
+    from megamoe.errors import ConfigError
+    from megamoe.parallel_inference import StageForward, inference_groups, load_model
+
+    if not (Path(hf_dir) / "config.json").is_file():
+        raise ConfigError(f"{hf_dir}: at a parallel layout verify reads an HF folder (export a checkpoint first)")
+    groups = inference_groups(parallel)
+    model = load_model(hf_dir, parallel, groups)
+    return run(hf_dir, model, forward=StageForward(model, groups), reference=dist.get_rank() == 0)
 
 
 def verify_checkpoint(path: str, run):

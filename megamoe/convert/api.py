@@ -71,10 +71,15 @@ def _checked_plan(ck: HFCheckpoint, family: Family, cfg: ModelConfig, meta_tenso
 
 
 def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequence_parallel: bool = False,
-            device=None, progress: bool = False, fp8: str | None = None, placement: dict | None = None):
+            device=None, progress: bool = False, fp8: str | None = None, placement: dict | None = None,
+            pipeline: tuple[int, int] = (0, 1)):
     """A megamoe model holding an HF checkpoint's weights (this rank's shards under ``groups``);
     ``fp8``: the backend's FP8 recipe (as ``train.fp8``); ``placement``: {layer: expert order}
     laid out over the EP slots (``megamoe.placement``; recorded in ``model.moe.placement``).
+    ``pipeline`` (stage, stages): build and load only that pipeline stage's layers (cut by
+    ``Layout.stages(stages, balanced=True)``; the first holds the embedding, the last the output
+    layer); tensors of other stages are never read. Each tensor is read, sliced to this rank's
+    shard and dropped before the next, so the whole model is never in one process.
 
     ``model(input_ids)`` returns logits [b, t, V]. The HF origin is kept on ``model.hf_origin``
     so ``to_hf`` can write the same family back.
@@ -85,8 +90,12 @@ def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequenc
     with torch.device("meta"):
         meta_tensors = model_tensors(build_model(cfg, device="meta"))
     entries = _checked_plan(ck, family, cfg, meta_tensors)
-    model = build_model(cfg, groups, sequence_parallel=sequence_parallel, device=device, fp8=fp8)
+    stage, stages = pipeline
+    cut = {} if stages == 1 else dict(layer_ids=cfg.parsed_layout().stages(stages, balanced=True)[stage],
+                                      pre_process=stage == 0, post_process=stage == stages - 1)
+    model = build_model(cfg, groups, sequence_parallel=sequence_parallel, device=device, fp8=fp8, **cut)
     tensors = model_tensors(model)
+    entries = [e for e in entries if e.mm in tensors]  # this pipeline stage's only
     for e in tqdm(entries, desc="load HF", disable=not progress, unit="tensor"):
         full = to_slots(e.mm, e.to_mm([ck.tensor(n) for n in e.hf]), _placement(cfg))
         dest = tensors[e.mm]

@@ -41,8 +41,12 @@ def load_hf_model(hf_dir: str | Path):
 
 @torch.no_grad()
 def verify(hf_dir: str | Path, *, prompt_len: int = 12, new_tokens: int = 16, batch: int = 2, seed: int = 0,
-           atol: float = 1e-4, hf_model=None, model=None) -> Report:
-    hf_model = hf_model if hf_model is not None else load_hf_model(hf_dir)
+           atol: float = 1e-4, hf_model=None, model=None, forward=None, reference: bool = True) -> Report | None:
+    """megamoe's logits and greedy tokens against transformers' on a random prompt.
+
+    At a parallel layout every rank passes its ``model`` stage and ``forward`` (a
+    ``megamoe.parallel_inference.StageForward``); only the rank with ``reference`` loads the
+    transformers model and gets the report (the others get None)."""
     model = model if model is not None else from_hf(hf_dir)
     model.float()
     vocab = model.config.vocab_size
@@ -53,12 +57,15 @@ def verify(hf_dir: str | Path, *, prompt_len: int = 12, new_tokens: int = 16, ba
     suppress = None if placeholder is None else [placeholder]
     if placeholder is not None:
         ids[ids == placeholder] = (placeholder + 1) % vocab
+    out = (model(ids) if forward is None else forward(ids, last_only=False)).float()
+    mm_gen = generate(model, ids, new_tokens, forward=forward)
+    if not reference:
+        return None
+    hf_model = hf_model if hf_model is not None else load_hf_model(hf_dir)
     ref = hf_model(input_ids=ids).logits.float()
-    out = model(ids).float()
     # an explicit mask: otherwise generate() treats prompt tokens equal to pad_token_id as padding
     hf_gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                                eos_token_id=None, pad_token_id=0, min_new_tokens=new_tokens,
                                suppress_tokens=suppress)
-    mm_gen = generate(model, ids, new_tokens)
     return Report((ref - out).abs().max().item(), torch.equal(hf_gen, mm_gen), hf_gen[:, prompt_len:].tolist(),
                   mm_gen[:, prompt_len:].tolist(), atol)
