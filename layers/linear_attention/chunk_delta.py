@@ -19,6 +19,12 @@ chunk-start states as ``o = (q Gamma - M W) S + M U0``. The scan is the only seq
 one [dk, dk] x [dk, dv] product per chunk forward and backward (``StateScan``). ``T`` has a
 matmul backward too (``UnitLowerInverse``); autograd handles the rest, which is batched.
 
+The cumulative log decay G is summed in float64 and only its differences are cast back: in
+fp32 G_t is rounded to about eps |G_t| (|G| reaches hundreds within a chunk at the mixers'
+strongest decays), which exp(G_i - G_j) turns into a relative error of ~1e-5 even between
+neighbours, and the decay parameters' gradients with it. In float64 the backward's sums over
+pairs (row minus column, then the cumsum's reverse) also cancel without losing fp32 digits.
+
 Exponents are never positive (decays are <= 0 and the reference point of every product is
 between the two positions), so nothing overflows, whatever the decay: with per-channel decay
 (KDA) the [C, C] matrices are built by halving, each off-diagonal quadrant one matmul through
@@ -87,7 +93,8 @@ class UnitLowerInverse(torch.autograd.Function):
 
 def intra_per_channel(q, k, beta, G, leaf: int = LEAF):
     """A (strictly lower part used) and M for one decay per key channel, by halving.
-    q, k, G [..., C, dk]; beta [..., C] -> [..., C, C] each.
+    q, k, G [..., C, dk] (G float64; its differences are taken there, then cast to q's dtype);
+    beta [..., C] -> [..., C, C] each.
 
     Every block of B tokens is [[top, 0], [quad, bottom]]: ``quad`` (rows in the second half,
     columns in the first) factors through the first position r of the second half,
@@ -102,15 +109,15 @@ def intra_per_channel(q, k, beta, G, leaf: int = LEAF):
     n = C // leaf
     G_l, k_l, rows_l = blocks(G, n), blocks(k, n), blocks(rows, n)
     upper = torch.ones(leaf, leaf, dtype=torch.bool, device=q.device).triu(1)
-    pair = (G_l.unsqueeze(-2) - G_l.unsqueeze(-3)).masked_fill(upper.unsqueeze(-1), float("-inf")).exp()
+    pair = (G_l.unsqueeze(-2) - G_l.unsqueeze(-3)).to(q.dtype).masked_fill(upper.unsqueeze(-1), float("-inf")).exp()
     D = (rows_l.unsqueeze(-2) * (k_l.unsqueeze(-3) * pair)).sum(-1)     # [2, .., n, leaf, leaf]
     size = 2 * leaf
     while size <= C:
         n, half = C // size, size // 2
         G_b, k_b, rows_b = blocks(G, n), blocks(k, n), blocks(rows, n)
         ref = G_b[..., half:half + 1, :]
-        rows_r = rows_b[..., half:, :] * (G_b[..., half:, :] - ref).exp()  # [2, .., n, half, dk]
-        cols_r = k_b[..., :half, :] * (ref - G_b[..., :half, :]).exp()     # [.., n, half, dk]
+        rows_r = rows_b[..., half:, :] * (G_b[..., half:, :] - ref).to(q.dtype).exp()  # [2, .., n, half, dk]
+        cols_r = k_b[..., :half, :] * (ref - G_b[..., :half, :]).to(q.dtype).exp()     # [.., n, half, dk]
         quad = rows_r @ cols_r.transpose(-1, -2)                          # [2, .., n, half, half]
         D = D.reshape(*D.shape[:-3], n, 2, half, half)
         top = torch.cat([D[..., 0, :, :], torch.zeros_like(quad)], dim=-1)
@@ -155,17 +162,17 @@ def _chunk_delta_rule(q, k, v, g, beta, scale, initial_state, chunk_size, fuse=F
     n = (t + pad) // C
     q, k, v, g = (x.reshape(b, hv, n, C, x.size(-1)) for x in (q, k, v, g))
     beta = beta.reshape(b, hv, n, C)
-    G = g.cumsum(-2)
+    G = g.to(torch.float64).cumsum(-2)  # float64 sums, differences in q's dtype: see the module docstring
     A, M = intra_per_channel(q, k, beta, G)
 
-    gamma = G.exp()
+    gamma = G.to(q.dtype).exp()
     G_last = G[..., -1:, :]
-    k_tail = k * (G_last - G).exp()                                 # decayed to the chunk end
+    k_tail = k * (G_last - G).to(q.dtype).exp()                        # decayed to the chunk end
     T = UnitLowerInverse.apply(A)
     # W | U0 side by side: fewer, wider matmuls
     WU = T @ torch.cat([k * (gamma * beta.unsqueeze(-1)), v * beta.unsqueeze(-1)], -1)  # [.., C, dk+dv]
     KW, R = (k_tail.transpose(-1, -2) @ WU).split([dk, dv], -1)      # [b, h, n, dk, dk | dv]
-    P = torch.diag_embed(G_last.squeeze(-2).exp().expand(b, hv, n, dk)) - KW
+    P = torch.diag_embed(G_last.squeeze(-2).to(q.dtype).exp().expand(b, hv, n, dk)) - KW
     MW, o_local = (M @ WU).split([dk, dv], -1)
     q_state = q * gamma - MW                                        # reads the chunk-start state
 
