@@ -94,4 +94,21 @@ def test_lora_checkpoint_without_its_base_is_one_line(lora_run, tmp_path, capsys
     assert_one_line(invoke(convert.main, ["export-hf", str(moved), out, "--merge"], capsys), "deleted_base")
     assert_one_line(invoke(generate.main, [str(moved), "--ids", "1,2"], capsys), "lora_base", "deleted_base")
     assert_one_line(invoke(verify.main, [str(moved)], capsys), "deleted_base")
+    assert_one_line(invoke(generate.main, [str(moved), "--ids", "1", "--base", out], capsys), "--base", "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["moved"]
+
+
+def test_base_option_finds_a_moved_base(lora_run, tmp_path, capsys):
+    """--base names the base weights when they are no longer where meta.json says."""
+    import shutil
+
+    from megamoe.generate import generate as decode
+
+    _, base, run, model = lora_run
+    moved = tmp_path / "run"
+    shutil.copytree(run, moved)
+    for meta_file in moved.glob("step_*/meta.json"):
+        meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "lora_base": "/gone"}))
+    run_main(generate.main, [str(moved), "--ids", "3,17", "--max-new-tokens", "5", "--base", str(base)])
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert printed == str(decode(model, torch.tensor([[3, 17]]), 5)[0, 2:].tolist())

@@ -19,6 +19,7 @@ import argparse
 from pathlib import Path
 
 from megamoe.cli import DEBUG_HELP, number_in, run_main, tool_parser
+from megamoe.commands.models import BASE_HELP
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     exp.add_argument("--family", help="HF model_type to write (default: the checkpoint's origin)")
     exp.add_argument("--merge", action="store_true",
                      help="CKPT_DIR is a LoRA checkpoint: write its base with the adapters merged in")
+    exp.add_argument("--base", help=BASE_HELP)
     for s in (imp, exp):
         s.add_argument("--overwrite", action="store_true", help="replace OUT_DIR (only a checkpoint megamoe or HF wrote)")
         s.add_argument("--shard-gib", type=number_in(float, 0.001), default=2.0, help="maximum shard size (GiB)")
@@ -93,7 +95,7 @@ def export(args):
     if not args.merge:
         raise ConfigError(f"{args.ckpt_dir}: a LoRA checkpoint holds adapters only; pass --merge to write its base "
                           f"with the adapters merged in, or use export-peft for a PEFT adapter")
-    model = load_model(args.ckpt_dir, merge=True)
+    model = load_model(args.ckpt_dir, merge=True, base=args.base)
     if not (args.family or getattr(model, "hf_origin", None)):
         raise CheckpointError(f"{args.ckpt_dir}: the base weights did not come from an HF checkpoint; name the HF "
                               f"family to export to with --family")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from megamoe.cli import number_in, run_main, tool_parser
+from megamoe.commands.models import BASE_HELP
 from megamoe.errors import ConfigError
 from megamoe.parallel_inference import parallel_flags, parallel_from_args
 
@@ -63,6 +64,7 @@ def parser():
     p.add_argument("--top-k", type=number_in(int, 0), default=0, help="0: no top-k cut")
     p.add_argument("--top-p", type=number_in(float, 1e-6, 1.0), default=1.0)
     p.add_argument("--seed", type=number_in(int, 0), default=0)
+    p.add_argument("--base", help=BASE_HELP)
     p.add_argument("--image", help="an image file for a vision-language model (placed before the prompt)")
     p.add_argument("--prefill-chunk", type=number_in(int, 0), default=0,
                    help="process the prompts in chunks of this many tokens (0: at once)")
@@ -117,7 +119,7 @@ def load_for_layout(args):
 
     parallel = parallel_from_args(args)
     if parallel is None:
-        return load_model(args.model_dir), None, True
+        return load_model(args.model_dir, base=args.base), None, True
     if args.image and parallel.pp > 1:
         raise ConfigError("--image with --pp > 1: the vision tower sits on the first stage only; use --pp 1")
     groups = inference_groups(parallel)

@@ -18,19 +18,29 @@ def checkpoint_path(path: str | Path) -> Path:
     return path
 
 
-def lora_base(path: Path, meta: dict) -> Path:
-    """The base weights an adapter-only checkpoint was trained on (``lora_base`` in its meta)."""
+BASE_HELP = "for a LoRA checkpoint: its base weights, instead of the folder its meta.json records"
+
+
+def lora_base(path: Path, meta: dict, override: str | Path | None = None) -> Path:
+    """The base weights an adapter-only checkpoint was trained on (``lora_base`` in its meta,
+    or ``override``, e.g. after the base was moved)."""
+    if override is not None:
+        found = checkpoint_path(override)
+        if not (found / "meta.json").is_file():
+            raise CheckpointError(f"--base {override}: not a megamoe checkpoint (meta.json missing)")
+        return found
     base = meta.get("lora_base")
     if not base:
         raise CheckpointError(f"{path}/meta.json: a LoRA checkpoint without 'lora_base' (the run had no "
                               f"checkpoint.load), so there are no base weights to put the adapters on")
     found = checkpoint_path(base)  # a checkpoint, or a run's folder (its latest checkpoint)
     if not (found / "meta.json").is_file():
-        raise CheckpointError(f"{path}/meta.json: lora_base {base} is not a megamoe checkpoint (moved or deleted?)")
+        raise CheckpointError(f"{path}/meta.json: lora_base {base} is not a megamoe checkpoint (moved or deleted? "
+                              f"--base names where it is now)")
     return found
 
 
-def hf_origin_of(path: str | Path) -> dict | None:
+def hf_origin_of(path: str | Path, base: str | Path | None = None) -> dict | None:
     """The HF origin a checkpoint records (a LoRA checkpoint's, else its base's), without loading weights."""
     from megamoe.training.checkpoint import read_meta
 
@@ -38,13 +48,13 @@ def hf_origin_of(path: str | Path) -> dict | None:
     meta = read_meta(path)
     if meta.get("hf") or not meta.get("lora"):
         return meta.get("hf")
-    return read_meta(lora_base(path, meta)).get("hf")
+    return read_meta(lora_base(path, meta, base)).get("hf")
 
 
-def load_model(path: str | Path, merge: bool = True):
+def load_model(path: str | Path, merge: bool = True, base: str | Path | None = None):
     """The model in ``path`` on CPU, in eval mode, with ``hf_origin`` set when known. A LoRA
-    checkpoint gives its base with the adapters applied, merged into the weights unless
-    ``merge=False``."""
+    checkpoint gives its base (``base``, else the one its meta.json records) with the adapters
+    applied, merged into the weights unless ``merge=False``."""
     from megamoe.convert import build_model, from_hf
     from megamoe.recipe import config_from_dict
     from megamoe.training.checkpoint import load_checkpoint, read_meta
@@ -62,8 +72,7 @@ def load_model(path: str | Path, merge: bool = True):
         from megamoe.lora import LoRAConfig, apply_lora, is_adapter_name
         from megamoe.lora import merge as merge_lora
 
-        base = lora_base(path, meta)
-        base_meta = load_checkpoint(base, model.groups, [model], load_rng=False)
+        base_meta = load_checkpoint(lora_base(path, meta, base), model.groups, [model], load_rng=False)
         meta["hf"] = meta.get("hf") or base_meta.get("hf")
         apply_lora(model, config_from_dict(meta["lora"], LoRAConfig))
         load_checkpoint(path, model.groups, [model], load_rng=False, select=is_adapter_name)

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from megamoe.cli import number_in, run_main, tool_parser
+from megamoe.commands.models import BASE_HELP
 from megamoe.parallel_inference import parallel_flags, parallel_from_args
 
 
@@ -23,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=number_in(int, 1), default=16, help="greedy tokens to compare")
     p.add_argument("--prompt-len", type=number_in(int, 1), default=12)
     p.add_argument("--seed", type=number_in(int, 0), default=0)
+    p.add_argument("--base", help=BASE_HELP)
     parallel_flags(p)
     args = p.parse_args(argv)
     from megamoe.convert.verify import verify
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     elif (Path(args.model_dir) / "config.json").is_file():
         report = run(args.model_dir)
     else:
-        report = verify_checkpoint(args.model_dir, run)
+        report = verify_checkpoint(args.model_dir, run, args.base)
     print(report)
     print("OK" if report.ok else "MISMATCH")
     sys.exit(0 if report.ok else 1)
@@ -60,17 +62,17 @@ def verify_at_layout(hf_dir: str, parallel, run):
     return run(hf_dir, model, forward=StageForward(model, groups), reference=dist.get_rank() == 0)
 
 
-def verify_checkpoint(path: str, run):
+def verify_checkpoint(path: str, run, base: str | None = None):
     """A megamoe checkpoint: its model (LoRA adapters merged) against transformers on the same
     weights written as an HF directory (in a temporary folder, removed afterwards)."""
     from megamoe.commands.models import hf_origin_of, load_model
     from megamoe.convert import to_hf
     from megamoe.errors import CheckpointError
 
-    if not hf_origin_of(path):
+    if not hf_origin_of(path, base):
         raise CheckpointError(f"{path}: the weights did not come from an HF checkpoint, so there is no "
                               f"transformers family to compare with")
-    model = load_model(path)
+    model = load_model(path, base=base)
     with tempfile.TemporaryDirectory(prefix="megamoe-verify-") as tmp:
         hf_dir = to_hf(model, Path(tmp) / "hf")
         return run(hf_dir, model)
