@@ -53,9 +53,6 @@ class Recipe:
         if self.parallel.cp > 1:
             raise ConfigError("parallel.cp>1: context parallelism is not implemented by the trainer yet")
         check_pipeline_support(self.model, self.parallel)
-        if self.parallel.pp > 1 and self.data.kind == "image_caption":
-            raise ConfigError("parallel.pp>1 with data.kind=image_caption: multimodal batches under pipeline "
-                              "parallelism are not supported yet (use pp=1)")
         if world_size is not None:
             self.parallel.validate(world_size)
             self.train.micro_batches(self.parallel.dp(world_size))

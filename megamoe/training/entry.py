@@ -63,7 +63,7 @@ def run_training(recipe) -> dict:
     check_vocab(tokenizer, recipe.model.vocab_size)
     trainer = Trainer(recipe)
     # image captions need the tower's count of placeholder tokens per image
-    image_tokens = trainer.image_tokens if trainer.vision is not None else None
+    image_tokens = trainer.image_tokens if recipe.model.vision is not None else None
     dataset = build_dataset(recipe.data, tokenizer, image_tokens=image_tokens)
     log_dir = recipe.logging.dir or (str(Path(recipe.checkpoint.dir) / "tb") if recipe.checkpoint.dir else "runs")
     if trainer.rank == 0:

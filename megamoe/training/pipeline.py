@@ -38,14 +38,20 @@ def build_chunks(cfg: ModelConfig, parallel: ParallelConfig, groups: ParallelGro
 
 
 class StageModule(nn.Module):
-    """The callable a PipelineStage runs: ids or hidden states in, hidden states or logits out."""
+    """The callable a PipelineStage runs: ids or hidden states in, hidden states or logits out.
+
+    ``extra`` holds the first stage's keyword inputs per micro-batch (a multimodal model's
+    preprocessed images, a list per sample, which the schedule cannot split as tensors): each
+    forward takes the next, in micro-batch order (the order every schedule runs a stage's
+    forwards in), so the tower runs inside the stage and its backward with the stage's."""
 
     def __init__(self, chunk: LanguageModel):
         super().__init__()
         self.chunk = chunk
+        self.extra: list[dict] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.chunk.forward_stage(x)
+        return self.chunk.forward_stage(x, **(self.extra.pop(0) if self.extra else {}))
 
 
 def stage_examples(chunk: LanguageModel, micro_batch: int, seq_len: int, device, logits_dtype: torch.dtype):
@@ -70,18 +76,19 @@ def stage_examples(chunk: LanguageModel, micro_batch: int, seq_len: int, device,
 def build_schedule(chunks: list[LanguageModel], ids: list[int], n_stages: int, groups: ParallelGroups,
                    n_microbatches: int, loss_fn: Callable, device: torch.device, micro_batch: int, seq_len: int,
                    logits_dtype: torch.dtype = torch.float32):
-    """A 1F1B (one chunk per rank) or interleaved 1F1B schedule over the pp group.
+    """A 1F1B (one chunk per rank) or interleaved 1F1B schedule over the pp group, and the
+    ``StageModule`` of each chunk.
 
     Gradients are not rescaled by the schedule: ``loss_fn`` already divides by the global
     token count.
     """
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-    stages = []
-    for c, i in zip(chunks, ids):
+    stages, modules = [], [StageModule(c) for c in chunks]
+    for m, c, i in zip(modules, chunks, ids):
         inp, out = stage_examples(c, micro_batch, seq_len, device, logits_dtype)
-        stages.append(PipelineStage(StageModule(c), stage_index=i, num_stages=n_stages, device=device,
+        stages.append(PipelineStage(m, stage_index=i, num_stages=n_stages, device=device,
                                     input_args=(inp,), output_args=(out,), group=groups.pp))
     if len(stages) == 1:
-        return Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        return Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False), modules
+    return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False), modules

@@ -230,8 +230,16 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
     def image_tokens(self, image) -> int:
-        """Placeholders one raw image takes (the image-caption dataset's ``image_tokens``)."""
-        return self.vision.image_tokens(image)
+        """Placeholders one raw image takes (the image-caption dataset's ``image_tokens``). Every
+        pipeline stage builds the same samples (the last one needs their labels), so a stage
+        without the tower asks a meta-device copy: the count depends on the config only."""
+        if self.vision is None and getattr(self, "_meta_tower", None) is None:
+            from megamoe.vision.tower import VisionTower
+
+            cfg = self.recipe.model
+            with torch.device("meta"):
+                self._meta_tower = VisionTower(cfg.vision, cfg.hidden_size, device="meta")
+        return (self.vision or self._meta_tower).image_tokens(image)
 
     def _stage_inputs(self, mb: dict) -> tuple[torch.Tensor, dict]:
         """The first stage's input ids and, for a multimodal model, its preprocessed images."""
@@ -266,12 +274,12 @@ class Trainer:
 
         if not hasattr(self, "_schedule"):
             bf16 = self.device.type == "cuda" and self.train.precision in ("auto", "bf16")
-            self._schedule = build_schedule(self.chunks, self.stage_ids, self.n_stages, self.groups, self.n_micro,
-                                            loss_fn, self.device, self.train.micro_batch_size,
-                                            self.recipe.data.seq_len, torch.bfloat16 if bf16 else torch.float32)
+            self._schedule, self._stage_modules = build_schedule(
+                self.chunks, self.stage_ids, self.n_stages, self.groups, self.n_micro, loss_fn, self.device,
+                self.train.micro_batch_size, self.recipe.data.seq_len, torch.bfloat16 if bf16 else torch.float32)
         self._schedule._loss_fn = loss_fn  # the token count differs per step
-        if self.first and "images" in micro[0]:
-            raise ConfigError("multimodal batches with parallel.pp>1 are not supported yet (use pp=1)")
+        if self.first:  # the vision tower runs inside the first stage: its images ride along per micro-batch
+            self._stage_modules[0].extra = [self._stage_inputs(mb)[1] for mb in micro]
         args = [(mb["input_ids"].to(self.device),) for mb in micro] if self.first else None
         targets = [mb["labels"].to(self.device) for mb in micro] if self.last else None
         with self._autocast():
