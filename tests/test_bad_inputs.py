@@ -311,3 +311,14 @@ def masked_batch_step() -> str:
 def test_training_refuses_a_batch_without_targets(pool):
     msg = pool(1).run(masked_batch_step)[0]
     assert "step 1" in msg and "no target tokens" in msg and "\n" not in msg, msg
+
+
+def test_tokenizer_far_smaller_than_the_vocabulary_is_said(caplog):
+    from megamoe.data import check_vocab
+    from megamoe.data.tokenizer import ByteTokenizer
+
+    with caplog.at_level("WARNING", logger="megamoe.data.loader"):
+        check_vocab(ByteTokenizer(), 320)
+        assert not caplog.records
+        check_vocab(ByteTokenizer(), 151936)
+    assert len(caplog.records) == 1 and "151936" in caplog.records[0].getMessage()

@@ -13,6 +13,7 @@ Sample order and rank slices: ``megamoe.data.sampling``.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Iterator, Optional
 
 import numpy as np
@@ -28,16 +29,23 @@ from megamoe.data.sft import SFTDataset
 from megamoe.data.tokenizer import Tokenizer, load_tokenizer
 from megamoe.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 
 def build_tokenizer(cfg: DataConfig) -> Tokenizer:
     return load_tokenizer(cfg.tokenizer)
 
 
 def check_vocab(tokenizer: Tokenizer, vocab_size: int, path: str = "model.vocab_size") -> None:
-    """The model's embedding must have a row for every id the tokenizer produces."""
+    """The model's embedding must have a row for every id the tokenizer produces; a tokenizer
+    that covers less than half of the rows is probably not the model's own (said, not refused:
+    a small tokenizer on a padded vocabulary is legitimate)."""
     if vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"{path}={vocab_size} is invalid: tokenizer {tokenizer.name} has "
                           f"{tokenizer.vocab_size} ids; must be >= {tokenizer.vocab_size}")
+    if 2 * tokenizer.vocab_size < vocab_size:
+        log.warning("tokenizer %s has %d ids but %s=%d: rows above %d are never trained (is it the model's "
+                    "tokenizer?)", tokenizer.name, tokenizer.vocab_size, path, vocab_size, tokenizer.vocab_size)
 
 
 def load_generator(spec: str):
