@@ -52,37 +52,108 @@ def _stage_of(name: str, stages: list[list[int]]) -> int:
     return 0  # embedding, vision tower
 
 
-def memory_plan(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, seq_len: int) -> str:
-    """Per pipeline stage: parameters held by one rank and a memory estimate (fp32 params and
-    grads, Adam moments split by ZeRO-1 over data-parallel ranks, rough activations)."""
+def planned_model(cfg: ModelConfig, lora=None):
+    """The meta model a plan reads (with adapters when ``lora`` is set). Its sharding rules name
+    groups, not sizes, so one serves every layout."""
+    model = meta_model(cfg)
+    if lora is not None:
+        from megamoe.lora import apply_lora
+
+        apply_lora(model, lora)
+    return model
+
+
+def _grid(parallel, world_size: int) -> dict[str, int]:
+    dp = world_size // (parallel.tp * parallel.pp * parallel.cp)
+    edp = world_size // (parallel.etp * parallel.ep * parallel.pp)
+    return {"tp": parallel.tp, "ep": parallel.ep, "etp": parallel.etp, "dp": dp, "edp": edp}
+
+
+def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, seq_len: int, *,
+                 lora=None, offload: bool = False, recompute=(), zero1: bool = True, model=None) -> list[dict]:
+    """Bytes one rank of each pipeline stage holds (on the device, and in host memory with
+    ``offload``): parameters in their dtype; gradients of trainable parameters in that dtype;
+    AdamW's two fp32 moments, plus an fp32 master for a parameter below fp32, split over the
+    data-parallel ranks by ZeRO-1 (experts over the expert-data-parallel ones); activations.
+
+    Activations (rough): ~34 bytes per hidden element per layer and token kept for backward in
+    bf16 (Megatron's estimate for a transformer layer), divided by TP under sequence
+    parallelism; ``recompute`` with ``layer`` keeps only each layer's input (2 bytes per hidden
+    element). The static part is what the trainer allocates, exactly (tests/test_plan.py).
+    ``model``: the meta model (``planned_model``) when planning many layouts of one."""
     import math
 
     from megamoe.parallel.sharding import sharding
 
-    parallel.validate(world_size)
     layout = cfg.validate()
-    n_stages = parallel.pp * parallel.vpp
-    stages = layout.stages(n_stages)
-    sizes = {"tp": parallel.tp, "ep": parallel.ep, "etp": parallel.etp}
-    dp = world_size // (parallel.tp * parallel.pp * parallel.cp)
-    edp = world_size // (parallel.etp * parallel.ep * parallel.pp)
-    per_stage = [[0, 0.0] for _ in range(n_stages)]  # params, bytes
-    for name, p in meta_model(cfg).named_parameters():
+    stages = layout.stages(parallel.pp * parallel.vpp)
+    g = _grid(parallel, world_size)
+    model = model if model is not None else planned_model(cfg, lora)
+    rows = [dict(layers=ids, params=0.0, weights=0.0, grads=0.0, optim=0.0, activations=0.0) for ids in stages]
+    for name, p in model.named_parameters():
         rules = sharding(p)
-        local = math.prod(p.shape) / math.prod(sizes.get(r.group, 1) for r in rules)
-        expert = any(r.group in ("ep", "etp") for r in rules)
-        stage = _stage_of(name, stages)
-        per_stage[stage][0] += local
-        per_stage[stage][1] += local * (4 + 4 + 8 / (edp if expert else dp))
-    rows = [f"grid: world {world_size} = tp {parallel.tp} x pp {parallel.pp} x cp {parallel.cp} x dp {dp}; "
-            f"experts: etp {parallel.etp} x ep {parallel.ep} x edp {edp}; vpp {parallel.vpp}, "
-            f"sequence_parallel {parallel.sequence_parallel}",
-            f"{'stage':<7}{'layers':<18}{'params/rank':>14}{'weights+grads+adam':>20}{'activations~':>14}"]
+        local = math.prod(p.shape) / math.prod(g.get(r.group, 1) for r in rules)
+        row = rows[_stage_of(name, stages)]
+        row["params"] += local
+        row["weights"] += local * p.element_size()
+        if p.requires_grad:
+            replicas = g["edp"] if any(r.group in ("ep", "etp") for r in rules) else g["dp"]
+            state = 8 + (4 if p.dtype != torch.float32 else 0)      # moments (+ fp32 master)
+            row["grads"] += local * p.element_size()
+            row["optim"] += local * state / (replicas if zero1 else 1)
+    per_layer = 2 if "layer" in recompute else 34
     sp = parallel.tp if parallel.sequence_parallel else 1
-    for i, ids in enumerate(stages):
-        # ~34 bytes per hidden element per layer kept for backward (Megatron's estimate, fp16/bf16)
-        act = len(ids) * 34 * micro_batch * seq_len * cfg.hidden_size / sp
+    for row in rows:
+        row["activations"] = len(row["layers"]) * per_layer * micro_batch * seq_len * cfg.hidden_size / sp
+        row["device"] = row["weights"] + row["grads"] + row["activations"] + (0 if offload else row["optim"])
+        row["host"] = row["optim"] if offload else 0.0
+    return rows
+
+
+def memory_plan(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, seq_len: int, **kw) -> str:
+    """Per pipeline stage, what one rank holds (``stage_memory``), as printed by megamoe-plan."""
+    parallel.validate(world_size)
+    g = _grid(parallel, world_size)
+    out = [f"grid: world {world_size} = tp {parallel.tp} x pp {parallel.pp} x cp {parallel.cp} x dp {g['dp']}; "
+           f"experts: etp {parallel.etp} x ep {parallel.ep} x edp {g['edp']}; vpp {parallel.vpp}, "
+           f"sequence_parallel {parallel.sequence_parallel}",
+           f"{'stage':<7}{'layers':<10}{'params/rank':>12}{'weights':>10}{'grads':>9}{'optimizer':>11}"
+           f"{'activ.~':>9}{'device':>9}{'host':>8}   (GiB)"]
+    for i, r in enumerate(stage_memory(cfg, parallel, world_size, micro_batch, seq_len, **kw)):
+        ids = r["layers"]
         span = f"{ids[0]}-{ids[-1]}" if ids else "-"
-        rows.append(f"{i:<7}{span:<18}{human(per_stage[i][0]):>14}{per_stage[i][1] / 2**30:>18.2f}G"
-                    f"{act / 2**30:>13.2f}G")
-    return "\n".join(rows)
+        out.append(f"{i:<7}{span:<10}{human(r['params']):>12}" + "".join(
+            f"{r[k] / 2 ** 30:>{w}.2f}" for k, w in (("weights", 10), ("grads", 9), ("optim", 11),
+                                                       ("activations", 9), ("device", 9), ("host", 8))))
+    return "\n".join(out)
+
+
+def fitting_layouts(recipe, world_size: int, device_bytes: float, most: int = 10) -> list[tuple[dict, float]]:
+    """(parallel degrees, busiest rank's device bytes) of the layouts of ``world_size`` ranks the
+    trainer accepts for ``recipe`` whose every rank fits ``device_bytes``, smallest first.
+    Tried: tp in 1..8 (with sequence parallelism), pp dividing the world (the layout's cut
+    count when it has cuts), ep a power of two dividing the experts; etp 1, cp 1, vpp 1."""
+    import dataclasses
+
+    from megamoe.errors import ConfigError
+
+    moe = recipe.model.moe
+    experts = moe.num_experts if moe is not None else 1
+    model, found = planned_model(recipe.model, recipe.lora), []
+    for tp in (1, 2, 4, 8):
+        for pp in (p for p in range(1, 65) if world_size % (tp * p) == 0):
+            for ep in (e for e in (1, 2, 4, 8, 16, 32, 64, 128, 256) if experts % e == 0):
+                par = dataclasses.replace(recipe.parallel, tp=tp, pp=pp, ep=ep, etp=1, cp=1, vpp=1,
+                                          sequence_parallel=tp > 1)
+                trial = dataclasses.replace(recipe, parallel=par)
+                try:
+                    trial.validate_plan(world_size)
+                except ConfigError:
+                    continue
+                rows = stage_memory(recipe.model, par, world_size, recipe.train.micro_batch_size,
+                                    recipe.data.seq_len, lora=recipe.lora, offload=recipe.train.optimizer_offload,
+                                    recompute=recipe.train.recompute, zero1=recipe.optim.zero1, model=model)
+                worst = max(r["device"] for r in rows)
+                if worst <= device_bytes:
+                    found.append(({"tp": tp, "pp": pp, "ep": ep}, worst))
+    return sorted(found, key=lambda x: (x[1], x[0]["tp"] * x[0]["pp"]))[:most]

@@ -2,6 +2,7 @@
 per-stage memory per rank; or place experts over EP ranks from their measured load.
 
     megamoe-plan --config moe_1t --world-size 1024 parallel.tp=8 parallel.pp=4 parallel.ep=64
+    megamoe-plan --config hybrid_vl_1t --world-size 1024 --gpu-mem 141GiB [lora.rank=16 ...]
     megamoe-plan experts --load LOAD.json --ep 8 [--out PLACEMENT.json]
     megamoe-plan experts --calibrate HF_DIR --text FILE --ep 8 [--seq-len 512] [--save-load LOAD.json]
 
@@ -13,7 +14,7 @@ busiest-rank load (max/mean) before and after, and writes the placement that
 import sys
 
 from megamoe.cli import number_in, recipe_parser, run_main, tool_parser
-from megamoe.plan import describe, memory_plan
+from megamoe.plan import describe, fitting_layouts, memory_plan
 from megamoe.training.entry import load_train_recipe
 
 
@@ -78,12 +79,38 @@ def main(argv: list[str] | None = None) -> None:
         return experts(argv[1:])
     p = recipe_parser(__doc__.strip().splitlines()[0])
     p.add_argument("--world-size", type=number_in(int, 1), default=1, help="number of ranks (GPUs) of the run")
+    p.add_argument("--gpu-mem", type=_bytes, help="list the layouts whose every rank fits this much device memory "
+                   "(e.g. 141GiB, 80GB)")
     args = p.parse_args(argv)
     recipe = load_train_recipe(args.config, args.overrides, validate=False)
-    recipe.validate_plan(args.world_size)  # what the trainer would refuse, before printing anything
     print(describe(recipe.model))
+    if args.gpu_mem:
+        what = "LoRA" if recipe.lora is not None else "full training"
+        fits = fitting_layouts(recipe, args.world_size, args.gpu_mem)
+        print(f"layouts of {args.world_size} ranks that fit {args.gpu_mem / 2 ** 30:.0f} GiB per device ({what}, "
+              f"micro-batch {recipe.train.micro_batch_size} x {recipe.data.seq_len} tokens):")
+        for degrees, worst in fits:
+            print("  " + " ".join(f"parallel.{k}={v}" for k, v in degrees.items()) + f"   busiest rank {worst / 2 ** 30:.1f} GiB")
+        if not fits:
+            print("  none (try more ranks, train.optimizer_offload=true, train.recompute=[layer] or LoRA)")
+        return
+    recipe.validate_plan(args.world_size)  # what the trainer would refuse, before printing anything
     print(memory_plan(recipe.model, recipe.parallel, args.world_size, recipe.train.micro_batch_size,
-                      recipe.data.seq_len))
+                      recipe.data.seq_len, lora=recipe.lora, offload=recipe.train.optimizer_offload,
+                      recompute=recipe.train.recompute, zero1=recipe.optim.zero1))
+
+
+def _bytes(text: str) -> float:
+    """'141GiB', '80GB', '512MiB' -> bytes."""
+    import re
+
+    from megamoe.errors import ConfigError
+
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(KiB|MiB|GiB|TiB|KB|MB|GB|TB)\s*", text)
+    units = {"KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+    if not m or float(m.group(1)) <= 0:
+        raise ConfigError(f"--gpu-mem={text!r} is invalid: a size such as 141GiB or 80GB")
+    return float(m.group(1)) * units[m.group(2)]
 
 
 def cli() -> None:
