@@ -10,8 +10,9 @@ Rank (ep=r, etp=q) holds experts r*E/ep .. (r+1)*E/ep-1 and slice q of f (of bot
 up), so its down projection yields a partial sum over etp ranks.
 
 Parameters: 3 * E * h * f, of which top_k / E are active per token (``mark_active_fraction``).
-Expert parameters carry ``_megamoe_expert = True``: their gradients are reduced over the
-expert-data-parallel group (``groups.edp``), not the data-parallel one.
+Their shard rules over ep/etp make them expert parameters (``megamoe.parallel.record``): their
+gradients are reduced over the expert-data-parallel group (``groups.edp``), not the
+data-parallel one.
 """
 from __future__ import annotations
 
@@ -25,15 +26,6 @@ from megamoe.params import mark_active_fraction
 from megamoe.parallel.sharding import Shard, mark_init, normal_init, set_sharding
 from megamoe.spec import BuildContext
 from megamoe.layers.grouped_gemm import resolve_kernel, swiglu_experts
-
-
-def mark_expert_param(param: torch.Tensor) -> torch.Tensor:
-    param._megamoe_expert = True
-    return param
-
-
-def is_expert_param(param: torch.Tensor) -> bool:
-    return getattr(param, "_megamoe_expert", False)
 
 
 class GroupedExperts(nn.Module):
@@ -63,7 +55,6 @@ class GroupedExperts(nn.Module):
         mark_init(self.down_weight, normal_init(ctx.init_std / (2.0 * ctx.num_layers) ** 0.5))
         for p in (self.gate_up_weight, self.down_weight):
             mark_active_fraction(p, active_fraction)
-            mark_expert_param(p)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, counts: Sequence[int], probs: torch.Tensor | None,
                 out_rows: int) -> torch.Tensor:

@@ -157,7 +157,6 @@ class TopKRouter(nn.Module):
             bias = torch.empty(cfg.num_experts, dtype=torch.float32, device=ctx.device)
             self.expert_bias = nn.Parameter(bias, requires_grad=False)
             mark_init(self.expert_bias, const_init(0.0))
-            self.expert_bias._megamoe_expert_bias = True
         else:
             self.register_parameter("expert_bias", None)
         self.update_rate = cfg.expert_bias_update_rate

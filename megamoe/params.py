@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from megamoe.parallel.groups import ParallelGroups
+from megamoe.parallel.record import record, update_record
 from megamoe.parallel.sharding import full_shape
 
 
 def mark_active_fraction(param, fraction: float):
-    param._megamoe_active_fraction = fraction
-    return param
+    return update_record(param, active_fraction=fraction)
 
 
 @dataclass
@@ -45,7 +45,7 @@ def count_parameters(model: nn.Module, groups: ParallelGroups | None = None) -> 
     budget = ParamBudget()
     for name, p in model.named_parameters(remove_duplicate=True):
         n = math.prod(full_shape(p, groups))
-        frac = getattr(p, "_megamoe_active_fraction", 1.0)
+        frac = record(p).active_fraction
         budget.add(_part_name(name), n, n * frac)
     return budget
 

@@ -12,6 +12,7 @@ from megamoe.errors import CheckpointError
 from megamoe.parallel import comm
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.init_rng import draw_blocks, key_of
+from megamoe.parallel.record import record
 from megamoe.parallel.sharding import (KEEP, full_shape, gather_full, global_positions, partial_grad_groups,
                                        shard_full)
 
@@ -31,7 +32,7 @@ def initialize(model: nn.Module, groups: ParallelGroups, seed: int = 0, select=N
     for name, p in unique_named_parameters(model):
         if p.is_meta or (select is not None and not select(name)):
             continue
-        fn = getattr(p, "_megamoe_init", None)
+        fn = record(p).init
         if fn is None:
             raise RuntimeError(f"parameter {name} has no init rule (mark_init)")
         if fn is KEEP:

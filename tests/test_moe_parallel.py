@@ -50,7 +50,7 @@ def batches(n: int, seed: int = 1):
 
 def reduced_grad(p, groups):
     """This parameter's gradient summed the way a trainer would, then gathered to full size."""
-    from megamoe.layers.experts import is_expert_param
+    from megamoe.parallel.record import is_expert_param
     from megamoe.parallel import comm
     from megamoe.parallel.sharding import gather_full
 

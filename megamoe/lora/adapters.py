@@ -38,11 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamoe.layers.experts import GroupedExperts, mark_expert_param
+from megamoe.layers.experts import GroupedExperts
 from megamoe.lora.config import LoRAConfig
 from megamoe.lora.experts import ExpertLoRA, lora_swiglu_experts
 from megamoe.params import mark_active_fraction
 from megamoe.parallel.groups import ParallelGroups
+from megamoe.parallel.record import record
 from megamoe.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from megamoe.parallel.sharding import Shard, const_init, mark_init, mark_partial_grad, set_sharding, sharding, split_full
 
@@ -206,12 +207,11 @@ def _attach_experts(m: nn.Module, cfg: LoRAConfig, groups: ParallelGroups) -> No
     else:  # one pair for every expert, whole on every rank
         params = {"gate_up_lora_A": (_param(w, r, h), [], h), "gate_up_lora_B": (_param(w, 2 * f, r), [], None),
                   "down_lora_A": (_param(w, r, f), [], f), "down_lora_B": (_param(w, h, r), [], None)}
-    fraction = getattr(w, "_megamoe_active_fraction", 1.0)
+    fraction = record(w).active_fraction
     for name, (p, rules, fan_in) in params.items():
         set_sharding(p, *rules)
         mark_init(p, kaiming_uniform_init(fan_in) if fan_in else const_init(0.0))
-        if rules:
-            mark_expert_param(p)
+        if rules:  # per-expert: sharded over ep (and etp), hence an expert parameter
             mark_active_fraction(p, fraction)
         else:  # used by the experts of every rank: the stage's ranks each hold a partial gradient
             mark_partial_grad(p, "tp")

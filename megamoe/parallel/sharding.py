@@ -1,4 +1,4 @@
-"""How each parameter is split over the grid, declared on the parameter itself.
+"""How each parameter is split over the grid, declared in its record (``megamoe.parallel.record``).
 
 A parameter carries an ordered list of ``Shard`` rules (e.g. stacked experts: first over
 ``ep`` along dim 0, then over ``etp`` along dim 1). The same rules serve initialisation
@@ -17,6 +17,7 @@ import torch
 
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.init_rng import Draw, InitFn
+from megamoe.parallel.record import record, update_record
 
 
 @dataclass(frozen=True)
@@ -28,25 +29,23 @@ class Shard:
 
 
 def set_sharding(param: torch.Tensor, *rules: Shard) -> torch.Tensor:
-    param._megamoe_shard = tuple(rules)
-    return param
+    return update_record(param, shard=tuple(rules))
 
 
 def sharding(param: torch.Tensor) -> tuple[Shard, ...]:
-    return getattr(param, "_megamoe_shard", ())
+    return record(param).shard
 
 
 def mark_partial_grad(param: torch.Tensor, group: str) -> torch.Tensor:
     """Replicated over ``group`` (a ParallelGroups field), but each rank's gradient is a partial
     sum: ``finalize_grads`` sums it over that group. E.g. a LoRA ``A`` shared by the expert-tensor
     slices of one expert, each slice contributing its own part of the gradient."""
-    param._megamoe_partial_grad = tuple(dict.fromkeys((*partial_grad_groups(param), group)))
-    return param
+    return update_record(param, partial_grad=tuple(dict.fromkeys((*partial_grad_groups(param), group))))
 
 
 def partial_grad_groups(param: torch.Tensor) -> tuple[str, ...]:
     """The groups ``finalize_grads`` sums this parameter's gradient over (in order)."""
-    return getattr(param, "_megamoe_partial_grad", ())
+    return record(param).partial_grad
 
 
 def mark_tp_partial_grad(param: torch.Tensor) -> torch.Tensor:
@@ -85,8 +84,7 @@ def KEEP(draw: Draw) -> torch.Tensor:  # noqa: N802 - a sentinel rule, compared 
 
 
 def mark_init(param: torch.Tensor, fn: InitFn) -> torch.Tensor:
-    param._megamoe_init = fn
-    return param
+    return update_record(param, init=fn)
 
 
 # ---- split / join ------------------------------------------------------------------------

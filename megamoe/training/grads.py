@@ -16,15 +16,11 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megamoe.parallel import comm
 from megamoe.parallel.groups import ParallelGroups
+from megamoe.parallel.record import is_expert_param  # noqa: F401  (also imported from here)
 from megamoe.parallel.sharding import sharding
 from megamoe.weights import finalize_grads
 
 BUCKET_ELEMENTS = 1 << 24
-
-
-def is_expert_param(p: torch.Tensor) -> bool:
-    """Routed-expert weights: split over the expert groups, replicated over expert-DP."""
-    return any(r.group in ("ep", "etp") for r in sharding(p))
 
 
 def _materialize(params) -> list[torch.Tensor]:
