@@ -38,7 +38,8 @@ fi
 phase megamoe 120 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site .
 phase env 60 python3 - <<'EOF'
 import importlib, torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))
+print("torch", torch.__version__, "cuda", torch.version.cuda,
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA DEVICE")
 for name in ("megatron.core", "fla", "torchao", "transformers", "timm", "omegaconf", "megamoe.layers"):
     try:
         m = importlib.import_module(name)
