@@ -52,7 +52,7 @@ echo "[quickstart] 3/4 export to Hugging Face format"
 python tools/convert.py export-hf "$OUT" "$OUT/hf" --family qwen3_5_moe --overwrite
 phase_done
 echo "[quickstart] 4/4 caption $EVAL_IMAGES new images (seed $EVAL_SEED, never used in training) with transformers"
-python tools/captions.py "$OUT/hf" --log-dir "$OUT/tb" --images "$EVAL_IMAGES" --seed "$EVAL_SEED"
+MEGAMOE_FUSION=off python tools/captions.py "$OUT/hf" --log-dir "$OUT/tb" --images "$EVAL_IMAGES" --seed "$EVAL_SEED"
 phase_done
 read_clock
 awk -v a="$START" -v b="$NOW" -v x="$START_CPU" -v y="$CPU" \
