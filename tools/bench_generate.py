@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Batched decoding: megamoe against transformers' ``generate`` on the same weights (CPU, fp32).
+
+    python tools/bench_generate.py [--new 32] [--lengths 32,64,96,128] [--rounds 3]
+
+The peer is the training benchmark's Qwen3-Next (``CONFIG``, docs/performance.md "Peer
+configurations"; random weights), saved once and loaded by both sides (megamoe through
+``from_hf``). Prompts of different lengths form one batch: transformers gets them left-padded
+with an attention mask, megamoe as a list (``generate_batch``, contiguous cache). Greedy, no
+EOS. Decode time = time(``--new`` tokens) - time(1 token) (the prefill), each side's median
+over ``--rounds`` alternating rounds after a warm-up, 2 threads.
+
+KV memory: megamoe's int8 paged cache (block 16; one more run) against transformers' cache
+after the same generation, attention keys and values only (both keep the linear layers'
+conv and recurrent states alike). transformers keeps padded slots too; the paged cache does
+not. Last line: ``decode_speedup_vs_hf=X kv_mem_ratio_int8=Y``.
+"""
+import argparse
+import functools
+import statistics
+import tempfile
+import time
+
+import torch
+
+CONFIG = dict(vocab_size=1000, hidden_size=256, num_hidden_layers=8,
+              layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+              num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+              linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=16,
+              num_experts_per_tok=4, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+              intermediate_size=512, norm_topk_prob=True, tie_word_embeddings=False, decoder_sparse_step=1,
+              mlp_only_layers=[])  # the same as tools/bench_train.py
+
+
+def matmul_rate() -> float:
+    """fp32 GFLOP/s of a 1024^3 ``mm`` on this machine now (the figure docs/performance.md records)."""
+    a = torch.randn(1024, 1024)
+    a @ a
+    start, n = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.5:
+        a @ a
+        n += 1
+    return 2 * 1024 ** 3 * n / (time.perf_counter() - start) / 1e9
+
+
+def hf_side(hf, prompts, new: int):
+    """transformers' generate on the left-padded batch -> (new tokens per prompt, its cache)."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):] = torch.tensor(p)
+        mask[i, longest - len(p):] = 1
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                      eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)
+    return out.sequences[:, longest:].tolist(), out.past_key_values
+
+
+def hf_kv_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers
+               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("--new", type=int, default=32, help="tokens generated per prompt")
+    p.add_argument("--lengths", default="32,64,96,128", help="prompt lengths (one batch)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from megamoe.convert import from_hf
+    from megamoe.generate import generate_batch, stream
+    from megamoe.paged_cache import PagedCache
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, CONFIG["vocab_size"], (int(n),), generator=gen).tolist()
+               for n in args.lengths.split(",")]
+    with tempfile.TemporaryDirectory(prefix="bench_generate_") as tmp:
+        torch.manual_seed(0)
+        Qwen3NextForCausalLM(Qwen3NextConfig(**CONFIG)).save_pretrained(tmp)
+        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        mm = from_hf(tmp).eval()
+    print(f"fp32 matmul {matmul_rate():.0f} GFLOP/s on {torch.get_num_threads()} threads; "
+          f"prompts {args.lengths}, {args.new} new tokens each")
+
+    with torch.no_grad():
+        sides = {"megamoe": lambda n: generate_batch(mm, prompts, n), "hf": lambda n: hf_side(hf, prompts, n)[0]}
+        tokens = {name: fn(args.new) for name, fn in sides.items()}  # also the warm-up
+        same = sum(a == b for ta, tb in zip(tokens["megamoe"], tokens["hf"]) for a, b in zip(ta, tb))
+        print(f"greedy tokens equal: {same}/{len(prompts) * args.new}")
+        decode = {name: [] for name in sides}
+        for _ in range(args.rounds):  # alternate, so load changes hit both sides alike
+            for name, fn in sides.items():
+                decode[name].append(timed(lambda: fn(args.new)) - timed(lambda: fn(1)))
+        med = {name: statistics.median(ts) for name, ts in decode.items()}
+        for name, t in med.items():
+            per = t / (args.new - 1) * 1e3
+            print(f"{name:<8} decode median {t * 1e3:8.1f} ms ({per:.1f} ms per step of {len(prompts)} rows)")
+
+        caches = []
+        factory = functools.partial(PagedCache, block_size=16, kv_dtype="int8")
+        for _ in stream(mm, prompts, args.new, cache_factory=lambda *a, **k: caches.append(factory(*a, **k)) or caches[-1]):
+            pass
+        int8_bytes, hf_bytes = caches[0].kv_bytes(), hf_kv_bytes(hf_side(hf, prompts, args.new)[1])
+        print(f"KV bytes: megamoe int8 paged {int8_bytes}, transformers {hf_bytes}")
+    print(f"decode_speedup_vs_hf={med['hf'] / med['megamoe']:.2f} kv_mem_ratio_int8={int8_bytes / hf_bytes:.3f}")
+
+
+if __name__ == "__main__":
+    main()
