@@ -8,7 +8,7 @@ for folder in ("layers", "vision"):
     PACKAGES += [f"megamoe.{folder}"] + [f"megamoe.{folder}.{p}" for p in find_packages(folder)]
 
 COMMANDS = ("pretrain", "finetune", "convert", "generate", "verify", "plan", "captions", "prepare_data",
-            "show_model")
+            "show_model", "precision", "comm_profile")
 
 setup(
     name="megamoe",

@@ -77,7 +77,7 @@ def test_dependencies_and_extras_never_apex():
 
 
 COMMANDS = ("pretrain", "finetune", "convert", "generate", "verify", "plan", "captions", "prepare_data",
-            "show_model")
+            "show_model", "precision", "comm_profile")
 
 
 def test_the_repository_stands_alone():
