@@ -1,7 +1,7 @@
 """Generation at training layouts (2 gloo processes): a tiny Qwen3-Next (Gated DeltaNet, gated
 attention, routed experts) read from its HF folder sharded on load decodes a padded batch to the
 single-process tokens at TP=2, EP=2, TP=2 x ETP=2 and PP=2, greedy and sampled, contiguous and
-paged cache; verify at TP=2 matches transformers."""
+paged cache; verify at TP=2 matches transformers; the commands with layout flags."""
 from __future__ import annotations
 
 import functools
@@ -79,26 +79,32 @@ def test_verify_at_tp2_matches_transformers(pool, hf_dir):
     assert max_abs <= 1e-4 and decode_equal and ok
 
 
-def test_commands_under_torchrun(hf_dir):
-    """The commands at a layout: verify --tp 2 exits 0 with OK; generate --pp 2 prints (once) the
-    single-process tokens of a two-prompt batch."""
-    import os
-    import subprocess
-    import sys
+def run_command(name: str, argv: list[str]) -> tuple[int, str]:
+    """A command's main(argv) on this rank (the pool is what torchrun would start): exit status
+    and what it printed."""
+    import contextlib
+    import importlib
+    import io
 
+    out, code = io.StringIO(), 0
+    with contextlib.redirect_stdout(out):
+        try:
+            importlib.import_module(f"megamoe.commands.{name}").main(argv)
+        except SystemExit as e:
+            code = e.code or 0
+    return code, out.getvalue()
+
+
+def test_commands_at_a_layout(pool, hf_dir):
+    """The commands with layout flags on 2 ranks: verify --tp 2 exits 0 with OK (rank 0 reports,
+    rank 1 prints nothing); generate --pp 2 prints, once, the single-process tokens of a
+    two-prompt batch."""
     from megamoe.convert import from_hf
     from megamoe.generate import generate_batch
-    from tests.dist import REPO, free_port
 
-    def torchrun(tool, *args):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), os.path.join(REPO, "tools", tool), hf_dir, *args]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return out.stdout.strip().splitlines()
-
-    assert torchrun("verify.py", "--tp", "2", "--tokens", "4")[-1] == "OK"
-    lines = torchrun("generate.py", "--pp", "2", "--ids", "5,9,13", "--ids", "11,4", "--max-new-tokens", "4",
-                     "--kv-cache", "paged")
-    assert lines == [str(t) for t in generate_batch(from_hf(hf_dir), [[5, 9, 13], [11, 4]], 4)]
+    verify = pool(2).run(run_command, "verify", [hf_dir, "--tp", "2", "--tokens", "4"])
+    assert verify[0][0] == 0 and verify[0][1].strip().endswith("OK") and verify[1] == (0, "")
+    argv = [hf_dir, "--pp", "2", "--ids", "5,9,13", "--ids", "11,4", "--max-new-tokens", "4", "--kv-cache", "paged"]
+    generate = pool(2).run(run_command, "generate", argv)
+    want = [str(t) for t in generate_batch(from_hf(hf_dir), [[5, 9, 13], [11, 4]], 4)]
+    assert generate[0] == (0, "\n".join(want) + "\n") and generate[1] == (0, "")
