@@ -1,11 +1,20 @@
 # Sourced by the training scripts: turns env knobs into torchrun arguments and recipe overrides.
 #   NGPU     processes per node (default 1)       NNODES     nodes (default 1)
-#   NODE_RANK, MASTER_ADDR, MASTER_PORT            rendezvous (defaults: 0, 127.0.0.1, 29500)
+#   MASTER_ADDR, MASTER_PORT                       c10d rendezvous endpoint (one node without
+#                                                  MASTER_ADDR: torchrun --standalone, a free port)
+#   RDZV_ID  job id the nodes meet under (default: $SLURM_JOB_ID, else megamoe)
+#   MAX_RESTARTS  restarts of the worker group after a rank dies (default 0); each restart
+#                 resumes from the latest complete checkpoint (checkpoint.resume=true)
 #   TP PP VPP CP EP ETP                            parallel degrees (unset: the recipe's)
 #   SP=1                                           sequence parallelism
 #   DRY_RUN=1                                      print the plan and the command, run nothing
-NGPU="${NGPU:-1}"; NNODES="${NNODES:-1}"; NODE_RANK="${NODE_RANK:-0}"
-MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"; MASTER_PORT="${MASTER_PORT:-29500}"
+NGPU="${NGPU:-1}"; NNODES="${NNODES:-1}"; MAX_RESTARTS="${MAX_RESTARTS:-0}"
+RDZV_ID="${RDZV_ID:-${SLURM_JOB_ID:-megamoe}}"
+if [ "$NNODES" = 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
+  RDZV=(--standalone)
+else
+  RDZV=(--rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" --rdzv-id "$RDZV_ID")
+fi
 WORLD_SIZE=$((NGPU * NNODES))
 PARALLEL_OVERRIDES=()
 for knob in tp:TP pp:PP vpp:VPP cp:CP ep:EP etp:ETP; do
@@ -17,8 +26,7 @@ if [ -n "${SP:-}" ]; then PARALLEL_OVERRIDES+=("parallel.sequence_parallel=$([ "
 # run_torchrun TOOL CONFIG [key=value ...]: plan (DRY_RUN=1) or launch on this node
 run_torchrun() {
   local tool="$1" config="$2"; shift 2
-  local cmd=(torchrun --nnodes "$NNODES" --nproc-per-node "$NGPU" --node-rank "$NODE_RANK"
-             --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+  local cmd=(torchrun --nnodes "$NNODES" --nproc-per-node "$NGPU" "${RDZV[@]}" --max-restarts "$MAX_RESTARTS"
              "$tool" --config "$config" "${PARALLEL_OVERRIDES[@]}" "$@")
   if [ "${DRY_RUN:-0}" = 1 ]; then
     python tools/plan.py --config "$config" --world-size "$WORLD_SIZE" "${PARALLEL_OVERRIDES[@]}" "$@"

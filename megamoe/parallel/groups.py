@@ -89,6 +89,17 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> t
         return 0, 1
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # a restarted worker group meets on the same agent store as the one before it, under the
+        # same group names: give each round its own key space, or gloo reads the dead workers'
+        # addresses. The round is counted in the store (every worker joins once per round); the
+        # agents' restart counts differ between nodes, so they cannot name it.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=timeout)
+        round_ = (store.add("megamoe/joins", 1) - 1) // world
+        dist.init_process_group(backend, store=dist.PrefixStore(f"megamoe/round_{round_}", store), rank=rank,
+                                world_size=world, timeout=timeout)
+        return rank, world
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     return rank, world
 
@@ -106,7 +117,7 @@ def _parallel_state():
 _GRIDS: dict[tuple, ParallelGroups] = {}
 
 
-def build_groups(parallel: ParallelConfig) -> ParallelGroups:
+def build_groups(parallel: ParallelConfig, timeout_s: float | None = None) -> ParallelGroups:
     """Create the grid with megatron-core's ``initialize_model_parallel`` and collect its groups.
 
     Requires torch.distributed to be initialised (see ``init_distributed``). A process can
@@ -116,13 +127,14 @@ def build_groups(parallel: ParallelConfig) -> ParallelGroups:
         raise ConfigError("parallel: torch.distributed is not initialised (call init_distributed first)")
     world = dist.get_world_size()
     parallel.validate(world)
+    # a layout's groups are built once per process, with the collective timeout first asked for
     key = (id(dist.group.WORLD), world, parallel.tp, parallel.pp, parallel.vpp, parallel.cp, parallel.ep, parallel.etp)
     if key not in _GRIDS:
-        _GRIDS[key] = _build(parallel)
+        _GRIDS[key] = _build(parallel, timeout_s)
     return _GRIDS[key]
 
 
-def _build(parallel: ParallelConfig) -> ParallelGroups:
+def _build(parallel: ParallelConfig, timeout_s: float | None = None) -> ParallelGroups:
     ps = _parallel_state()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -134,6 +146,8 @@ def _build(parallel: ParallelConfig) -> ParallelGroups:
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.etp,
         create_gloo_process_groups=False,
+        # how long a collective waits for its peers (megatron-core's default: 30 minutes)
+        **({} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}),
     )
 
     def one(group):

@@ -122,31 +122,71 @@ def _space_problem(root: Path, items: dict[str, torch.Tensor], step: int) -> str
             f"{free / 2**20:.1f} MiB free); nothing written")
 
 
-def _write(tmp: Path, items: dict, meta: dict) -> str | None:
-    """DCP-save ``items`` into ``tmp`` and (rank 0) its meta.json; the failure as one line, or None."""
+def _start(tmp: Path, items: dict, asynchronous: bool, group):
+    """Begin the DCP write of ``items`` into ``tmp``: (future or None, failure as one line or None)."""
     try:
         with quiet():
+            if asynchronous:
+                return dcp.async_save(items, checkpoint_id=str(tmp), process_group=group, no_dist=_single_process()), None
             dcp.save(items, checkpoint_id=str(tmp), no_dist=_single_process())
-        if _is_root():
-            (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
     except (Exception, CheckpointException) as e:  # noqa: BLE001  (CheckpointException is a BaseException)
-        return str(checkpoint_error(tmp, "save", e))
-    return None
+        return None, str(checkpoint_error(tmp, "save", e))
+    return None, None
+
+
+class PendingSave:
+    """A checkpoint being written. ``wait()`` (a collective) completes it: meta.json, then the
+    rename and ``latest``, only once every rank's data is on disk; a failure on any rank removes
+    the partial folder and leaves the previous checkpoint ``latest``."""
+
+    def __init__(self, root: Path, step: int, meta: dict, keep_last: int, future=None, problem: str | None = None):
+        self.root, self.step, self.meta, self.keep_last = root, step, meta, keep_last
+        self.tmp, self.final = root / f"step_{step:08d}.tmp", root / f"step_{step:08d}"
+        self.future, self.problem = future, problem
+
+    def wait(self) -> Path:
+        problem = self.problem
+        if problem is None and self.future is not None:
+            try:
+                self.future.result()
+            except (Exception, CheckpointException) as e:  # noqa: BLE001
+                problem = str(checkpoint_error(self.tmp, "save", e))
+        if problem is None and _is_root():
+            try:
+                (self.tmp / META).write_text(json.dumps(self.meta, indent=2, sort_keys=True))
+            except OSError as e:
+                problem = str(checkpoint_error(self.tmp, "save", e))
+        problem = _agree(problem)
+        if problem:
+            if _is_root():
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            previous = latest_checkpoint(self.root)
+            raise CheckpointError(f"{problem}; the partial save was removed, "
+                                  f"{previous.name if previous else 'no checkpoint'} stays latest")
+        if _is_root():
+            _finalize(self.tmp, self.final, self.root)
+            _prune(self.root, self.keep_last)
+            log.info("saved checkpoint %s", self.final)
+        _barrier()
+        return self.final
 
 
 def save_checkpoint(root: str | Path, step: int, groups: ParallelGroups, model_parts, optimizer=None,
                     trainer_state: dict | None = None, keep_last: int = 2, extra_meta: dict | None = None,
-                    select=None) -> Path:
+                    select=None, asynchronous: bool = False, async_group=None):
     """Write ``root/step_XXXXXXXX`` atomically (a collective: every rank calls it). ``select(name)``:
     which model tensors to write (default all). Too little free disk, or a failed write on any
     rank, is a ``CheckpointError`` on every rank; the partial folder is removed and the previous
-    checkpoint stays ``latest``."""
+    checkpoint stays ``latest``. ``asynchronous``: returns a ``PendingSave`` as soon as this rank's
+    state is copied (DCP's async save writes it in a thread over ``async_group``); its ``wait()``
+    completes the save. Otherwise returns the checkpoint's path."""
     root = Path(root)
-    final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
     ranks, sizes = my_ranks(groups), layout_sizes(groups)
     items = {piece_key(kind, name, rules, ranks, sizes): t for t, kind, name, rules in _targets(model_parts, optimizer, select=select)}
     items[f"rng/rank{dist.get_rank() if dist.is_initialized() else 0}"] = torch.get_rng_state().clone()
+    if asynchronous:  # training goes on and changes the live tensors: write a copy
+        items = {k: t.detach().to("cpu", copy=True) for k, t in items.items()}
     problem = _agree(_space_problem(root, items, step))
     if problem:
         raise CheckpointError(problem)
@@ -158,19 +198,9 @@ def save_checkpoint(root: str | Path, step: int, groups: ParallelGroups, model_p
     _barrier()
     meta = {**(extra_meta or {}), "step": step, "layout": layout_sizes(groups),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1, "trainer_state": trainer_state or {}}
-    problem = _agree(_write(tmp, items, meta))
-    if problem:
-        if _is_root():
-            shutil.rmtree(tmp, ignore_errors=True)
-        previous = latest_checkpoint(root)
-        raise CheckpointError(f"{problem}; the partial save was removed, "
-                              f"{previous.name if previous else 'no checkpoint'} stays latest")
-    if _is_root():
-        _finalize(tmp, final, root)
-        _prune(root, keep_last)
-        log.info("saved checkpoint %s", final)
-    _barrier()
-    return final
+    future, problem = _start(tmp, items, asynchronous, async_group)
+    pending = PendingSave(root, step, meta, keep_last, future, problem)
+    return pending if asynchronous else pending.wait()
 
 
 def _steps(root: Path) -> list[Path]:

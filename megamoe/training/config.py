@@ -45,6 +45,9 @@ class TrainConfig:
     recompute: List[str] = field(default_factory=list)  # any of: layer, mixer, mlp, core
     nan_max_consecutive: int = 5  # skipped non-finite steps in a row before save-and-stop
     device: str = "auto"  # auto: cuda if available, else cpu
+    # seconds a collective may wait for its peers before the run stops with one line naming the
+    # step and group (process-group timeout; a hung or dead rank otherwise hangs the job)
+    collective_timeout_s: float = 1800.0
     optimizer_offload: bool = False  # fp32 masters + Adam moments in (pinned) host memory, updated there
     # FP8 GEMMs: torch (row-wise scaled torch._scaled_mm, model.backend=cuda); delayed, current,
     # blockwise, mxfp8 name Transformer Engine recipes (a te backend: not in this build). None: off
@@ -53,6 +56,7 @@ class TrainConfig:
     def validate(self, path: str = "train") -> None:
         for name in ("steps", "micro_batch_size", "global_batch_size", "nan_max_consecutive"):
             check_positive(f"{path}.{name}", getattr(self, name))
+        check(self.collective_timeout_s > 0, f"{path}.collective_timeout_s", self.collective_timeout_s, "must be > 0")
         check_choice(f"{path}.precision", self.precision, PRECISIONS)
         check_choice(f"{path}.device", self.device, ("auto", "cpu", "cuda"))
         if self.fp8 is not None:
@@ -78,6 +82,9 @@ class CheckpointConfig:
     # settings that may differ from the checkpoint's on resume/load (e.g. [model.moe.top_k] or [optim]);
     # any other difference in model, lora, data, train.{global_batch_size,seed,precision} or optim is refused
     allow_changes: List[str] = field(default_factory=list)
+    # write checkpoints in a background thread (DCP async save) while training goes on; the save
+    # becomes latest only when complete, before the next save starts or at the end of the run
+    async_save: bool = False
 
     def validate(self, path: str = "checkpoint") -> None:
         check(self.save_interval >= 0, f"{path}.save_interval", self.save_interval, "must be >= 0")

@@ -27,6 +27,7 @@ from megamoe.recipe import Recipe, config_to_dict
 from megamoe.training import checkpoint as ckpt
 from megamoe.training.config import TrainConfig
 from megamoe.training.grads import clip_grads, global_grad_norm, sync_grads
+from megamoe.training.faults import describe, is_collective_failure
 from megamoe.training.guards import CheckpointMismatch, check_unchanged, run_record
 from megamoe.training.monitor import Monitor, memory_gib, peak_tflops
 from megamoe.training.optimizer import DistributedOptimizer, lr_at
@@ -58,9 +59,10 @@ class Trainer:
         recipe.validate()
         self.recipe, self.dataset = recipe, dataset
         self.train, self.optim_cfg = recipe.train, recipe.optim
-        init_distributed()
+        init_distributed(timeout_minutes=self.train.collective_timeout_s / 60)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.groups = groups or build_groups(recipe.parallel)
+        self.groups = groups or build_groups(recipe.parallel, self.train.collective_timeout_s)
+        self.phase = "setup"  # the part of the step in progress, for CollectiveFailure
         self.dp = self.groups.size("dp_cp")
         self.n_micro = self.train.micro_batches(self.dp)
         self.device = _device(self.train)
@@ -78,6 +80,7 @@ class Trainer:
         self.last = self.stage_ids[-1] == self.n_stages - 1
         self.step, self.consumed, self.nan_streak, self.skipped = 0, 0, 0, 0
         self.saved_step = None  # the step of the checkpoint last written or resumed from
+        self.pending_save, self._async_group = None, None  # checkpoint.async_save
         self.hf_origin = None  # the HF family/config the weights came from, kept for export
         if self.base_weights:
             check_unchanged(Path(self.base_weights), ckpt.read_meta(self.base_weights),
@@ -188,10 +191,25 @@ class Trainer:
         if self.recipe.lora is not None:
             base = self.base_weights and str(Path(self.base_weights).resolve())
             extra.update(lora=config_to_dict(self.recipe.lora), lora_base=base)
-        path = ckpt.save_checkpoint(root, self.step, self.groups, self.chunks, self.optimizer, self.state(),
-                                    self.recipe.checkpoint.keep_last, extra, select=self._checkpoint_select())
+        c = self.recipe.checkpoint
+        self.phase = "checkpoint save"
+        self.finish_save()  # one save in flight at a time
+        if c.async_save and self._async_group is None and self.world > 1:
+            self._async_group = dist.new_group(backend="gloo")  # the writer thread's own collectives
+        out = ckpt.save_checkpoint(root, self.step, self.groups, self.chunks, self.optimizer, self.state(),
+                                   c.keep_last, extra, select=self._checkpoint_select(), asynchronous=c.async_save,
+                                   async_group=self._async_group)
         self.saved_step = self.step
-        return path
+        if c.async_save:
+            self.pending_save = out
+            return out.final
+        return out
+
+    def finish_save(self) -> None:
+        """Complete the asynchronous save in flight, if any (a collective)."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            pending.wait()
 
     def _maybe_resume(self) -> None:
         """Continue from the newest intact checkpoint in ``checkpoint.dir``: one that cannot be
@@ -301,6 +319,7 @@ class Trainer:
             raise ConfigError(f"data gave {len(micro)} micro-batches, train.global_batch_size needs {self.n_micro}")
         start = time.perf_counter()
         local_tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
+        self.phase = "token count"
         total_tokens = comm.all_reduce_tensor(torch.tensor(float(local_tokens), dtype=torch.float64),
                                               self.groups.dp_cp).to(torch.float32)
         if total_tokens.item() == 0:  # the same sum on every rank: all of them stop here
@@ -308,10 +327,14 @@ class Trainer:
                             f"so the loss would be 0 and nothing learned; check data.paths (SFT samples whose "
                             f"answers data.seq_len truncates away?)")
         self.optimizer.zero_grad()
+        self.phase = "forward/backward"
         with self._timing():
             loss_sum = self._forward_backward(micro, total_tokens.to(self.device))
+        self.phase = "gradient sync"
         sync_grads(self.chunks, self.groups)
+        self.phase = "gradient norm"
         norm = global_grad_norm(self.chunks, self.groups)
+        self.phase = "optimizer step"
         lr = lr_at(self.step, self.optim_cfg, self.train.steps)
         finite = math.isfinite(norm)
         if finite:
@@ -326,6 +349,7 @@ class Trainer:
         self.optimizer.zero_grad()
         # the loss lives on the last stage; count it once per data-parallel replica
         counted = loss_sum if (self.last and self.groups.tp_rank == 0) else torch.zeros_like(loss_sum)
+        self.phase = "loss reduction"
         total_loss = comm.all_reduce_tensor(counted, dist.group.WORLD) / total_tokens.double()
         self.step += 1
         self.consumed += self.train.global_batch_size
@@ -365,6 +389,36 @@ class Trainer:
         return (f"step {self.step}: {self.nan_streak} consecutive steps had a non-finite gradient norm; stopped "
                 f"without saving, {kept}; lower optim.lr or inspect the data")
 
+    def _loop(self, data, monitor: Monitor, flops: float, peak: float, history: list) -> None:
+        cfg = self.recipe
+        while self.step < self.train.steps:
+            metrics = self.train_step(data(self.consumed))
+            if self.pending_save is not None:  # an async save overlaps one step, then becomes latest
+                self.phase = "checkpoint save"
+                self.finish_save()
+            metrics.update(memory_gib())
+            metrics["mfu"] = flops * metrics["tokens_per_s"] / (peak * 1e12 * self.world)
+            # the reports are collectives with host syncs: only on steps that write them
+            load, moe_scalars, latencies = {}, {}, {}
+            self.phase = "metrics report"
+            if monitor.logs(self.step):
+                load, moe_scalars = self.moe_report()
+                latencies = self._gather_latencies()
+            monitor.log_step(self.step, metrics, latencies, load, moe_scalars)
+            history.append(metrics)
+            if self.nan_streak >= self.train.nan_max_consecutive:
+                self.finish_save()
+                raise NonFiniteStop(self._nonfinite_message())
+            every = cfg.checkpoint.save_interval
+            if every and self.step % every == 0 and self.step < self.train.steps and not self.nan_streak:
+                self.save()
+        if self.saved_step != self.step:
+            self.save()
+        elif self.rank == 0:
+            log.info("checkpoint step %d already reaches train.steps=%d: nothing to train", self.step,
+                     self.train.steps)
+        self.finish_save()
+
     def fit(self, log_dir: str | Path | None = None, dataset=None) -> list[dict]:
         """Train until ``train.steps``; returns the per-step metrics of this run."""
         self.dataset = dataset if dataset is not None else self.dataset
@@ -380,27 +434,12 @@ class Trainer:
         flops = self.flops_per_token()
         history = []
         try:
-            while self.step < self.train.steps:
-                metrics = self.train_step(data(self.consumed))
-                metrics.update(memory_gib())
-                metrics["mfu"] = flops * metrics["tokens_per_s"] / (peak * 1e12 * self.world)
-                # the reports are collectives with host syncs: only on steps that write them
-                load, moe_scalars, latencies = {}, {}, {}
-                if monitor.logs(self.step):
-                    load, moe_scalars = self.moe_report()
-                    latencies = self._gather_latencies()
-                monitor.log_step(self.step, metrics, latencies, load, moe_scalars)
-                history.append(metrics)
-                if self.nan_streak >= self.train.nan_max_consecutive:
-                    raise NonFiniteStop(self._nonfinite_message())
-                every = cfg.checkpoint.save_interval
-                if every and self.step % every == 0 and self.step < self.train.steps and not self.nan_streak:
-                    self.save()
-            if self.saved_step != self.step:
-                self.save()
-            elif self.rank == 0:
-                log.info("checkpoint step %d already reaches train.steps=%d: nothing to train", self.step,
-                         self.train.steps)
+            self._loop(data, monitor, flops, peak, history)
+        except RuntimeError as e:  # torch's DistBackendError is one
+            if isinstance(e, MegamoeError) or not is_collective_failure(e):
+                raise
+            step = self.step if self.phase in ("metrics report", "checkpoint save") else self.step + 1
+            raise describe(e, step, self.phase, self.groups, self.rank, self.train.collective_timeout_s) from None
         finally:
             monitor.close()
         return history
