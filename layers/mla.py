@@ -116,7 +116,7 @@ class MultiLatentAttention(nn.Module):
 
     def up_weights(self):
         """W_uk [H, dn, r] and W_uv [H, dv, r] of this rank's heads (for the absorbed form)."""
-        w = self.linear_kv_up.effective_weight()  # a LoRA adapter, if any, folded in
+        w = self.linear_kv_up.effective_weight()  # the linear role's weight as it multiplies (any adapter folded in)
         return w.view(self.heads, self.dn + self.dv, -1).split([self.dn, self.dv], dim=1)
 
     def absorbed_query(self, q_nope: torch.Tensor) -> torch.Tensor:
