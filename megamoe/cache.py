@@ -104,8 +104,6 @@ class InferenceCache:
             self.pad = self.pad.index_select(0, index.to(self.pad.device))
         self.batch_size = int(index.numel())
 
-    reorder = select_rows
-
 
 def zero_pads(x: torch.Tensor, cache: InferenceCache | None) -> torch.Tensor:
     """x [b, s, ...] with the padding slots of these s time steps zeroed (linear mixers' inputs)."""

@@ -14,7 +14,8 @@ are bitwise those of the contiguous cache (tests/test_paged_cache.py).
 
 ``kv_dtype="int8"``: values are stored as int8 with one fp32 scale per block and head (per
 block and leading feature dims, i.e. per head for [h, d] keys, one per block for a latent
-[r]); scale = amax / 127 over the block's tokens. A block still filling is re-quantised when
+[r]); scale = amax / 127 over the block's tokens. ``kv_dtype="fp8"``: the same with
+float8 e4m3 values (scale = amax / 448; torch casts to it on CPU too). A block still filling is re-quantised when
 tokens arrive (its scale can only grow), so every stored value stays within half a step of
 the latest scale.
 """
@@ -25,7 +26,8 @@ import torch
 from megamoe.cache import InferenceCache, LayerState
 from megamoe.errors import ConfigError
 
-KV_DTYPES = ("fp32", "int8")  # fp32: the values' own dtype
+KV_DTYPES = ("fp32", "int8", "fp8")  # fp32: the values' own dtype; fp8: e4m3
+STORAGE = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}  # stored dtype, largest value
 
 
 class BlockStore:
@@ -35,10 +37,12 @@ class BlockStore:
     read from it."""
 
     def __init__(self, rows: int, block_size: int, feature: tuple[int, ...], dtype: torch.dtype, device,
-                 quantized: bool):
-        quantized = quantized and len(feature) > 0 and min(feature) > 0  # an empty feature (no RoPE part) stays as is
+                 quantized: str | None):
+        if not (len(feature) > 0 and min(feature) > 0):
+            quantized = None  # an empty feature (no RoPE part) stays as it is
         self.block, self.feature, self.dtype, self.quantized = block_size, feature, dtype, quantized
-        self.pool = torch.zeros(1, block_size, *feature, dtype=torch.int8 if quantized else dtype, device=device)
+        stored = STORAGE[quantized][0] if quantized else dtype
+        self.pool = torch.zeros(1, block_size, *feature, dtype=stored, device=device)
         self.scale = torch.zeros(1, *feature[:-1], dtype=torch.float32, device=device) if quantized else None
         self.free: list[int] = []
         self.tables: list[list[int]] = [[] for _ in range(rows)]  # block ids per sequence, 0 = freed
@@ -112,7 +116,7 @@ class BlockStore:
         touched, local = torch.unique(block_ids, return_inverse=True)
         buf = self.dequantize(touched)  # [n, B, *feature] fp32
         buf[local, offsets] = values.float()
-        self.pool[touched], self.scale[touched] = quantize(buf)
+        self.pool[touched], self.scale[touched] = quantize(buf, self.quantized)
 
     def dequantize(self, blocks: torch.Tensor) -> torch.Tensor:
         return self.pool[blocks].float() * self.scale[blocks].unsqueeze(1).unsqueeze(-1)
@@ -133,12 +137,14 @@ class BlockStore:
         return values.to(self.dtype)
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [n, B, *feature] fp32 -> int8 values and scales [n, *feature[:-1]] (one per block and
-    leading feature dims: per head for [h, d]); symmetric, amax / 127."""
+def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, B, *feature] fp32 -> ``kind`` ("int8" | "fp8") values and scales [n, *feature[:-1]]
+    (one per block and leading feature dims: per head for [h, d]); symmetric, amax / largest."""
+    stored, largest = STORAGE[kind]
     amax = x.abs().amax(dim=(1, -1))
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(x / scale.unsqueeze(1).unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    scale = torch.where(amax > 0, amax / largest, torch.ones_like(amax))
+    y = (x / scale.unsqueeze(1).unsqueeze(-1)).clamp(-largest, largest)
+    q = (torch.round(y) if kind == "int8" else y).to(stored)
     return q, torch.where(amax > 0, scale, torch.zeros_like(scale))
 
 
@@ -155,7 +161,7 @@ class PagedLayerState(LayerState):
         c = self.cache
         if name not in self.stores:
             self.stores[name] = BlockStore(c.batch_size, c.block_size, tuple(x.shape[2:]), x.dtype, x.device,
-                                           c.kv_dtype == "int8")
+                                           None if c.kv_dtype == "fp32" else c.kv_dtype)
         store = self.stores[name]
         t = x.size(1)
         valid = c.valid(t, x.device)
@@ -190,7 +196,7 @@ class PagedLayerState(LayerState):
 class PagedCache(InferenceCache):
     """``InferenceCache`` with paged (and optionally int8) time-axis states.
 
-    block_size: tokens per block; kv_dtype: "fp32" (the values' own dtype) or "int8"."""
+    block_size: tokens per block; kv_dtype: "fp32" (the values' own dtype), "int8" or "fp8"."""
 
     def __init__(self, batch_size: int, pad: torch.Tensor | None = None, *, block_size: int = 16,
                  kv_dtype: str = "fp32"):

@@ -69,8 +69,9 @@ def parser():
     p.add_argument("--prefill-chunk", type=number_in(int, 0), default=0,
                    help="process the prompts in chunks of this many tokens (0: at once)")
     p.add_argument("--stream", action="store_true", help="print '[row] token' lines as tokens are produced")
-    p.add_argument("--kv-cache", choices=("contiguous", "paged", "int8"), default="contiguous",
-                   help="decode cache: contiguous tensors, paged blocks, or paged int8 blocks (per-head scales)")
+    p.add_argument("--kv-cache", choices=("contiguous", "paged", "int8", "fp8"), default="contiguous",
+                   help="decode cache: contiguous tensors, paged blocks, or paged int8 / fp8 (e4m3) blocks "
+                        "with per-block, per-head scales")
     p.add_argument("--block-size", type=number_in(int, 1), default=16, help="tokens per block of a paged cache")
     parallel_flags(p)
     return p
@@ -136,7 +137,7 @@ def cache_factory(kind: str, block_size: int):
 
     if kind == "contiguous":
         return InferenceCache
-    return functools.partial(PagedCache, block_size=block_size, kv_dtype="int8" if kind == "int8" else "fp32")
+    return functools.partial(PagedCache, block_size=block_size, kv_dtype="fp32" if kind == "paged" else kind)
 
 
 def decode_lines(model, prompts: list[list[int]], tok, args, images, forward=None):
