@@ -100,3 +100,31 @@ def test_bad_load_and_placement_files_are_one_line(tmp_path):
         load_recipe("tiny_hybrid_moe", ["model.moe.placement={'0': [0, 1, 2, 3, 4, 5, 6, 6]}"])
     with pytest.raises(ConfigError, match="group-limited routing"):
         load_recipe("tiny_hybrid_moe", ["model.moe.placement={'0': [0, 1, 2, 3, 4, 5, 6, 7]}", "model.moe.n_group=2"])
+
+
+def test_calibrate_command_measures_the_load_on_user_text(tmp_path):
+    """megamoe-plan experts --calibrate: an HF model routes a text file's tokens; the measured
+    load and the placement are written, and the placement balances that load."""
+    import json
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from megamoe.commands.plan import main as plan
+    from tests.test_convert_qwen import SHAPE, randomized
+
+    cfg = Qwen3MoeConfig(num_hidden_layers=2, intermediate_size=40, decoder_sparse_step=1, norm_topk_prob=False,
+                         **dict(SHAPE, num_experts=E, vocab_size=320))
+    model = randomized(Qwen3MoeForCausalLM(cfg))
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate.weight[:2] *= 4
+    model.save_pretrained(tmp_path / "hf")
+    (tmp_path / "data.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    plan(["experts", "--calibrate", str(tmp_path / "hf"), "--text", str(tmp_path / "data.txt"), "--tokenizer",
+          "byte", "--seq-len", "64", "--ep", "2", "--save-load", str(tmp_path / "load.json"),
+          "--out", str(tmp_path / "place.json")])
+    load = read_load(tmp_path / "load.json")
+    placement = json.loads((tmp_path / "place.json").read_text())["layers"]
+    assert sorted(load) == [0, 1] and sum(load[0]) == 2 * (len("the quick brown fox jumps over the lazy dog. ") * 40
+                                                            // 64) * 64
+    for layer, counts in load.items():
+        assert imbalance(counts, placement[str(layer)], EP) <= imbalance(counts, range(E), EP)

@@ -4,7 +4,7 @@ per-stage memory per rank; or place experts over EP ranks from their measured lo
     megamoe-plan --config moe_1t --world-size 1024 parallel.tp=8 parallel.pp=4 parallel.ep=64
     megamoe-plan --config hybrid_vl_1t --world-size 1024 --gpu-mem 141GiB [lora.rank=16 ...]
     megamoe-plan experts --load LOAD.json --ep 8 [--out PLACEMENT.json]
-    megamoe-plan experts --calibrate HF_DIR --text FILE --ep 8 [--seq-len 512] [--save-load LOAD.json]
+    megamoe-plan experts --calibrate HF_DIR --text FILE --ep 8 [--seq-len 512] [--tokenizer SPEC] [--save-load LOAD.json]
 
 ``experts`` reads tokens per expert per MoE layer (JSON {"layers": {"3": [...], ...}}, or a
 calibration pass of an HF model over a text file with its tokenizer), prints each layer's
@@ -26,6 +26,7 @@ def experts(argv: list[str]) -> None:
     src.add_argument("--load", help="JSON of tokens per expert per MoE layer")
     src.add_argument("--calibrate", metavar="HF_DIR", help="measure the load: an HF model over --text")
     p.add_argument("--text", help="with --calibrate: a UTF-8 text file of user data")
+    p.add_argument("--tokenizer", help="with --calibrate: tokenizer spec (default: the HF folder's own)")
     p.add_argument("--seq-len", type=number_in(int, 2), default=512, help="with --calibrate: tokens per sequence")
     p.add_argument("--save-load", help="with --calibrate: also write the measured load here")
     p.add_argument("--ep", type=number_in(int, 1), required=True, help="expert-parallel ranks")
@@ -65,7 +66,7 @@ def _calibrate(args) -> dict:
         text = Path(args.text).read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{args.text}: cannot read the calibration text ({e})") from None
-    ids = torch.tensor(load_tokenizer(args.calibrate).encode(text))
+    ids = torch.tensor(load_tokenizer(args.tokenizer or args.calibrate).encode(text))
     n = ids.numel() // args.seq_len
     if n == 0:
         raise ConfigError(f"{args.text}: {ids.numel()} tokens, fewer than one --seq-len={args.seq_len} sequence")
