@@ -80,7 +80,7 @@ class CheckpointConfig:
     resume: bool = True  # continue from the latest complete checkpoint in dir
     load: Optional[str] = None  # initial weights: a megamoe checkpoint dir (e.g. converted from HF)
     # settings that may differ from the checkpoint's on resume/load (e.g. [model.moe.top_k] or [optim]);
-    # any other difference in model, lora, data, train.{global_batch_size,seed,precision} or optim is refused
+    # any other difference in model, lora, data, train.{global_batch_size,seed,precision,fp8} or optim is refused
     allow_changes: List[str] = field(default_factory=list)
     # write checkpoints in a background thread (DCP async save) while training goes on; the save
     # becomes latest only when complete, before the next save starts or at the end of the run

@@ -2,7 +2,7 @@
 
 A checkpoint's meta.json records the model, the LoRA settings and a ``run`` section: the
 settings that change the maths of training whatever the parallel layout (data, the global
-batch, seed, precision, optimizer). Resuming compares them all, loading base weights
+batch, seed, precision, fp8, optimizer). Resuming compares them all, loading base weights
 (``checkpoint.load``) compares the model; any difference is refused in one line naming every
 changed field, unless ``checkpoint.allow_changes`` lists it (or a section above it), and each
 allowed change is logged. The parallel layout, ``train.steps`` (extending a run) and the
@@ -20,7 +20,7 @@ from megamoe.recipe import config_to_dict
 log = logging.getLogger(__name__)
 
 # the train settings that change the maths (steps may grow; micro-batching and the device do not)
-TRAIN_KEYS = ("global_batch_size", "seed", "precision")
+TRAIN_KEYS = ("global_batch_size", "seed", "precision", "fp8")
 DATA_SKIP = ("num_workers",)
 
 
@@ -32,7 +32,7 @@ def run_record(recipe) -> dict:
     """The parallel-independent settings a checkpoint records besides model and LoRA."""
     data = {k: v for k, v in config_to_dict(recipe.data).items() if k not in DATA_SKIP}
     train = config_to_dict(recipe.train)
-    return {"data": data, "train": {k: train[k] for k in TRAIN_KEYS}, "optim": config_to_dict(recipe.optim)}
+    return {"data": data, "train": {k: train[k] for k in TRAIN_KEYS if k in train}, "optim": config_to_dict(recipe.optim)}
 
 
 def _plain(value):
