@@ -83,7 +83,7 @@ class CheckpointConfig:
     # any other difference in model, lora, data, train.{global_batch_size,seed,precision,fp8} or optim is refused
     allow_changes: List[str] = field(default_factory=list)
     # write checkpoints in a background thread (DCP async save) while training goes on; the save
-    # becomes latest only when complete, before the next save starts or at the end of the run
+    # becomes latest only when complete: after the next step (the write overlaps it) or at the run's end
     async_save: bool = False
 
     def validate(self, path: str = "checkpoint") -> None:
