@@ -69,9 +69,14 @@ def two_node_run(tmp_path: Path, name: str, mode: str, at: int) -> Path:
            "--max-restarts", "1", "--monitor-interval", "1", str(script),
            *run_args(ckpt_dir, "checkpoint.async_save=true")]
     e = fault_env(tmp_path, mode, at)
-    nodes = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in range(2)]
-    outs = [n.communicate(timeout=600)[0] for n in nodes]
+    nodes = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for _ in range(2)]
+    try:
+        outs = [n.communicate(timeout=600)[0] for n in nodes]
+    finally:  # a hung job: end each agent with its workers (its own process group), nothing left running
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
     for node, out in zip(nodes, outs):
         assert node.returncode == 0, out[-4000:]
     return ckpt_dir
