@@ -187,10 +187,14 @@ def rev_cumsum(x: torch.Tensor) -> torch.Tensor:
 def straddling(E: torch.Tensor) -> torch.Tensor:
     """R_t = sum_{i >= t > j} E_ij for E [N, C, C] -> [N, C] (R_0 = 0): the d/dg_t of what
     depends on exp(G_i - G_j), summed directly. (Row sums minus column sums, then a reverse
-    cumsum, gives the same R but adds and cancels every pair on one side of t, losing the
-    small R of early positions in the rounding of the large sums.)"""
-    S = rev_cumsum(E.cumsum(-1).mT).mT                                 # S_it = sum_{i' >= i, j <= t} E_i'j
-    return F.pad(S.diagonal(-1, -2, -1), (1, 0))                       # R_t = S_{t, t-1}
+    cumsum, gives the same R but adds and cancels every pair on one side of t, losing the small
+    R of early positions in the rounding of the large sums.) The prefix sums over j are one
+    matmul with a triangle of ones (a cumsum here took ~5% more of the op's time)."""
+    C = E.size(-1)
+    upto = torch.ones(C, C - 1, dtype=E.dtype, device=E.device).triu_()   # [j <= c]
+    below = torch.ones(C, C - 1, dtype=E.dtype, device=E.device).tril_(-1)  # [i > c]
+    # (E upto)_ic = sum_{j <= c} E_ij; R_{c+1} sums it over i > c
+    return F.pad(((E @ upto) * below).sum(-2), (1, 0))
 
 
 @fused
