@@ -8,30 +8,19 @@ The model is the checkpoint's own (its meta.json): the recipe adds data, trainin
 settings, and a model.* override that differs from the checkpoint is refused. Everything else is
 as in megamoe-pretrain (recipe + key=value overrides).
 """
-import torch.distributed as dist
-
 from megamoe.cli import recipe_parser, run_main
 from megamoe.errors import ConfigError
-from megamoe.training.entry import adopt_checkpoint_model, done_line, load_train_recipe, run_training, weights_source
+from megamoe.training.entry import adopt_checkpoint_model, finish, load_train_recipe, run_training, weights_source
 
 
 def main(argv: list[str] | None = None) -> None:
     args = recipe_parser(__doc__.strip().splitlines()[0]).parse_args(argv)
     recipe = load_train_recipe(args.config, args.overrides)
-    c = recipe.checkpoint
     if weights_source(recipe) is None:
         raise ConfigError("checkpoint.load is not set: fine-tuning starts from existing weights "
                           "(megamoe-convert import-hf HF_DIR OUT, then checkpoint.load=OUT)")
     adopt_checkpoint_model(recipe, args.overrides)  # the model is the checkpoint's
-    summary = run_training(recipe)
-    if summary["trainer"].rank == 0:
-        last = summary["last"]
-        print(done_line(summary))
-        print(f"TensorBoard logs: {summary['log_dir']}")
-        if c.dir:
-            print(f"checkpoints: {c.dir}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish(run_training(recipe))
 
 
 def cli() -> None:

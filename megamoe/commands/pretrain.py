@@ -3,23 +3,13 @@
     megamoe-pretrain --config tiny_train
     torchrun --nproc-per-node 4 -m megamoe.commands.pretrain --config tiny_train parallel.tp=2 parallel.pp=2
 """
-import torch.distributed as dist
-
 from megamoe.cli import recipe_parser, run_main
-from megamoe.training.entry import done_line, load_train_recipe, run_training
+from megamoe.training.entry import finish, load_train_recipe, run_training
 
 
 def main(argv: list[str] | None = None) -> None:
     args = recipe_parser(__doc__.strip().splitlines()[0]).parse_args(argv)
-    summary = run_training(load_train_recipe(args.config, args.overrides))
-    if summary["trainer"].rank == 0:
-        last = summary["last"]
-        print(done_line(summary))
-        print(f"TensorBoard logs: {summary['log_dir']}  (tensorboard --logdir {summary['log_dir']})")
-        if summary["checkpoint_dir"]:
-            print(f"checkpoints: {summary['checkpoint_dir']}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish(run_training(load_train_recipe(args.config, args.overrides)))
 
 
 def cli() -> None:

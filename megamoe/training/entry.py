@@ -77,6 +77,19 @@ def run_training(recipe) -> dict:
             "first_loss": history[0]["loss"] if history else None, "last": last, "steps": trainer.step}
 
 
+def finish(summary: dict) -> None:
+    """What a training command prints at the end (rank 0), then the process group goes."""
+    import torch.distributed as dist
+
+    if summary["trainer"].rank == 0:
+        print(done_line(summary))
+        print(f"TensorBoard logs: {summary['log_dir']}  (tensorboard --logdir {summary['log_dir']})")
+        if summary["checkpoint_dir"]:
+            print(f"checkpoints: {summary['checkpoint_dir']}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def done_line(summary: dict) -> str:
     """The closing line of a training command."""
     if summary["first_loss"] is None:
