@@ -23,24 +23,9 @@ import time
 
 import torch
 
-CONFIG = dict(vocab_size=1000, hidden_size=256, num_hidden_layers=8,
-              layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
-              num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
-              linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=16,
-              num_experts_per_tok=4, moe_intermediate_size=256, shared_expert_intermediate_size=256,
-              intermediate_size=512, norm_topk_prob=True, tie_word_embeddings=False, decoder_sparse_step=1,
-              mlp_only_layers=[])  # the same as tools/bench_train.py
+from megamoe.bench import QWEN3_NEXT_PEER, matmul_rate
 
-
-def matmul_rate() -> float:
-    """fp32 GFLOP/s of a 1024^3 ``mm`` on this machine now (the figure docs/performance.md records)."""
-    a = torch.randn(1024, 1024)
-    a @ a
-    start, n = time.perf_counter(), 0
-    while time.perf_counter() - start < 0.5:
-        a @ a
-        n += 1
-    return 2 * 1024 ** 3 * n / (time.perf_counter() - start) / 1e9
+CONFIG = QWEN3_NEXT_PEER  # docs/performance.md, "Peer configurations"
 
 
 def hf_side(hf, prompts, new: int):

@@ -21,6 +21,8 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+from megamoe.bench import matmul_rate
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -87,6 +89,7 @@ def main() -> None:
     for proc in procs:
         proc.join()
     total = rows[0][5]
+    print(f"machine: fp32 matmul {matmul_rate():.0f} GFLOP/s on {torch.get_num_threads()} threads (after the run)")
     print(f"model: {total / 1e9:.2f}B parameters ({args.dtype}), TP=2 x EP=2, 4 gloo processes")
     print(f"{'rank':>4} {'peak RSS GiB':>13} {'RSS before build':>17} {'shard GiB':>10} {'init s':>7}")
     for rank, peak, before, shard, seconds, _ in rows:

@@ -29,13 +29,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-CONFIG = dict(vocab_size=1000, hidden_size=256, num_hidden_layers=8,
-              layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
-              num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
-              linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=16,
-              num_experts_per_tok=4, moe_intermediate_size=256, shared_expert_intermediate_size=256,
-              intermediate_size=512, norm_topk_prob=True, tie_word_embeddings=False, decoder_sparse_step=1,
-              mlp_only_layers=[])
+from megamoe.bench import QWEN3_NEXT_PEER
+
+CONFIG = QWEN3_NEXT_PEER  # docs/performance.md, "Peer configurations"
 
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36),
                  "MALLOC_TOP_PAD_": str(1 << 30)}
