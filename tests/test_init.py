@@ -148,3 +148,18 @@ def load_counting_draws(root: str) -> int:
 def test_a_model_that_loads_a_checkpoint_draws_nothing(tmp_path, pool):
     """checkpoint.load: the trainer builds empty shards and the checkpoint fills them."""
     assert pool(1).run(load_counting_draws, str(tmp_path)) == [0]
+
+
+def test_normal_draws_stay_finite_at_the_top_uniform():
+    """The largest uniform (24 bits all set) maps to a finite normal, not erfinv(1) = inf (the
+    quickstart with train.seed=2 met it in an expert weight and trained on NaN)."""
+    import torch
+
+    from megamoe.parallel.init_rng import Draw
+
+    class Top(Draw):
+        def uniform(self):
+            return torch.full(self.shape, 2.0 ** 24 - 1).add_(0.5).mul_(2.0 ** -24)
+
+    top = Top(0, torch.zeros(3, dtype=torch.long)).normal()
+    assert torch.isfinite(top).all() and 5.0 < top.min().item() < 5.6

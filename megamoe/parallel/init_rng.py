@@ -65,7 +65,9 @@ class Draw:
 
     def normal(self) -> torch.Tensor:
         """N(0, 1) float32 by the inverse CDF of ``uniform`` (tails end near 5.3 sigma)."""
-        return torch.special.erfinv(self.uniform().mul_(2).sub_(1)).mul_(math.sqrt(2.0))
+        # the top uniform, 1 - 2^-25, becomes 2 - 2^-24 -> rounds to 2.0 in float32, and 2u - 1 = 1
+        # would give erfinv(1) = inf; clamping to the float below 1 changes no other value
+        return torch.special.erfinv(self.uniform().mul_(2).sub_(1).clamp_(max=1 - 2.0 ** -24)).mul_(math.sqrt(2.0))
 
 
 InitFn = Callable[[Draw], torch.Tensor]
