@@ -163,3 +163,13 @@ def test_normal_draws_stay_finite_at_the_top_uniform():
 
     top = Top(0, torch.zeros(3, dtype=torch.long)).normal()
     assert torch.isfinite(top).all() and 5.0 < top.min().item() < 5.6
+
+
+def test_uniform_draws_stay_below_one_at_the_top_bits(monkeypatch):
+    """With all 24 bits set the uniform is the float below 1, never 1 itself (1 - 2^-25 is not
+    a float32): log_uniform/erfinv-style rules never see the closed end."""
+    import megamoe.parallel.init_rng as rng
+
+    monkeypatch.setattr(rng, "hash64", lambda key, index: torch.full(index.shape, -1, dtype=torch.int64))
+    u = rng.Draw(0, torch.zeros(4, dtype=torch.long)).uniform()
+    assert (u < 1).all() and u.max().item() == 1 - 2.0 ** -24

@@ -61,7 +61,9 @@ class Draw:
     def uniform(self) -> torch.Tensor:
         """U(0, 1), open at both ends, float32."""
         bits = _shr(hash64(self.key, self.index), 40)            # top 24 bits
-        return bits.to(torch.float32).add_(0.5).mul_(2.0 ** -24)
+        # the top value, 1 - 2^-25, is not a float32 and would round to 1: clamp it to the float
+        # below 1 (no other value changes)
+        return bits.to(torch.float32).add_(0.5).mul_(2.0 ** -24).clamp_(max=1 - 2.0 ** -24)
 
     def normal(self) -> torch.Tensor:
         """N(0, 1) float32 by the inverse CDF of ``uniform`` (tails end near 5.3 sigma)."""
