@@ -77,6 +77,8 @@ def test_byte_tokenizer_round_trip_and_specials():
     assert ids[-3:] == [5, tok.eos_id] if False else ids[-2:] == [5, tok.eos_id]
     assert len(tok.encode("é")) == 2 and max(ids) < tok.vocab_size == 262
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.token_to_id("<image>")) == (1, 2, 0, 3)
+    # ids a padded model vocabulary can sample beyond the tokenizer's 262 decode to U+FFFD
+    assert tok.decode(tok.encode("ab") + [262, 263] + tok.encode("c")) == "ab\ufffd\ufffdc"
 
 
 def test_sentencepiece_matches_library_and_round_trips(spm_model):

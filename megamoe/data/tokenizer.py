@@ -109,12 +109,13 @@ class ByteTokenizer(Tokenizer):
         out, pending = [], bytearray()
         for i in ids:
             i = int(i)
-            if i >= self.OFFSET:
+            if self.OFFSET <= i < self.vocab_size:
                 pending.append(i - self.OFFSET)
                 continue
             out.append(pending.decode("utf-8", errors="replace"))
             pending = bytearray()
-            out.append(self.SPECIALS[i])
+            # an id past the tokenizer (a model's vocab padded beyond it can sample one) is U+FFFD
+            out.append(self.SPECIALS[i] if 0 <= i < self.OFFSET else "\ufffd")
         out.append(pending.decode("utf-8", errors="replace"))
         return "".join(out)
 
