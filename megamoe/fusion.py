@@ -21,6 +21,8 @@ function logs one warning and runs eagerly from then on; an error of the inputs 
 """
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import logging
 import os
@@ -57,6 +59,16 @@ class Fusion:
         if self.mode == "off":
             return False
         return self.mode == "on" or (device.type == "cpu" and _have_cxx())
+
+    @contextlib.contextmanager
+    def eager(self):
+        """Fused functions run eagerly inside: a one-token decode step is so small that a compiled
+        graph's per-call cost exceeds what it saves (docs/performance.md, batched decoding)."""
+        mode, self.mode = self.mode, "off"
+        try:
+            yield
+        finally:
+            self.mode = mode
 
     def __repr__(self) -> str:
         return f"Fusion({self.mode!r})"

@@ -10,6 +10,8 @@ and, with the same seed, picks the same token.
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -106,9 +108,17 @@ def stream(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_token
                 index = keep.nonzero().squeeze(1)
                 cache.select_rows(index)
                 rows, token = rows[index], token[index]
-            logits = masked(forward(token.unsqueeze(1), cache=cache)[:, -1].float())
+            with _eager_kernels(model):
+                logits = masked(forward(token.unsqueeze(1), cache=cache)[:, -1].float())
     finally:
         model.train(was_training)
+
+
+def _eager_kernels(model):
+    """The model's backend runs its fused functions eagerly (one-token steps); a no-op for a
+    model without one."""
+    backend = getattr(getattr(model, "ctx", None), "backend", None)
+    return backend.fusion.eager() if backend is not None else contextlib.nullcontext()
 
 
 def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, **kw) -> list[list[int]]:

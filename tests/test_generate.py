@@ -61,3 +61,27 @@ def test_stream_drops_finished_rows_and_sampling_follows_the_seed(model):
     sample = dict(do_sample=True, top_k=20, seed=5)
     assert generate_batch(model, ps, 6, **sample) == generate_batch(model, ps, 6, **sample)
     assert generate_batch(model, ps, 6, **sample) != greedy
+
+
+def test_decode_steps_run_the_fused_functions_eagerly(model):
+    """The prefill runs with the backend's fusion policy, each one-token step eagerly (compiled
+    graphs cost a decode step more than they save, docs/performance.md); the policy is restored."""
+    from megamoe.fusion import Fusion
+
+    fusion = model.ctx.backend.fusion
+    saved, fusion.mode = fusion.mode, "on"
+    modes = []
+
+    def forward(ids, **kw):  # records the policy each call sees; no model run (nothing compiles)
+        modes.append(fusion.active(torch.device("cpu")))
+        return torch.zeros(ids.size(0), ids.size(1), model.config.vocab_size)
+
+    try:
+        list(stream(model, prompts(), 3, forward=forward))
+        assert modes == [True, False, False] and fusion.mode == "on"
+    finally:
+        fusion.mode = saved
+    f = Fusion("on")
+    with f.eager():
+        assert not f.active(torch.device("cpu"))
+    assert f.active(torch.device("cpu"))
