@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from megamoe.layers.fp8 import dequantize, fp8_linear, quantize
 from megamoe.layers.fp8_experts import aligned_layout, fp8_grouped_linear, swiglu_experts_fp8
 from megamoe.layers.grouped_gemm import swiglu_experts_reference
-from tests.numerics import assert_close
+from tests.numerics import assert_close, rel_err
 
 BF16_OUT = 1e-2   # the scaled GEMM's bf16 result against the fp32 emulation
 FP8_VS_FP32 = 6e-2  # FP8 against the unquantised op
@@ -150,7 +150,8 @@ def fp8_mlp_case(seed: int) -> dict:
 
     from megamoe.layers.backends.cuda import FP8ColumnParallelLinear, FP8RowParallelLinear
     from megamoe.parallel.groups import ParallelGroups
-    from megamoe.weights import full_state_dict, initialize
+    from megamoe.parallel.sharding import gather_full
+    from megamoe.weights import finalize_grads, full_state_dict, initialize
 
     tp = dist.group.WORLD if dist.get_world_size() > 1 else None
     groups = ParallelGroups(tp=tp)
@@ -161,31 +162,17 @@ def fp8_mlp_case(seed: int) -> dict:
     y = mlp(x)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 1))
     y.backward(dy)
-    from megamoe.weights import finalize_grads
-
     finalize_grads(mlp, groups)
     full = full_state_dict(mlp, groups)
-    grads = {n: _gathered_grad(p, groups) for n, p in mlp.named_parameters()}
+    grads = {n: gather_full(p, groups, p.grad) for n, p in mlp.named_parameters()}
     w1, b1, w2 = (full[k].clone().requires_grad_() for k in ("0.weight", "0.bias", "2.weight"))
     x_ref = x.detach().clone().requires_grad_()
     y_ref = F.linear(F.silu(F.linear(x_ref, w1, b1)), w2)
     y_ref.backward(dy)
-    errs = {"y": _rel(y, y_ref), "dx": _rel(x.grad, x_ref.grad)}
+    errs = {"y": rel_err(y, y_ref), "dx": rel_err(x.grad, x_ref.grad)}
     for name, ref in (("0.weight", w1), ("0.bias", b1), ("2.weight", w2)):
-        errs[name] = _rel(grads[name], ref.grad)
+        errs[name] = rel_err(grads[name], ref.grad)
     return errs
-
-
-def _gathered_grad(p, groups):
-    from megamoe.parallel.sharding import gather_full
-
-    return gather_full(p, groups, p.grad)
-
-
-def _rel(a, b):
-    from tests.numerics import rel_err
-
-    return rel_err(a, b)
 
 
 def test_fp8_linear_roles_at_tp2_match_the_fp32_mlp(pool):

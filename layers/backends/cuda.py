@@ -38,6 +38,11 @@ def fla_installed() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
+def _on_fla(t: torch.Tensor) -> bool:
+    """fla's Triton kernels: CUDA tensors, fla installed."""
+    return t.is_cuda and fla_installed()
+
+
 def missing() -> str | None:
     """What the cuda backend lacks here (None: it can run)."""
     return None if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
@@ -62,13 +67,13 @@ class FlaDeltaRule(ChunkedDeltaRule):
 
     def chunked(self, q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
                 recompute: bool = False):
-        if q.is_cuda and fla_installed():
+        if _on_fla(q):
             return self._fla(q, k, v, g, beta, scale, initial_state, decode=False)
         return super().chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
                                recompute=recompute)
 
     def recurrent(self, q, k, v, g, beta, *, scale=None, initial_state=None):
-        if q.is_cuda and fla_installed():
+        if _on_fla(q):
             return self._fla(q, k, v, g, beta, scale, initial_state, decode=True)
         return super().recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state)
 
@@ -88,12 +93,12 @@ class FlaLightning(ChunkedLightning):
         return o.to(v.dtype), s
 
     def chunked(self, q, k, v, slope, initial_state=None, block: int = 64):
-        if q.is_cuda and fla_installed():
+        if _on_fla(q):
             return self._fla(q, k, v, slope, initial_state, decode=False)
         return super().chunked(q, k, v, slope, initial_state, block=block)
 
     def recurrent(self, q, k, v, slope, initial_state=None):
-        if q.is_cuda and fla_installed():
+        if _on_fla(q):
             return self._fla(q, k, v, slope, initial_state, decode=True)
         return super().recurrent(q, k, v, slope, initial_state)
 
