@@ -59,13 +59,19 @@ class ForwardInfo:
     """Per-forward inputs shared by all blocks.
 
     positions: [b, s] token positions (or [3, b, s] for multimodal RoPE), full sequence even
-    under sequence parallelism; cache: a decode cache (None in training); memo: per-forward
-    memo for values several layers share (e.g. rotary tables keyed by their parameters).
+    under sequence parallelism, and this rank's tokens only under context parallelism; cache: a
+    decode cache (None in training); memo: per-forward memo for values several layers share
+    (e.g. rotary tables keyed by their parameters); cp: this rank's share of the sequence under
+    context parallelism (``megamoe.parallel.context.ContextShard``; None without CP); documents:
+    [b, S] document number of every token of packed sequences, full sequence in global order
+    (None: one document per sequence).
     """
 
     positions: torch.Tensor
     cache: Any = None
     memo: dict = field(default_factory=dict)
+    cp: Any = None
+    documents: torch.Tensor | None = None
 
 
 MIXER_SPECS: dict[str, ModuleSpec] = {}
