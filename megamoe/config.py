@@ -586,7 +586,7 @@ class ModelConfig:
     max_seq_len: int = 4096
     init_std: float = 0.02
     params_dtype: str = "float32"
-    backend: str = "auto"  # role provider (megamoe.layers.backends): auto | local (pure-torch reference) | cpu
+    backend: str = "auto"  # role provider (megamoe.layers.backends): auto | local (pure-torch reference) | cpu | cuda | te
     fusion: Optional[str] = None  # auto | on | off: compiled elementwise kernels (megamoe.fusion); None: MEGAMOE_FUSION
     vision: Optional[VisionConfig] = None  # image encoder + projector (megamoe.multimodal)
 

@@ -32,12 +32,9 @@ def test_auto_is_cpu_without_cuda():
 
 
 def test_an_unknown_backend_is_one_line():
-    with pytest.raises(ConfigError) as e:
-        get_backend("te")
-    assert str(e.value) == "model.backend='te' is not a backend: allowed: auto, local, cpu, cuda"
     from megamoe.model import LanguageModel
 
-    with pytest.raises(ConfigError, match=r"^model.backend='tensorrt' is not a backend: allowed: auto, local, cpu, cuda$"):
+    with pytest.raises(ConfigError, match=r"^model.backend='tensorrt' is not a backend: allowed: auto, local, cpu, cuda, te$"):
         LanguageModel(tiny_model("Ad", backend="tensorrt"))
     with pytest.raises(ConfigError, match=r"model.backend"):
         tiny_model("Ad", backend="two words").validate()
@@ -96,7 +93,24 @@ def test_cuda_and_fp8_refusals_are_one_line():
         with pytest.raises(ConfigError, match=r"^model.backend='cuda' is unavailable here: no CUDA device"):
             get_backend("cuda")
     with pytest.raises(ConfigError, match=r"^train.fp8='torch' is not available on the cpu backend; "
-                                          r"backends with FP8: cuda \(torch\)$"):
+                                          r"backends with FP8: cuda \(torch\), te \(delayed\|current\|blockwise\|mxfp8\)$"):
         get_backend("cpu", fp8="torch")
+    with pytest.raises(ConfigError, match=r"^train.fp8='torch' is not available on the te backend"):
+        get_backend("te", fp8="torch")
     with pytest.raises(ConfigError, match=r"^train.fp8"):
         TrainConfig(fp8="e4m3").validate()
+
+
+def test_te_names_what_is_missing():
+    """Without Transformer Engine (never installed in the CPU test environment) or without CUDA,
+    model.backend=te is one line naming the missing package or device."""
+    from megamoe.layers.backends.te import missing
+
+    why = missing()
+    if why is None:
+        pytest.skip("transformer_engine imports and CUDA is present here: tests/test_gpu.py runs the te backend")
+    assert why.startswith(("transformer_engine is not installed", "no CUDA device"))
+    with pytest.raises(ConfigError) as e:
+        get_backend("te", fp8="delayed")
+    assert str(e.value) == f"model.backend='te' is unavailable here: {why}"
+    assert "\n" not in str(e.value)

@@ -6,9 +6,12 @@
   Tolerances (rel_err): fp32 5e-3 (fla's kernels round through TF32 dots), bf16 3e-2.
 - the grouped-GEMM experts and the FP8 roles against the reference on the device.
 - a tiny hybrid MoE's loss curve trained on the GPU against the same run on the CPU.
+- the te backend (where ``transformer_engine`` imports): its FP8 GEMM against bf16, its loss curve
+  against the CPU's, and its state dict against the local backend's (checkpoints do not depend on it).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -146,3 +149,43 @@ def test_loss_curve_on_the_gpu_matches_the_cpu(tmp_path):
     gpu = _losses(tmp_path / "gpu", "cuda")
     assert len(cpu) == len(gpu) == 8
     assert max(abs(a - b) / abs(b) for a, b in zip(gpu, cpu)) < 2e-3, (gpu, cpu)
+
+
+te_only = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
+                             reason="needs transformer_engine (a CUDA-only extra: pip install 'megamoe[te]')")
+
+
+@te_only
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_te_fp8_gemm_against_bf16(recipe):
+    from megamoe.layers.backends.te import TEGemm, make_recipe
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(500, 1024, generator=g).cuda().bfloat16().requires_grad_()  # 500 rows: padded to 16
+    w = (torch.randn(2048, 1024, generator=g) * 0.03).cuda().bfloat16().requires_grad_()
+    gemm = TEGemm(make_recipe(recipe))
+    got = [gemm(x, w)]
+    got += torch.autograd.grad(got[0], (x, w), torch.ones_like(got[0]))
+    want = [F.linear(x, w)]
+    want += torch.autograd.grad(want[0], (x, w), torch.ones_like(want[0]))
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 6e-2
+
+
+@te_only
+def test_te_backend_state_dict_is_the_local_one():
+    from megamoe.model import LanguageModel
+    from tests.mixer_utils import tiny_model
+
+    te = LanguageModel(tiny_model("GdAd", backend="te"))
+    local = LanguageModel(tiny_model("GdAd", backend="local"))
+    assert {k: v.shape for k, v in te.state_dict().items()} == {k: v.shape for k, v in local.state_dict().items()}
+
+
+@te_only
+def test_te_loss_curve_matches_the_cpu(tmp_path):
+    """fp32, no FP8: Transformer Engine's GEMMs against the CPU backend's."""
+    cpu = _losses(tmp_path / "cpu", "cpu")
+    te = _losses(tmp_path / "te", "cuda", "model.backend=te")
+    assert len(cpu) == len(te) == 8
+    assert max(abs(a - b) / abs(b) for a, b in zip(te, cpu)) < 2e-3, (te, cpu)

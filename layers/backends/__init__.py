@@ -11,7 +11,9 @@ ship here:
   expert loop kernel and the fused shared expert, with the elementwise chains compiled per
   its ``Fusion``). Its ops are plain torch too, so it runs on any device;
 - ``cuda``: fla's Triton ops for the linear-attention mixers, torch's grouped GEMM for the
-  experts, and torch-native FP8 GEMMs (``train.fp8=torch``); needs a CUDA device.
+  experts, and torch-native FP8 GEMMs (``train.fp8=torch``); needs a CUDA device;
+- ``te``: ``cuda`` with the linear GEMMs run by Transformer Engine under its FP8 recipes
+  (``train.fp8=delayed|current|blockwise|mxfp8``); needs CUDA and ``transformer_engine``.
 
 ``model.backend=auto`` (the default) is ``cuda`` where CUDA is present and ``cpu`` otherwise.
 A new backend registers a factory ``fusion -> backend``, optionally a probe that names what
@@ -31,6 +33,7 @@ from megamoe.fusion import EAGER, Fusion
 from megamoe.layers.backends.cpu import CpuBackend
 from megamoe.layers.backends.cuda import FP8_RECIPES, CudaBackend, missing as cuda_missing
 from megamoe.layers.backends.local import LocalBackend
+from megamoe.layers.backends.te import TE_RECIPES, TEBackend, missing as te_missing
 
 _REGISTRY: dict[str, tuple[Callable, Callable[[], str | None] | None, tuple[str, ...]]] = {}
 
@@ -68,18 +71,18 @@ def get_backend(name: str = "auto", fusion: Fusion = EAGER, field: str = "model.
     if resolved not in _REGISTRY:
         raise ConfigError(f"{field}={name!r} is not a backend: allowed: auto, {', '.join(_REGISTRY)}")
     factory, missing, recipes = _REGISTRY[resolved]
-    why = missing() if missing is not None else None
-    if why:
-        raise ConfigError(f"{field}={name!r} is unavailable here: {why}")
-    if fp8 is None:
-        return factory(fusion)
-    if fp8 not in recipes:
+    # a recipe the backend does not have is wrong on every machine: said before what this one lacks
+    if fp8 is not None and fp8 not in recipes:
         offer = ", ".join(f"{n} ({'|'.join(r)})" for n, (_, _, r) in _REGISTRY.items() if r) or "none"
         raise ConfigError(f"train.fp8={fp8!r} is not available on the {resolved} backend; "
                           f"backends with FP8: {offer}")
-    return factory(fusion, fp8=fp8)
+    why = missing() if missing is not None else None
+    if why:
+        raise ConfigError(f"{field}={name!r} is unavailable here: {why}")
+    return factory(fusion) if fp8 is None else factory(fusion, fp8=fp8)
 
 
 register_backend("local", LocalBackend)
 register_backend("cpu", CpuBackend)
 register_backend("cuda", CudaBackend, missing=cuda_missing, fp8=FP8_RECIPES)
+register_backend("te", TEBackend, missing=te_missing, fp8=TE_RECIPES)

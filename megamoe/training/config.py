@@ -50,7 +50,7 @@ class TrainConfig:
     collective_timeout_s: float = 1800.0
     optimizer_offload: bool = False  # fp32 masters + Adam moments in (pinned) host memory, updated there
     # FP8 GEMMs: torch (row-wise scaled torch._scaled_mm, model.backend=cuda); delayed, current,
-    # blockwise, mxfp8 name Transformer Engine recipes (a te backend: not in this build). None: off
+    # blockwise, mxfp8: Transformer Engine recipes (model.backend=te). None: off
     fp8: Optional[str] = None
 
     def validate(self, path: str = "train") -> None:
