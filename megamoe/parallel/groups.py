@@ -6,6 +6,7 @@ meta-device builds need no ``torch.distributed`` at all.
 """
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from dataclasses import dataclass, fields
@@ -105,10 +106,18 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> t
 
 
 def _parallel_state():
-    # megatron-core warns at import that TE/apex are absent; megamoe does not use those parts.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core import parallel_state
+    # megatron-core warns at import that TE/apex are absent, and its NCCL allocator's import of
+    # torch.utils.cpp_extension logs "No CUDA runtime is found" on CPU machines; megamoe uses
+    # neither part, and the lines would precede every one-line error of a CPU run
+    cpp_log = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_log.level
+    cpp_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core import parallel_state
+    finally:
+        cpp_log.setLevel(level)
     return parallel_state
 
 
