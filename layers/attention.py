@@ -79,7 +79,10 @@ class SelfAttention(nn.Module):
             mask = info.cache.attention_mask(q.size(1), k.size(1), self.window, x.device)  # padded rows
             if self.window:  # 'S': later queries look back at most window - 1 keys
                 trim_kv(state, self.window - 1)
-        out = self.core(q, k, v, mask=None if mask is None else mask.unsqueeze(1))  # [b, s, heads, d]
+        if mask is not None:
+            out = self.core(q, k, v, mask=mask.unsqueeze(1))  # [b, s, heads, d]
+        else:  # training / scoring: under CP ring attention, packed documents masked
+            out = self.core(q, k, v, cp=info.cp, documents=info.documents)
         out = out.reshape(*out.shape[:2], -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)

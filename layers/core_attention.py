@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megamoe.layers.context_attention import document_mask, ring_attention
+
 
 def causal_mask(t_q: int, t_k: int, window: int = 0, device=None) -> torch.Tensor:
     """[t_q, t_k] bool, True = may attend. Queries are the last t_q of the t_k positions;
@@ -28,7 +30,15 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.scale, self.window = softmax_scale, window
 
-    def forward(self, q, k, v, mask: torch.Tensor | None = None):
+    def forward(self, q, k, v, mask: torch.Tensor | None = None, *, cp=None, documents=None):
+        """``cp`` (a ``ContextShard`` of more than one rank): q, k, v hold this rank's two chunks and
+        the keys of the whole sequence are reached by ring attention. ``documents`` [b, S] (global
+        order): packed documents, no query sees another document's keys."""
+        if cp is not None and cp.size > 1:
+            return ring_attention(q, k, v, self.scale, self.window, cp, documents)
+        if documents is not None:
+            pos = torch.arange(k.size(1), device=q.device)
+            mask = document_mask(documents, pos[k.size(1) - q.size(1):], pos, self.window).unsqueeze(1)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, t, d]
         t, tk = q.size(2), k.size(2)
         gqa = q.size(1) != k.size(1)

@@ -201,6 +201,9 @@ class SparseMLA(MultiLatentAttention):
         self.sparse_core = ctx.backend.sparse_latent_attention(ctx)
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
+        if (info.cp is not None and info.cp.size > 1) or info.documents is not None:
+            raise ConfigError(f"mixer '{'I' if self.indexer.pooled else 'D'}' does not support context "
+                              "parallelism or packed documents yet")
         q_nope, q_rope, q_latent, c, k_rope = self.project(x, info)
         # the indexer rotates rotate-half with MLA's (YaRN) tables
         cos_sin = cached_yarn_cos_sin(info, self.dr, self.theta, self.yarn) if self.indexer.rope_dim else None

@@ -33,6 +33,7 @@ from torch import nn
 
 from megamoe.cache import append_time
 from megamoe.config import MLAConfig
+from megamoe.errors import ConfigError
 from megamoe.layers.core_attention import causal_mask
 from megamoe.layers.rotary import apply_rotary, apply_rotary_interleaved, cached_yarn_cos_sin, yarn_softmax_scale
 from megamoe.parallel import comm
@@ -142,6 +143,8 @@ class MultiLatentAttention(nn.Module):
     # ---- forward ------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
+        if (info.cp is not None and info.cp.size > 1) or info.documents is not None:
+            raise ConfigError("mixer 'M' does not support context parallelism or packed documents yet")
         q_nope, q_rope, _, c, k_rope = self.project(x, info)
         if info.cache is None:  # training / scoring: expanded heads, fused causal attention
             k, v = self.expand(c, k_rope)

@@ -1,0 +1,167 @@
+"""Softmax attention across a context-parallel group, and masks from global positions.
+
+Masks (True = may attend) are built from the tokens' global positions, so one rule serves the
+single-process run, a CP rank's two chunks and a packed sequence::
+
+    allowed[q, k] = k <= q  and  (window == 0 or k > q - window)  and  doc[q] == doc[k]
+
+Ring attention (``ring_attention``; letters A and S under CP). Each rank keeps its queries; the
+K/V blocks (the two chunks a rank holds) travel once around the CP ring, and each block is
+merged into the running output with its log-sum-exp (online softmax). Work is done per
+(query chunk, key chunk) pair and a pair that its mask leaves empty is skipped, so with the
+2·CP load-balanced chunks every rank computes the same number of causal pairs, and a sliding
+window computes only the pairs it reaches. The backward passes (K, V, dK, dV) around the ring
+once more; dK/dV arrive back at their owner after CP hops. Why a ring and not an all-gather of
+K/V: a rank never holds more than two blocks (memory stays O(S/CP)), and the next block's
+transfer overlaps the current block's compute.
+
+Shapes: q [b, s, Hq, d], k [b, s, Hk, d], v [b, s, Hk, dv] (s = this rank's 2 chunks, local
+order); inside, heads are grouped as [b, Hk, rep, t, d] so GQA never expands K/V.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0,
+                 q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None) -> torch.Tensor:
+    """q_pos [tq], k_pos [tk] global positions; q_doc [b, tq], k_doc [b, tk] document ids (or None)
+    -> bool [1 or b, tq, tk], True = the query may attend the key."""
+    q, k = q_pos[:, None], k_pos[None, :]
+    allowed = k <= q
+    if window > 0:
+        allowed = allowed & (k > q - window)
+    allowed = allowed.unsqueeze(0)
+    if q_doc is not None:
+        allowed = allowed & (q_doc[:, :, None] == k_doc[:, None, :])
+    return allowed
+
+
+def document_mask(documents: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                  window: int = 0) -> torch.Tensor:
+    """``allowed_mask`` with the documents [b, S] (global order) looked up at the positions."""
+    if documents is None:
+        return allowed_mask(q_pos, k_pos, window)
+    return allowed_mask(q_pos, k_pos, window, documents[:, q_pos], documents[:, k_pos])
+
+
+# ---- the ring --------------------------------------------------------------------------------
+
+class _RingTransfer:
+    """Send ``tensors`` (one dtype) to the next rank of the ring and receive the previous rank's
+    (same shapes) without blocking; ``wait()`` returns the received tensors. Transfers in flight
+    at the same time use different tags."""
+
+    def __init__(self, tensors: list[torch.Tensor], group, tag: int = 0):
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.shapes = [t.shape for t in tensors]
+        self.sent = torch.cat([t.reshape(-1) for t in tensors])
+        self.got = torch.empty_like(self.sent)
+        nxt, prv = (dist.get_global_rank(group, (rank + o) % size) for o in (1, -1))
+        self.reqs = [dist.isend(self.sent, nxt, group=group, tag=tag), dist.irecv(self.got, prv, group=group, tag=tag)]
+
+    def wait(self) -> list[torch.Tensor]:
+        for r in self.reqs:
+            r.wait()
+        parts = self.got.split([s.numel() for s in self.shapes])
+        return [p.view(s) for p, s in zip(parts, self.shapes)]
+
+
+class _Blocks:
+    """The chunk pairs one ring step computes: for the block that came from rank ``src``, each
+    (query chunk i, key chunk j) with its mask, skipping the pairs the mask leaves empty."""
+
+    def __init__(self, cp, window: int, documents: torch.Tensor | None, device):
+        self.cp, self.window, self.documents, self.device = cp, window, documents, device
+        self.q_chunks = self.chunks(cp.rank)
+
+    def chunks(self, rank: int) -> list[tuple[slice, torch.Tensor]]:
+        n = self.cp.chunk_len
+        return [(slice(i * n, (i + 1) * n), torch.arange(a, b, device=self.device))
+                for i, (a, b) in enumerate(self.cp.chunk_bounds(rank))]
+
+    def pairs(self, src: int):
+        for qs, qp in self.q_chunks:
+            for ks, kp in self.chunks(src):
+                if kp[0] > qp[-1] or (self.window and kp[-1] <= qp[0] - self.window):
+                    continue  # causal / window: nothing to see
+                mask = document_mask(self.documents, qp, kp, self.window)  # [1|b, n, n]
+                if mask.any():
+                    yield qs, ks, mask[:, None, None]  # [1|b, 1, 1, n, n] over [b, Hk, rep, n, n]
+
+
+def _scores(q, k, scale, mask):
+    """q [b, g, r, n, d], k [b, g, m, d] -> masked fp32 scores [b, g, r, n, m]."""
+    s = torch.einsum("bgrnd,bgmd->bgrnm", q.float(), k.float()) * scale
+    return s.masked_fill(~mask, float("-inf"))
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, window, cp, documents):
+        # q [b, g, r, s, d], k [b, g, s, d], v [b, g, s, dv] (grouped, local order)
+        blocks = _Blocks(cp, window, documents, q.device)
+        out = torch.zeros(*q.shape[:-1], v.size(-1), dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = [k, v]
+        for step in range(cp.size):
+            src = (cp.rank - step) % cp.size
+            transfer = _RingTransfer(kv, cp.group) if step < cp.size - 1 else None  # overlaps the compute
+            kb, vb = kv
+            for qs, ks, mask in blocks.pairs(src):
+                s = _scores(q[..., qs, :], kb[:, :, ks], scale, mask)
+                m = s.amax(-1, keepdim=True)
+                m = torch.where(torch.isinf(m), 0.0, m)
+                e = torch.exp(s - m)  # masked scores -> 0
+                blk_lse = m.squeeze(-1) + e.sum(-1).log()
+                blk_out = torch.einsum("bgrnm,bgmd->bgrnd", e, vb[:, :, ks].float())
+                old = lse[..., qs]
+                new = torch.logaddexp(old, blk_lse)
+                safe = torch.where(torch.isinf(new), 0.0, new)
+                out[..., qs, :] = (out[..., qs, :] * torch.exp(old - safe)[..., None]
+                                   + blk_out * torch.exp(m.squeeze(-1) - safe)[..., None])
+                lse[..., qs] = new
+            kv = transfer.wait() if transfer else None
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.window, ctx.cp, ctx.documents = scale, window, cp, documents
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, scale = ctx.cp, ctx.scale
+        blocks = _Blocks(cp, ctx.window, ctx.documents, q.device)
+        do = d_out.float()
+        delta = (do * out).sum(-1)  # [b, g, r, s]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kb, vb = k, v
+        dk, dv = torch.zeros(k.shape, dtype=torch.float32, device=q.device), torch.zeros(
+            v.shape, dtype=torch.float32, device=q.device)
+        for step in range(cp.size):
+            src = (cp.rank - step) % cp.size
+            kv_next = _RingTransfer([kb, vb], cp.group) if step < cp.size - 1 else None
+            for qs, ks, mask in blocks.pairs(src):
+                qf, kf, vf = q[..., qs, :].float(), kb[:, :, ks].float(), vb[:, :, ks].float()
+                p = torch.exp(_scores(qf, kf, scale, mask) - lse[..., qs, None])  # [b, g, r, n, m]
+                dv[:, :, ks] += torch.einsum("bgrnm,bgrnd->bgmd", p, do[..., qs, :])
+                dp = torch.einsum("bgrnd,bgmd->bgrnm", do[..., qs, :], vf)
+                ds = p * (dp - delta[..., qs, None]) * scale
+                dq[..., qs, :] += torch.einsum("bgrnm,bgmd->bgrnd", ds, kf)
+                dk[:, :, ks] += torch.einsum("bgrnm,bgrnd->bgmd", ds, qf)
+            # dK/dV travel with their block; after cp.size hops they are back with the owner
+            dk, dv = _RingTransfer([dk, dv], cp.group, tag=1).wait()
+            if kv_next:
+                kb, vb = kv_next.wait()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def ring_attention(q, k, v, scale: float, window: int, cp, documents: torch.Tensor | None = None):
+    """Causal (optionally windowed, document-masked) attention of this rank's queries over the whole
+    sequence. q [b, s, Hq, d], k [b, s, Hk, d], v [b, s, Hk, dv] -> [b, s, Hq, dv]."""
+    b, s, hq, d = q.shape
+    hk = k.size(2)
+    qg = q.reshape(b, s, hk, hq // hk, d).permute(0, 2, 3, 1, 4)  # [b, Hk, rep, s, d]
+    out = RingAttention.apply(qg.contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
+                              scale, window, cp, documents)
+    return out.permute(0, 3, 1, 2, 4).reshape(b, s, hq, v.size(-1))

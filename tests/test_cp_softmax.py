@@ -1,0 +1,144 @@
+"""Softmax-family mixers (A, S, M, D, I) under context parallelism and with packed documents.
+
+CP runs (gloo) equal the single-process run of the same weights on the full sequence: outputs,
+input gradients and every parameter gradient (summed over CP), fp32, within 1e-5 relative, at a
+length (40) that is not a power of two. Packed documents equal the documents run one by one.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megamoe.config import ParallelConfig
+from megamoe.spec import ForwardInfo
+from tests.mixer_utils import build_mixer, tiny_model
+from tests.numerics import rel_err
+
+REL = 1e-5
+SEQ = 40
+LETTERS = ["A", "S"]
+
+
+def packed_documents(seq: int) -> torch.Tensor:
+    """[2, seq] document ids: row 0 three documents (one crossing CP chunk borders), row 1 two."""
+    a, b = seq // 5 + 1, seq // 2 - 3
+    row0 = torch.cat([torch.full((a,), 0), torch.full((b,), 1), torch.full((seq - a - b,), 2)])
+    row1 = torch.cat([torch.full((seq - 11,), 0), torch.full((11,), 1)])
+    return torch.stack([row0, row1])
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """[b, S] positions restarting at 0 at each document start."""
+    idx = torch.arange(documents.size(1)).expand_as(documents)
+    start = torch.ones_like(documents, dtype=torch.bool)
+    start[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return idx - torch.cummax(torch.where(start, idx, 0), dim=1).values
+
+
+def model_for(letter: str, model: dict | None):
+    cfg = tiny_model(**(model or {}))
+    if letter == "S":  # a window longer than a CP=4 chunk (5 tokens): it reaches two chunks back
+        cfg.attention = dataclasses.replace(cfg.attention, sliding_window=7)
+    return cfg
+
+
+def cp_case(letter: str, cp: int, tp: int = 1, sp: bool = False, docs: bool = False, seed: int = 0,
+            model: dict | None = None) -> dict:
+    """Relative errors of a CP (x TP) mixer against the single-process one, on this rank."""
+    import torch.distributed as dist
+
+    from megamoe.parallel.context import ContextShard
+    from megamoe.parallel.groups import build_groups
+    from megamoe.parallel.sharding import gather_full
+    from megamoe.weights import finalize_grads
+
+    cfg = model_for(letter, model)
+    groups = build_groups(ParallelConfig(tp=tp, cp=cp, sequence_parallel=sp))
+    ref = build_mixer(letter, cfg, seed=seed)
+    state = {name: p.detach().clone() for name, p in ref.named_parameters()}
+    par = build_mixer(letter, cfg, groups, sp=sp, full_state=state)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, SEQ, cfg.hidden_size, generator=gen)
+    g = torch.randn(2, SEQ, cfg.hidden_size, generator=gen)
+    documents = packed_documents(SEQ) if docs else None
+    pos = document_positions(documents) if docs else torch.arange(SEQ).expand(2, -1)
+    shard = ContextShard(groups.cp, SEQ)
+    tp_rank = groups.tp_rank
+    local = lambda t: shard.split(t).chunk(tp, dim=1)[tp_rank] if sp else shard.split(t)  # noqa: E731
+
+    xr, xp = x.clone().requires_grad_(True), local(x).clone().requires_grad_(True)
+    yr = ref(xr, ForwardInfo(positions=pos, documents=documents))
+    yp = par(xp, ForwardInfo(positions=shard.split(pos), cp=shard, documents=documents))
+    (yr * g).sum().backward()
+    (yp * local(g)).sum().backward()
+    finalize_grads(par, groups)
+    errs = {"out": rel_err(yp, local(yr)), "grad x": rel_err(xp.grad, local(xr.grad))}
+    ref_params = dict(ref.named_parameters())
+    for name, p in par.named_parameters():
+        want = ref_params[name].grad
+        if want is None:  # the DSA indexer: selection only, no gradient
+            errs[f"no grad {name}"] = 0.0 if p.grad is None else 1.0
+            continue
+        dist.all_reduce(p.grad, group=groups.cp)  # each CP rank holds its tokens' share
+        errs[f"grad {name}"] = rel_err(gather_full(p, groups, p.grad), want)
+    return errs
+
+
+def check(results: list[dict], what: str) -> None:
+    for rank, errs in enumerate(results):
+        bad = {k: v for k, v in errs.items() if v > REL}
+        assert not bad, f"{what} rank {rank}: relative errors over {REL}: {bad}"
+    assert sum(k.startswith("grad ") for k in results[0]) >= 4  # the gradients were compared
+
+
+@pytest.mark.parametrize("letter", LETTERS)
+def test_cp2_equals_single_process(pool, letter):
+    check(pool(2).run(cp_case, letter, 2), f"{letter} cp=2")
+
+
+@pytest.mark.parametrize("letter", LETTERS)
+def test_cp4_equals_single_process(pool, letter):
+    check(pool(4).run(cp_case, letter, 4), f"{letter} cp=4")
+
+
+@pytest.mark.parametrize("letter", LETTERS)
+def test_cp2_tp2_equals_single_process(pool, letter):
+    check(pool(4).run(cp_case, letter, 2, 2, True), f"{letter} cp=2 x tp=2 (sp)")
+
+
+@pytest.mark.parametrize("letter", LETTERS)
+def test_cp2_packed_documents_equal_single_process(pool, letter):
+    check(pool(2).run(cp_case, letter, 2, docs=True), f"{letter} cp=2 packed")
+
+
+# ---- packed documents without CP ------------------------------------------------------------
+
+@pytest.mark.parametrize("letter", LETTERS)
+def test_packed_documents_equal_documents_one_by_one(letter):
+    """One packed row equals each of its documents run alone (outputs, input and weight gradients)."""
+    cfg = model_for(letter, None)
+    mixer = build_mixer(letter, cfg, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    documents = packed_documents(SEQ)[:1]
+    x = torch.randn(1, SEQ, cfg.hidden_size, generator=gen, requires_grad=True)
+    g = torch.randn(1, SEQ, cfg.hidden_size, generator=gen)
+    y = mixer(x, ForwardInfo(positions=document_positions(documents), documents=documents))
+    (y * g).sum().backward()
+    packed_grads = {n: p.grad.clone() for n, p in mixer.named_parameters() if p.grad is not None}
+    mixer.zero_grad()
+    outs, grads_x = [], []
+    for doc in documents[0].unique():
+        sel = documents[0] == doc
+        xd = x.detach()[:, sel].clone().requires_grad_(True)
+        yd = mixer(xd, ForwardInfo(positions=torch.arange(int(sel.sum())).unsqueeze(0)))
+        (yd * g[:, sel]).sum().backward()
+        outs.append(yd)
+        grads_x.append(xd.grad)
+    assert rel_err(y, torch.cat(outs, 1)) <= REL
+    assert rel_err(x.grad, torch.cat(grads_x, 1)) <= REL
+    for n, p in mixer.named_parameters():
+        if n in packed_grads:
+            assert rel_err(packed_grads[n], p.grad) <= REL, n
+    assert len(packed_grads) >= 4
