@@ -93,7 +93,8 @@ class UnitLowerInverse(torch.autograd.Function):
 
 def intra_per_channel(q, k, beta, G, leaf: int = LEAF):
     """A (strictly lower part used) and M for one decay per key channel, by halving.
-    q, k, G [..., C, dk] (G float64; its differences are taken there, then cast to q's dtype);
+    q, k, G [..., C, dk] (G float64; its differences across blocks are taken there, then cast to
+    q's dtype; inside a leaf, from offsets to the leaf's first token, already in q's dtype);
     beta [..., C] -> [..., C, C] each.
 
     Every block of B tokens is [[top, 0], [quad, bottom]]: ``quad`` (rows in the second half,
@@ -109,7 +110,10 @@ def intra_per_channel(q, k, beta, G, leaf: int = LEAF):
     n = C // leaf
     G_l, k_l, rows_l = blocks(G, n), blocks(k, n), blocks(rows, n)
     upper = torch.ones(leaf, leaf, dtype=torch.bool, device=q.device).triu(1)
-    pair = (G_l.unsqueeze(-2) - G_l.unsqueeze(-3)).to(q.dtype).masked_fill(upper.unsqueeze(-1), float("-inf")).exp()
+    # the leaf's pairs from float64 offsets to its first token: a few tokens' decay, exact in q's
+    # dtype, so the [.., leaf, leaf, dk] differences and their backward run there, not in float64
+    off = (G_l - G_l[..., :1, :]).to(q.dtype)
+    pair = (off.unsqueeze(-2) - off.unsqueeze(-3)).masked_fill(upper.unsqueeze(-1), float("-inf")).exp()
     D = (rows_l.unsqueeze(-2) * (k_l.unsqueeze(-3) * pair)).sum(-1)     # [2, .., n, leaf, leaf]
     size = 2 * leaf
     while size <= C:
