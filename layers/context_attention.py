@@ -24,6 +24,12 @@ import torch
 import torch.distributed as dist
 
 
+def context_shard(info):
+    """The forward's ``ContextShard`` when it spans more than one rank, else None."""
+    cp = info.cp
+    return cp if cp is not None and cp.size > 1 else None
+
+
 def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0,
                  q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None) -> torch.Tensor:
     """q_pos [tq], k_pos [tk] global positions; q_doc [b, tq], k_doc [b, tk] document ids (or None)

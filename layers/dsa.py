@@ -37,6 +37,7 @@ from torch import nn
 from megamoe.cache import append_time
 from megamoe.config import DSAConfig, MLAConfig
 from megamoe.errors import ConfigError
+from megamoe.layers.context_attention import context_shard, document_mask
 from megamoe.layers.mla import MultiLatentAttention
 from megamoe.layers.rotary import apply_rotary, cached_yarn_cos_sin
 from megamoe.parallel import comm
@@ -47,6 +48,14 @@ from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
 def query_positions(s: int, total: int, device=None) -> torch.Tensor:
     """Positions of the s queries, the last s of ``total`` keys."""
     return torch.arange(total - s, total, device=device)
+
+
+def position_in_document(documents: torch.Tensor) -> torch.Tensor:
+    """documents [b, T] (non-decreasing ids) -> [b, T] each token's position within its document."""
+    idx = torch.arange(documents.size(1), device=documents.device).expand_as(documents)
+    start = torch.ones_like(documents, dtype=torch.bool)
+    start[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return idx - torch.cummax(torch.where(start, idx, 0), dim=1).values
 
 
 def select_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
@@ -120,9 +129,12 @@ class Indexer(nn.Module):
             mark_init(self.pool_ape, const_init(0.0))
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos_sin, state: dict | None, cache=None):
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos_sin, state: dict | None, cache=None,
+                cp=None, documents: torch.Tensor | None = None):
         """x [b, s(/tp), h], q_latent [b, s, r_q], cos_sin: RoPE tables [b, s, rope_dim] (or None),
-        state: this layer's decode cache (or None), cache: the whole decode cache (its padding)."""
+        state: this layer's decode cache (or None), cache: the whole decode cache (its padding),
+        cp: the ``ContextShard`` (keys all-gathered over CP, so the top-k sees every key of the
+        sequence), documents: [b, S] packed document ids (no key of another document is selected)."""
         bsz, s = q_latent.shape[:2]
         q = self.linear_q(q_latent).view(bsz, s, self.heads, self.dim)
         k = self.k_norm(self.linear_k(x))  # [b, s, Di]
@@ -133,17 +145,21 @@ class Indexer(nn.Module):
         if state is not None:
             k = append_time(state, "index_k", k)
             gate = append_time(state, "index_gate", gate) if self.pooled else None
+        if cp is not None:  # the whole sequence's keys (and pool gates), global order
+            k, gate = cp.gather(k), (cp.gather(gate) if self.pooled else None)
         weights = self.linear_weights(x).float() * self.heads ** -0.5  # [b, s, Hi]
-        qpos = query_positions(s, k.size(1), k.device)
+        qpos = query_positions(s, k.size(1), k.device) if cp is None else cp.local_index(k.device)
         pad = None if cache is None else cache.pad
         if self.pooled:
+            if documents is not None:
+                return self.select_document_pools(q, k, gate, weights, qpos, documents)
             if pad is None:
                 return self.select_pools(q, k, gate, weights, qpos)
             return self.select_pools_padded(q, k, gate, weights, qpos, pad.to(k.device))
         scores = self.score(q, k, weights)
         valid = None if pad is None else cache.attention_mask(s, k.size(1), device=k.device)  # no padded keys
         if valid is None:
-            valid = (torch.arange(k.size(1), device=k.device)[None, :] <= qpos[:, None]).expand_as(scores)
+            valid = document_mask(documents, qpos, torch.arange(k.size(1), device=k.device)).expand_as(scores)
         return select_topk(scores, valid, self.topk)
 
     def score(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -165,6 +181,31 @@ class Indexer(nn.Module):
         own = torch.full_like(idx, -1)
         own[..., 0] = qpos
         return torch.where((qpos_row < 0).unsqueeze(-1), own, idx)
+
+    def select_document_pools(self, q, k, gate, weights, qpos, documents):
+        """``select_pools`` for packed documents [b, T]: pools are cut from each document's start and
+        a query sees only its document's pools. A pool is named by its first token, so candidates
+        are all T tokens (the ones that start a complete pool are valid), ranked in token order
+        as ``select_pools`` ranks its pools."""
+        bsz, total, kp = k.size(0), k.size(1), self.kpool
+        in_doc = position_in_document(documents)  # [b, T]
+        offsets = torch.arange(kp, device=k.device)
+        last = (torch.arange(total, device=k.device) + kp - 1).clamp(max=total - 1)  # a pool's last token
+        complete = (in_doc % kp == 0) & (in_doc.gather(1, last.expand(bsz, -1)) == in_doc + kp - 1)
+        members = (torch.arange(total, device=k.device)[:, None] + offsets).clamp(max=total - 1)  # [T, kp]
+        keys, logits = k[:, members], gate[:, members].float() + self.pool_ape.float()  # [b, T, kp, Di]
+        pool_keys = (torch.softmax(logits, dim=2).to(keys.dtype) * keys).sum(dim=2)  # [b, T, Di]
+        q_doc = documents[:, qpos]  # [b, s]
+        valid = (complete[:, None, :] & (last[None, None, :] <= qpos[None, :, None])
+                 & (documents[:, None, :] == q_doc[..., None]))
+        chosen = select_topk(self.score(q, pool_keys, weights), valid, self.topk // kp)
+        tokens = (chosen.unsqueeze(-1) + offsets).masked_fill(chosen.unsqueeze(-1) < 0, -1).flatten(-2)
+        if kp == 1:
+            return tokens
+        tail_count = (in_doc[:, qpos] + 1) % kp  # [b, s] tokens of the query's incomplete pool
+        tail = (qpos + 1 - tail_count)[..., None] + offsets[:-1]
+        tail = tail.masked_fill(offsets[:-1] >= tail_count[..., None], -1)
+        return torch.cat([tokens, tail], dim=-1)
 
     def select_pools(self, q, k, gate, weights, qpos):
         """GLM-5: score complete pools, keep topk/kpool of them, add the visible tail pool.
@@ -201,14 +242,13 @@ class SparseMLA(MultiLatentAttention):
         self.sparse_core = ctx.backend.sparse_latent_attention(ctx)
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
-        if (info.cp is not None and info.cp.size > 1) or info.documents is not None:
-            raise ConfigError(f"mixer '{'I' if self.indexer.pooled else 'D'}' does not support context "
-                              "parallelism or packed documents yet")
         q_nope, q_rope, q_latent, c, k_rope = self.project(x, info)
         # the indexer rotates rotate-half with MLA's (YaRN) tables
         cos_sin = cached_yarn_cos_sin(info, self.dr, self.theta, self.yarn) if self.indexer.rope_dim else None
         state = None if info.cache is None else info.cache.layer(self.layer_number)
-        idx = self.indexer(x, q_latent, cos_sin, state, info.cache)
+        # under CP the indexer keys and the latents are all-gathered (``cached_latents``): idx
+        # indexes the whole sequence, and each rank attends its own queries over it
+        idx = self.indexer(x, q_latent, cos_sin, state, info.cache, context_shard(info), info.documents)
         if self.dense_reference:
             c_all, kr_all = self.cached_latents(c, k_rope, info)
             k, v = self.expand(c_all, kr_all)

@@ -34,6 +34,7 @@ from torch import nn
 from megamoe.cache import append_time
 from megamoe.config import MLAConfig
 from megamoe.errors import ConfigError
+from megamoe.layers.context_attention import context_shard, document_mask
 from megamoe.layers.core_attention import causal_mask
 from megamoe.layers.rotary import apply_rotary, apply_rotary_interleaved, cached_yarn_cos_sin, yarn_softmax_scale
 from megamoe.parallel import comm
@@ -133,27 +134,41 @@ class MultiLatentAttention(nn.Module):
         return self.linear_proj(out.reshape(*out.shape[:2], -1))
 
     def cached_latents(self, c, k_rope, info: ForwardInfo):
-        """Append to the decode cache; returns all latents so far (and whether a cache is used)."""
+        """The latents of every key the queries may see: appended to the decode cache (decoding),
+        all-gathered over the CP group (context parallelism), or the given ones."""
+        cp = context_shard(info)
+        if cp is not None:
+            if info.cache is not None:
+                raise ConfigError("decoding with context parallelism is not supported (parallel.cp must be 1)")
+            return cp.gather(c), cp.gather(k_rope)
         if info.cache is None:
             return c, k_rope
         state = info.cache.layer(self.layer_number)
         # the cache is outside autograd and shared by every rank's heads: keep it as values
         return append_time(state, "c", c), append_time(state, "k_rope", k_rope)
 
+    def latent_mask(self, s: int, total: int, info: ForwardInfo, device) -> torch.Tensor:
+        """[s, T] or [b, s, T] bool: what the s queries may see of the T latents."""
+        cp = context_shard(info)
+        if cp is not None:
+            return document_mask(info.documents, cp.local_index(device), torch.arange(total, device=device))
+        mask = info.cache.attention_mask(s, total, device=device)
+        return causal_mask(s, total, device=device) if mask is None else mask
+
     # ---- forward ------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
-        if (info.cp is not None and info.cp.size > 1) or info.documents is not None:
-            raise ConfigError("mixer 'M' does not support context parallelism or packed documents yet")
         q_nope, q_rope, _, c, k_rope = self.project(x, info)
-        if info.cache is None:  # training / scoring: expanded heads, fused causal attention
+        if info.cache is None and context_shard(info) is None:
+            # training / scoring: expanded heads, fused causal attention (packed documents masked)
             k, v = self.expand(c, k_rope)
-            out = self.core(torch.cat([q_nope, q_rope], dim=-1), k, v)
-        else:  # decoding: absorbed attention over the cached latents
+            out = self.core(torch.cat([q_nope, q_rope], dim=-1), k, v, documents=info.documents)
+        else:
+            # decoding over the cached latents, or CP over the all-gathered ones: the absorbed form.
+            # CP gathers the latent, (kv_lora + dr) numbers a token, not H * (dn + dr + dv) expanded
+            # keys and values, and never expands the whole sequence's heads on one rank.
             c_all, kr_all = self.cached_latents(comm.copy_to(c, self.tp_group), k_rope, info)
-            mask = info.cache.attention_mask(q_nope.size(1), c_all.size(1), device=x.device)
-            if mask is None:
-                mask = causal_mask(q_nope.size(1), c_all.size(1), device=x.device)
+            mask = self.latent_mask(q_nope.size(1), c_all.size(1), info, x.device)
             out = self.absorbed_output(self.latent_core(self.absorbed_query(q_nope), q_rope, c_all, kr_all,
                                                         self.scale, mask))
         return self.finish(out, x)

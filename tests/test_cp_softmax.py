@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from megamoe.config import ParallelConfig
+from megamoe.layers.dsa import position_in_document
 from megamoe.spec import ForwardInfo
 from tests.mixer_utils import build_mixer, tiny_model
 from tests.numerics import rel_err
 
 REL = 1e-5
 SEQ = 40
-LETTERS = ["A", "S"]
+LETTERS = ["A", "S", "M", "D", "I"]
 
 
 def packed_documents(seq: int) -> torch.Tensor:
@@ -27,14 +28,6 @@ def packed_documents(seq: int) -> torch.Tensor:
     row0 = torch.cat([torch.full((a,), 0), torch.full((b,), 1), torch.full((seq - a - b,), 2)])
     row1 = torch.cat([torch.full((seq - 11,), 0), torch.full((11,), 1)])
     return torch.stack([row0, row1])
-
-
-def document_positions(documents: torch.Tensor) -> torch.Tensor:
-    """[b, S] positions restarting at 0 at each document start."""
-    idx = torch.arange(documents.size(1)).expand_as(documents)
-    start = torch.ones_like(documents, dtype=torch.bool)
-    start[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    return idx - torch.cummax(torch.where(start, idx, 0), dim=1).values
 
 
 def model_for(letter: str, model: dict | None):
@@ -63,7 +56,7 @@ def cp_case(letter: str, cp: int, tp: int = 1, sp: bool = False, docs: bool = Fa
     x = torch.randn(2, SEQ, cfg.hidden_size, generator=gen)
     g = torch.randn(2, SEQ, cfg.hidden_size, generator=gen)
     documents = packed_documents(SEQ) if docs else None
-    pos = document_positions(documents) if docs else torch.arange(SEQ).expand(2, -1)
+    pos = position_in_document(documents) if docs else torch.arange(SEQ).expand(2, -1)
     shard = ContextShard(groups.cp, SEQ)
     tp_rank = groups.tp_rank
     local = lambda t: shard.split(t).chunk(tp, dim=1)[tp_rank] if sp else shard.split(t)  # noqa: E731
@@ -124,7 +117,7 @@ def test_packed_documents_equal_documents_one_by_one(letter):
     documents = packed_documents(SEQ)[:1]
     x = torch.randn(1, SEQ, cfg.hidden_size, generator=gen, requires_grad=True)
     g = torch.randn(1, SEQ, cfg.hidden_size, generator=gen)
-    y = mixer(x, ForwardInfo(positions=document_positions(documents), documents=documents))
+    y = mixer(x, ForwardInfo(positions=position_in_document(documents), documents=documents))
     (y * g).sum().backward()
     packed_grads = {n: p.grad.clone() for n, p in mixer.named_parameters() if p.grad is not None}
     mixer.zero_grad()
