@@ -23,6 +23,10 @@ state [b, h, dk, dv] in fp32; outputs in v's dtype, final state in fp32 or float
   (training). All exponents are <= 0 (decays are only ever raised to distances), so no block
   size overflows.
 
+``resets`` [b, t] bool (the recurrent and chunked forms; packed documents): True where a token
+starts a new document, so the state is zeroed before that token's update and nothing before it
+is seen from it or after it.
+
 Parameters per layer: 5 * hidden * heads * head_dim + heads * head_dim (norm).
 """
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import nn
 from megamoe.cache import InferenceCache, zero_pads
 from megamoe.config import LightningConfig
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
+from megamoe.layers.linear_attention.context_parallel import SequenceView
 
 
 def lightning_slopes(num_heads: int, layer_number: int, num_layers: int) -> list[float]:
@@ -72,7 +77,7 @@ def lightning_naive(q, k, v, slope, initial_state=None):
     return o.transpose(1, 2).to(v.dtype), final
 
 
-def lightning_recurrent(q, k, v, slope, initial_state=None):
+def lightning_recurrent(q, k, v, slope, initial_state=None, resets=None):
     """Token by token; the decoding step (t = 1) and the readable reference."""
     dt = _work_dtype(v)
     b, t, h, dk = q.shape
@@ -81,18 +86,22 @@ def lightning_recurrent(q, k, v, slope, initial_state=None):
     state = _initial(initial_state, b, h, dk, v.size(-1), dt, q.device)
     outs = []
     for i in range(t):
+        if resets is not None:  # a document starts here: forget the state
+            state = state * (~resets[:, i]).to(dt).view(b, 1, 1, 1)
         state = lam * state + kh[:, :, i, :, None] * vh[:, :, i, None, :]
         outs.append((qh[:, :, i, None, :] @ state).squeeze(2))
     return torch.stack(outs, dim=1).to(v.dtype), state
 
 
-def lightning_chunked(q, k, v, slope, initial_state=None, block: int = 64):
+def lightning_chunked(q, k, v, slope, initial_state=None, block: int = 64, resets=None):
     """Blocks of ``block`` tokens (the last one may be short). Within block n, with S_n the state
     at its start and 1-based positions i, j::
 
         o_i  = exp(-s i) q_i S_n + sum_{j<=i} exp(-s (i-j)) (q_i.k_j) v_j
         S_n+1 = exp(-s c_n) S_n + sum_j exp(-s (c_n - j)) k_j^T v_j        (c_n: block length)
-    """
+
+    With ``resets`` each term is kept only when no document starts between its two ends
+    (``_reset_masks``)."""
     dt = _work_dtype(v)
     b, t, h, dk = q.shape
     dv = v.size(-1)
@@ -109,6 +118,11 @@ def lightning_chunked(q, k, v, slope, initial_state=None, block: int = 64):
     to_end = lens[:, None, None] - pos[None, :, None]  # [n, block, 1]; < 0 only on padding (k = 0)
     k_decay = torch.exp(-s * to_end.clamp(min=0))
     block_decay = torch.exp(-s.view(1, h, 1, 1) * lens.view(n, 1, 1, 1))  # [n, h, 1, 1]
+    q_decay = torch.exp(-s * pos[:, None])  # [1, h, 1, block, 1]: from the block start
+    if resets is not None:
+        same, sees_start, reaches_end, keeps = _reset_masks(F.pad(resets, (0, pad)).view(b, 1, n, block), dt)
+        diag, q_decay, k_decay = diag * same, q_decay * sees_start, k_decay * reaches_end
+        block_decay = block_decay.unsqueeze(1) * keeps.permute(2, 0, 1)[..., None, None]  # [n, b, h, 1, 1]
     intra = ((qh @ kh.transpose(-1, -2)) * diag) @ vh  # [b, h, n, block, dv]
     updates = (kh * k_decay).transpose(-1, -2) @ vh  # [b, h, n, dk, dv]
     state = _initial(initial_state, b, h, dk, dv, dt, dev)
@@ -116,9 +130,21 @@ def lightning_chunked(q, k, v, slope, initial_state=None, block: int = 64):
     for m in range(n):  # the only sequential part: one [dk, dv] update per block
         starts.append(state)
         state = block_decay[m] * state + updates[:, :, m]
-    inter = (qh * torch.exp(-s * pos[:, None])) @ torch.stack(starts, dim=2)
+    inter = (qh * q_decay) @ torch.stack(starts, dim=2)
     o = (intra + inter).reshape(b, h, n * block, dv)[:, :, :t]
     return o.transpose(1, 2).to(v.dtype), state
+
+
+def _reset_masks(resets: torch.Tensor, dtype):
+    """resets [b, 1, n, block] bool -> 0/1 factors: ``same`` [b, 1, n, block, block] (i sees j: no
+    document starts in (j, i]), ``sees_start`` [b, 1, n, block, 1] (no start in [0, i]: i sees the
+    block's start state), ``reaches_end`` [b, 1, n, block, 1] (no start in (j, end]: key j reaches
+    the block's end state), ``keeps`` [b, 1, n] (no start in the block: the start state reaches
+    the end)."""
+    cnt = resets.long().cumsum(-1)  # starts in [0, i]
+    same = (cnt.unsqueeze(-1) == cnt.unsqueeze(-2)).to(dtype)
+    return (same, (cnt == 0).to(dtype).unsqueeze(-1), (cnt == cnt[..., -1:]).to(dtype).unsqueeze(-1),
+            (cnt[..., -1] == 0).to(dtype))
 
 
 class LightningAttention(nn.Module):
@@ -144,7 +170,11 @@ class LightningAttention(nn.Module):
         bsz, s = qkv.shape[:2]
         q, k, v = qkv.view(bsz, s, self.heads, 3 * self.head_dim).chunk(3, dim=-1)
         slope = torch.tensor(self.slopes, dtype=torch.float64, device=x.device)
-        o = self.attend(q, k, v, slope, info.cache)
+        view = SequenceView.of(info, "L", s)  # CP and packed documents (context_parallel.py); None: plain
+        if view is not None:
+            o = view.lightning(self.op, q, k, v, slope, block=self.block)
+        else:
+            o = self.attend(q, k, v, slope, info.cache)
         o = self.norm(o.reshape(bsz, s, -1)) * torch.sigmoid(self.linear_gate(x))
         return self.linear_proj(o)
 

@@ -42,8 +42,9 @@ class ChunkedDeltaRule:
 
 
 class ChunkedLightning:
-    def chunked(self, q, k, v, slope, initial_state=None, block: int = 64):
-        return lightning_chunked(q, k, v, slope, initial_state, block=block)
+    def chunked(self, q, k, v, slope, initial_state=None, block: int = 64, resets=None):
+        """``resets`` [b, t] bool: packed documents (``megamoe.layers.lightning``)."""
+        return lightning_chunked(q, k, v, slope, initial_state, block=block, resets=resets)
 
     def recurrent(self, q, k, v, slope, initial_state=None):
         return lightning_recurrent(q, k, v, slope, initial_state)

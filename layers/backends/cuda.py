@@ -92,10 +92,10 @@ class FlaLightning(ChunkedLightning):
                   output_final_state=True)
         return o.to(v.dtype), s
 
-    def chunked(self, q, k, v, slope, initial_state=None, block: int = 64):
-        if _on_fla(q):
+    def chunked(self, q, k, v, slope, initial_state=None, block: int = 64, resets=None):
+        if _on_fla(q) and resets is None:  # packed documents: the torch form (it masks per token)
             return self._fla(q, k, v, slope, initial_state, decode=False)
-        return super().chunked(q, k, v, slope, initial_state, block=block)
+        return super().chunked(q, k, v, slope, initial_state, block=block, resets=resets)
 
     def recurrent(self, q, k, v, slope, initial_state=None):
         if _on_fla(q):

@@ -33,8 +33,8 @@ class RecurrentDeltaRule:
 class RecurrentLightning:
     """Lightning attention as its token-by-token recurrence (``megamoe.layers.lightning``)."""
 
-    def chunked(self, q, k, v, slope, initial_state=None, block: int = 64):
-        return lightning_recurrent(q, k, v, slope, initial_state)
+    def chunked(self, q, k, v, slope, initial_state=None, block: int = 64, resets=None):
+        return lightning_recurrent(q, k, v, slope, initial_state, resets=resets)
 
     def recurrent(self, q, k, v, slope, initial_state=None):
         return lightning_recurrent(q, k, v, slope, initial_state)

@@ -8,7 +8,8 @@
 
 Shapes: x [b, s, hidden] (``[b, s/tp, hidden]`` under SP); q, k [b, s, hk, dk]; v, z, o
 [b, s, hv, dv]; hk, hv are this TP rank's heads. Decode state in ``cache.layer(n)``:
-``conv`` [b, K-1, 2*hk*dk + hv*dv] and ``recurrent`` [b, hv, dk, dv] (fp32).
+``conv`` [b, K-1, 2*hk*dk + hv*dv] and ``recurrent`` [b, hv, dk, dv] (fp32). Context parallelism
+and packed documents: ``context_parallel.py`` (state passing, conv halo, state resets).
 
 Parameters per layer: hidden * (2*Hk*dk + 2*Hv*dv + 2*Hv)   (in_proj)
                       + (2*Hk*dk + Hv*dv) * K              (conv)
@@ -29,6 +30,7 @@ from megamoe.parallel.sharding import const_init
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
 from megamoe.layers.linear_attention.common import (conv_and_state, conv_param, head_param, log_uniform_init,
                                                     run_delta_rule)
+from megamoe.layers.linear_attention.context_parallel import SequenceView
 from megamoe.layers.linear_attention.hf_layout import GDNShapes
 
 
@@ -62,18 +64,26 @@ class GatedDeltaNet(nn.Module):
         # decays there do not depend on what the padding computed
         proj = zero_pads(self.in_proj(x), info.cache)          # [b, s, sum(local parts)]
         bsz, s = proj.shape[:2]
+        view = SequenceView.of(info, "G", s)                    # CP and packed documents; None: plain
         qkv_width = sum(self.local_parts[:3])
         qkv, z, b_in, a = proj.split([qkv_width, *self.local_parts[3:]], dim=-1)
-        qkv, state, h0 = conv_and_state(self, qkv, info)
+        if view is None:
+            qkv, state, h0 = conv_and_state(self, qkv, info)
+        else:
+            qkv, state = view.conv(self.conv, qkv, self.conv_weight), None
         q, k, v = qkv.split(self.local_parts[:3], dim=-1)
         # q carries the dk^-0.5 softmax-free scale; both stored heads-first for the chunked op
         q = self.l2norm(q.reshape(bsz, s, self.hk, self.dk), scale=self.dk ** -0.5, heads_first=True)
         k = self.l2norm(k.reshape(bsz, s, self.hk, self.dk), heads_first=True)
         v = v.reshape(bsz, s, self.hv, self.dv)
         g, beta = self.decay_and_beta(b_in, a)
-        o, final = run_delta_rule(self.op, q, k, v, g, beta, scale=1.0, initial_state=h0,
-                                  decode=state is not None and s == 1, chunk_size=self.cfg.resolved_chunk_size(),
-                                  recompute=self.recompute_core)
+        if view is not None:
+            o = view.delta_rule(self.op, q, k, v, g, beta, scale=1.0, chunk_size=self.cfg.resolved_chunk_size(),
+                                recompute=self.recompute_core)
+        else:
+            o, final = run_delta_rule(self.op, q, k, v, g, beta, scale=1.0, initial_state=h0,
+                                      decode=state is not None and s == 1,
+                                      chunk_size=self.cfg.resolved_chunk_size(), recompute=self.recompute_core)
         if state is not None:
             state["recurrent"] = final
         o = self.norm(o, gate=z.reshape(bsz, s, self.hv, self.dv))

@@ -13,7 +13,7 @@ The gated delta rule with one decay per key channel::
 Shapes: x [b, s, hidden] (``[b, s/tp, hidden]`` under SP); q, k, v, o [b, s, h, d] with h this
 TP rank's heads. The low-rank down projections (f_a, g_a) are replicated over TP; the rest is
 split by head. Decode state in ``cache.layer(n)``: ``conv`` [b, K-1, 3*h*d], ``recurrent``
-[b, h, d, d] (fp32).
+[b, h, d, d] (fp32). Context parallelism and packed documents: ``context_parallel.py``.
 
 Parameters per layer (H heads of dim d, W = H*d, r = gate rank):
     hidden * (3W + H) + 3W * K                     (in_proj, conv)
@@ -31,6 +31,7 @@ from torch import nn
 from megamoe.cache import zero_pads
 from megamoe.config import KDAConfig
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
+from megamoe.layers.linear_attention.context_parallel import SequenceView
 from megamoe.layers.linear_attention.common import (conv_and_state, conv_param, head_param, log_uniform_init,
                                                     run_delta_rule)
 
@@ -94,13 +95,21 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
         proj = zero_pads(self.in_proj(x), info.cache)  # padded slots: zero keys, state unchanged (as GDN)
         bsz, s = proj.shape[:2]
+        view = SequenceView.of(info, "K", s)  # CP and packed documents; None: plain
         qkv, b_in = proj.split([sum(self.local_parts[:3]), self.h], dim=-1)
-        qkv, state, h0 = conv_and_state(self, qkv, info)
+        if view is None:
+            qkv, state, h0 = conv_and_state(self, qkv, info)
+        else:
+            qkv, state = view.conv(self.conv, qkv, self.conv_weight), None
         q, k, v = (t.reshape(bsz, s, self.h, self.d) for t in qkv.split(self.local_parts[:3], dim=-1))
         g = zero_pads(self.decay(x), info.cache)  # log-decay 0 at padded slots: the state passes unchanged
-        o, final = run_delta_rule(self.op, self.l2norm(q), self.l2norm(k), v, g, torch.sigmoid(b_in),
-                                  initial_state=h0, decode=state is not None and s == 1,
-                                  chunk_size=self.cfg.chunk_size, recompute=self.recompute_core)
+        if view is not None:
+            o = view.delta_rule(self.op, self.l2norm(q), self.l2norm(k), v, g, torch.sigmoid(b_in),
+                                chunk_size=self.cfg.chunk_size, recompute=self.recompute_core)
+        else:
+            o, final = run_delta_rule(self.op, self.l2norm(q), self.l2norm(k), v, g, torch.sigmoid(b_in),
+                                      initial_state=h0, decode=state is not None and s == 1,
+                                      chunk_size=self.cfg.chunk_size, recompute=self.recompute_core)
         if state is not None:
             state["recurrent"] = final
         gate = self.output_gate(x).reshape(bsz, s, self.h, self.d)
