@@ -1,7 +1,12 @@
 """Softmax self-attention with GQA (layout letters ``A`` and, with a sliding window, ``S``).
 
 Options: sigmoid output gate computed from the query projection (Qwen3-Next full attention),
-QK-norm (RMSNorm over head_dim), partial rotary, QKV bias.
+QK-norm (RMSNorm over head_dim), partial rotary, QKV bias, YaRN RoPE scaling
+(``attention.yarn``: frequencies and the cos/sin factor as HF's ``rope_type='yarn'``; the
+softmax scale is unchanged, as in HF's Qwen/Llama attention).
+
+Context parallelism and packed documents: ``CoreAttention`` (ring attention over the CP group,
+masks from global positions and document ids; ``megamoe.layers.context_attention``).
 
 Fused QKV layout, one block per KV group g (so TP splits whole groups)::
 
@@ -19,7 +24,7 @@ from megamoe.cache import append_kv, trim_kv
 from megamoe.config import AttentionConfig
 from megamoe.errors import ConfigError
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
-from megamoe.layers.rotary import apply_rotary, cached_cos_sin
+from megamoe.layers.rotary import apply_rotary, cached_cos_sin, cached_yarn_cos_sin
 
 
 class SelfAttention(nn.Module):
@@ -36,7 +41,7 @@ class SelfAttention(nn.Module):
         self.gate = cfg.output_gate
         self.q_width = d * (2 if self.gate else 1)
         self.group_width = self.n_rep * self.q_width + 2 * d
-        self.rot_dim, self.theta = cfg.rotary_dim(ctx.hidden_size), cfg.rope_theta
+        self.rot_dim, self.theta, self.yarn = cfg.rotary_dim(ctx.hidden_size), cfg.rope_theta, cfg.yarn
         self.mrope_section = cfg.mrope_section  # used when positions are [3, b, s]
         b = ctx.backend
         self.linear_qkv = b.column_linear(ctx, ctx.hidden_size, cfg.kv_heads() * self.group_width,
@@ -67,7 +72,10 @@ class SelfAttention(nn.Module):
             gate = gate.reshape(bsz, s, self.heads * d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cached_cos_sin(info, self.rot_dim, self.theta, sections=self.mrope_section)
+        if self.yarn.factor > 1:  # YaRN frequencies and cos/sin scale (as HF's rope_type='yarn')
+            cos, sin = cached_yarn_cos_sin(info, self.rot_dim, self.theta, self.yarn)
+        else:
+            cos, sin = cached_cos_sin(info, self.rot_dim, self.theta, sections=self.mrope_section)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Rotary position embeddings (rotate-half convention, as in HF Llama/Qwen), partial rotary;
-interleaved pairs and YaRN frequencies for MLA.
+interleaved pairs (MLA) and YaRN frequencies (every softmax mixer with RoPE: A, S, M, D).
 
 Shapes: positions [b, s]; cos/sin [b, s, rot]; x [b, s, heads, head_dim] with the first
 ``rot`` channels rotated and the rest passed through.
@@ -139,5 +139,6 @@ def cached_yarn_cos_sin(info: ForwardInfo, rot_dim: int, theta: float, yarn: Yar
         return cached_cos_sin(info, rot_dim, theta)
     key = ("rope", "yarn", rot_dim, theta, *astuple(yarn))
     if key not in info.memo:
-        info.memo[key] = yarn_cos_sin(info.positions, rot_dim, theta, yarn)
+        pos = info.positions
+        info.memo[key] = yarn_cos_sin(pos[0] if pos.dim() == 3 else pos, rot_dim, theta, yarn)  # text row
     return info.memo[key]

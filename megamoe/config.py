@@ -34,6 +34,31 @@ def check_choice(path: str, value, allowed) -> None:
 
 
 @dataclass
+class YarnConfig:
+    """YaRN RoPE scaling, as HF ``rope_type: yarn`` (DeepSeek-V3, Qwen3, GLM configs); factor 1 = off.
+    ``model.attention.yarn`` (A, S) and ``model.mla.yarn`` (M, D, I).
+
+    original_max_position: pre-training length; beta_fast / beta_slow: rotation counts that
+    bound the interpolation ramp; mscale / mscale_all_dim: attention temperature terms
+    ``0.1 * m * ln(factor) + 1`` (cos/sin; MLA also scales its softmax by mscale_all_dim's, as
+    DeepSeek does). mscale 0 stands for "not set" (HF then scales cos/sin by mscale(factor, 1)).
+    """
+
+    factor: float = 1.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    def validate(self, path: str = "model.mla.yarn") -> None:
+        check(self.factor >= 1.0, f"{path}.factor", self.factor, "must be >= 1 (1 = off)")
+        check_positive(f"{path}.original_max_position", self.original_max_position)
+        check(self.beta_fast > self.beta_slow > 0, f"{path}.beta_fast", self.beta_fast,
+              f"must be > beta_slow={self.beta_slow} > 0")
+
+
+@dataclass
 class AttentionConfig:
     """Softmax attention (letters A, S). Shapes: q [b, t, heads, head_dim]."""
 
@@ -48,6 +73,7 @@ class AttentionConfig:
     mrope_section: Optional[List[int]] = None  # multimodal RoPE sections (t, h, w) in rotary pairs
     sliding_window: int = 0  # tokens each query sees in 'S' layers (itself included)
     softmax_scale: Optional[float] = None  # None: head_dim ** -0.5
+    yarn: YarnConfig = field(default_factory=YarnConfig)  # YaRN RoPE scaling (factor 1 = off)
 
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
@@ -79,6 +105,9 @@ class AttentionConfig:
         if self.mrope_section is not None:
             check(sum(self.mrope_section) * 2 == rot, f"{path}.mrope_section", self.mrope_section,
                   f"sections must sum to rotary_dim/2={rot // 2}")
+        self.yarn.validate(f"{path}.yarn")
+        check(self.yarn.factor == 1 or self.mrope_section is None, f"{path}.yarn.factor", self.yarn.factor,
+              "must be 1 with mrope_section (YaRN with multimodal RoPE is not supported)")
 
     def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.attention") -> None:
         check(self.num_heads % parallel.tp == 0, f"{path}.num_heads", self.num_heads,
@@ -268,29 +297,6 @@ class DSAConfig:
         check(self.topk % self.kpool == 0, f"{path}.topk", self.topk, f"must be divisible by kpool={self.kpool}")
         check(self.kpool == 1 or self.select_tail, f"{path}.select_tail", self.select_tail,
               "must be true when kpool > 1 (else the first tokens would see no key)")
-
-
-@dataclass
-class YarnConfig:
-    """YaRN RoPE scaling, as HF ``rope_type: yarn`` (DeepSeek-V3 configs); factor 1 = off.
-
-    original_max_position: pre-training length; beta_fast / beta_slow: rotation counts that
-    bound the interpolation ramp; mscale / mscale_all_dim: attention temperature terms
-    ``0.1 * m * ln(factor) + 1`` (cos/sin and softmax scale).
-    """
-
-    factor: float = 1.0
-    original_max_position: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
-
-    def validate(self, path: str = "model.mla.yarn") -> None:
-        check(self.factor >= 1.0, f"{path}.factor", self.factor, "must be >= 1 (1 = off)")
-        check_positive(f"{path}.original_max_position", self.original_max_position)
-        check(self.beta_fast > self.beta_slow > 0, f"{path}.beta_fast", self.beta_fast,
-              f"must be > beta_slow={self.beta_slow} > 0")
 
 
 @dataclass

@@ -6,8 +6,9 @@ import copy
 
 import torch
 
-from megamoe.config import ModelConfig
+from megamoe.config import ModelConfig, YarnConfig
 from megamoe.convert.family import hf_get
+from megamoe.errors import CheckpointError
 from megamoe.convert.table import Cat, Ctx, Experts, Fn, OneOf, Rule, Same
 
 # ---- HF config readers -------------------------------------------------------------------
@@ -21,6 +22,50 @@ def rope_theta(hf: dict, default: float = 10000.0) -> float:
 def partial_rotary(hf: dict) -> float:
     params = hf.get("rope_parameters") or {}
     return float(params.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0)
+
+
+def rope_parameters(hf: dict) -> dict:
+    """RoPE settings: ``rope_parameters`` (transformers 5) over the legacy ``rope_scaling``."""
+    return {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+
+
+def yarn_from_hf(hf: dict) -> YarnConfig:
+    """``rope_type: yarn`` settings as HF's ``_compute_yarn_parameters`` reads them."""
+    p = rope_parameters(hf)
+    kind = p.get("rope_type") or p.get("type") or "default"
+    if kind == "default":
+        return YarnConfig()
+    if kind != "yarn":
+        raise CheckpointError(f"config.json: rope_parameters.rope_type={kind!r} is not supported "
+                              f"(allowed: default, yarn)")
+    for key, bad in (("truncate", p.get("truncate", True) is False), ("attention_factor", p.get("attention_factor"))):
+        if bad:
+            raise CheckpointError(f"config.json: rope_parameters.{key}={p[key]!r} is not supported (megamoe's YaRN "
+                                  f"truncates the ramp and derives the attention factor from mscale)")
+    original = p.get("original_max_position_embeddings") or hf_get(hf, "original_max_position_embeddings")
+    factor = p.get("factor") or hf_get(hf, "max_position_embeddings") / original
+    # HF scales cos/sin by mscale(f, mscale) / mscale(f, mscale_all_dim) only when both are set;
+    # megamoe does the same with mscale=0 standing for "not set"
+    return YarnConfig(factor=float(factor), original_max_position=int(original),
+                      beta_fast=float(p.get("beta_fast") or 32), beta_slow=float(p.get("beta_slow") or 1),
+                      mscale=float(p.get("mscale") or 0.0), mscale_all_dim=float(p.get("mscale_all_dim") or 0.0))
+
+
+def rope_to_hf(theta: float, yarn: YarnConfig, out: dict) -> None:
+    """``rope_parameters`` (and no legacy ``rope_scaling``) for ``theta`` and ``yarn``; the
+    original's other RoPE keys (partial_rotary_factor, mrope_section ...) are kept."""
+    yarn_keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                 "attention_factor", "truncate", "type")
+    kept = {k: v for k, v in rope_parameters(out).items() if k not in yarn_keys}
+    params = {**kept, "rope_type": "default", "rope_theta": theta}
+    if yarn.factor > 1:
+        params.update(rope_type="yarn", factor=yarn.factor, original_max_position_embeddings=yarn.original_max_position,
+                      beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow)
+        params.update({k: v for k, v in (("mscale", yarn.mscale), ("mscale_all_dim", yarn.mscale_all_dim)) if v})
+    out.pop("rope_scaling", None)
+    out["rope_parameters"] = params
+    if "rope_theta" in out:
+        out["rope_theta"] = theta
 
 
 def dtype_name(hf: dict) -> str:

@@ -16,7 +16,7 @@ import re
 
 from megamoe.config import MLAConfig, MLPConfig, ModelConfig, MoEConfig, YarnConfig
 from megamoe.convert.families.common import (base_hf_config, dense_mlp_rules, dtype_name, embedding_rules, moe_rules,
-                                             norm_rules, rope_theta)
+                                             norm_rules, rope_theta, rope_to_hf, yarn_from_hf)
 from megamoe.convert.family import Family, hf_get, register
 from megamoe.convert.table import Rule, Same
 from megamoe.errors import CheckpointError
@@ -40,45 +40,6 @@ def first(hf: dict, keys: tuple[str, ...], default=None):
 
 
 # ---- RoPE and MLA --------------------------------------------------------------------------
-
-def rope_parameters(hf: dict) -> dict:
-    """RoPE settings: ``rope_parameters`` (transformers 5) over the legacy ``rope_scaling``."""
-    return {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-
-
-def yarn_from_hf(hf: dict) -> YarnConfig:
-    """``rope_type: yarn`` settings as HF's ``_compute_yarn_parameters`` reads them."""
-    p = rope_parameters(hf)
-    kind = p.get("rope_type") or p.get("type") or "default"
-    if kind == "default":
-        return YarnConfig()
-    if kind != "yarn":
-        raise CheckpointError(f"config.json: rope_parameters.rope_type={kind!r} is not supported with MLA "
-                              f"(allowed: default, yarn)")
-    for key, bad in (("truncate", p.get("truncate", True) is False), ("attention_factor", p.get("attention_factor"))):
-        if bad:
-            raise CheckpointError(f"config.json: rope_parameters.{key}={p[key]!r} is not supported (megamoe's YaRN "
-                                  f"truncates the ramp and derives the attention factor from mscale)")
-    original = p.get("original_max_position_embeddings") or hf_get(hf, "original_max_position_embeddings")
-    factor = p.get("factor") or hf_get(hf, "max_position_embeddings") / original
-    # HF scales cos/sin by mscale(f, mscale) / mscale(f, mscale_all_dim) only when both are set;
-    # megamoe does the same with mscale=0 standing for "not set"
-    return YarnConfig(factor=float(factor), original_max_position=int(original),
-                      beta_fast=float(p.get("beta_fast") or 32), beta_slow=float(p.get("beta_slow") or 1),
-                      mscale=float(p.get("mscale") or 0.0), mscale_all_dim=float(p.get("mscale_all_dim") or 0.0))
-
-
-def rope_to_hf(theta: float, yarn: YarnConfig, out: dict) -> None:
-    params = {"rope_type": "default", "rope_theta": theta}
-    if yarn.factor > 1:
-        params.update(rope_type="yarn", factor=yarn.factor, original_max_position_embeddings=yarn.original_max_position,
-                      beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow)
-        params.update({k: v for k, v in (("mscale", yarn.mscale), ("mscale_all_dim", yarn.mscale_all_dim)) if v})
-    out.pop("rope_scaling", None)
-    out["rope_parameters"] = params
-    if "rope_theta" in out:
-        out["rope_theta"] = theta
-
 
 def mla_from_hf(hf: dict, *, rope: str, head_gate: bool = False, default_theta: float = 10000.0,
                 indexer=None) -> MLAConfig:

@@ -1,25 +1,30 @@
-"""Qwen3 dense (``qwen3``): GQA with QK-norm, SwiGLU, plain RMSNorm."""
+"""Qwen3 dense (``qwen3``): GQA with QK-norm, SwiGLU, plain RMSNorm.
+
+``attention_from_hf`` / ``attention_to_hf`` (shared by qwen3_moe, qwen3_next, mixtral, minimax)
+map RoPE, YaRN included (``rope_parameters`` or the legacy ``rope_scaling`` with
+``rope_type: yarn`` <-> ``model.attention.yarn``)."""
 from __future__ import annotations
 
 from megamoe.config import AttentionConfig, MLPConfig, ModelConfig
 from megamoe.convert.family import Family, hf_get, register
 from megamoe.errors import CheckpointError
 from megamoe.convert.families.common import (attention_rules, base_hf_config, dense_mlp_rules, dtype_name,
-                                             embedding_rules, norm_rules, rope_theta)
+                                             embedding_rules, norm_rules, rope_theta, rope_to_hf,
+                                             yarn_from_hf)
 
 
 def attention_from_hf(hf: dict, qk_norm: bool = True, output_gate: bool = False) -> AttentionConfig:
     return AttentionConfig(num_heads=hf_get(hf, "num_attention_heads"), num_kv_heads=hf_get(hf, "num_key_value_heads"),
                            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
                            qk_norm=qk_norm, output_gate=output_gate, rope_theta=rope_theta(hf),
-                           qkv_bias=bool(hf.get("attention_bias", False)))
+                           qkv_bias=bool(hf.get("attention_bias", False)), yarn=yarn_from_hf(hf))
 
 
 def attention_to_hf(cfg: ModelConfig, out: dict) -> None:
     a = cfg.attention
     out.update(num_attention_heads=a.num_heads, num_key_value_heads=a.kv_heads(), head_dim=a.dim(cfg.hidden_size),
                attention_bias=a.qkv_bias)
-    out.setdefault("rope_parameters", {"rope_type": "default"})["rope_theta"] = a.rope_theta
+    rope_to_hf(a.rope_theta, a.yarn, out)
 
 
 def common_to_hf(cfg: ModelConfig, out: dict) -> None:

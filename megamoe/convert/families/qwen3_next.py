@@ -41,10 +41,7 @@ def mixer_letters(hf: dict, model_type: str) -> list[str]:
 def gated_attention_from_hf(hf: dict, model_type: str) -> AttentionConfig:
     """Gated GQA with QK-norm and partial rotary (HF's default factor for these families: 0.25)."""
     rope = hf.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise CheckpointError(f"config.json: rope_parameters.rope_type={rope['rope_type']!r} is not supported "
-                              f"for {model_type} (allowed: default)")
-    attention = attention_from_hf(hf, output_gate=True)
+    attention = attention_from_hf(hf, output_gate=True)  # RoPE type default or yarn
     attention.partial_rotary_factor = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
     return attention
 
