@@ -24,6 +24,7 @@ from megamoe.cache import append_kv, trim_kv
 from megamoe.config import AttentionConfig
 from megamoe.errors import ConfigError
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
+from megamoe.layers.context_attention import context_shard
 from megamoe.layers.rotary import apply_rotary, cached_cos_sin, cached_yarn_cos_sin
 
 
@@ -79,6 +80,7 @@ class SelfAttention(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
+        cp = context_shard(info)  # (refuses decoding under CP)
         q, k, v, gate = self.project(x, info)
         mask = None
         if info.cache is not None:  # decoding: attend over everything cached so far
@@ -90,7 +92,7 @@ class SelfAttention(nn.Module):
         if mask is not None:
             out = self.core(q, k, v, mask=mask.unsqueeze(1))  # [b, s, heads, d]
         else:  # training / scoring: under CP ring attention, packed documents masked
-            out = self.core(q, k, v, cp=info.cp, documents=info.documents)
+            out = self.core(q, k, v, cp=cp, documents=info.documents)
         out = out.reshape(*out.shape[:2], -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -23,11 +23,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megamoe.errors import ConfigError
+
 
 def context_shard(info):
-    """The forward's ``ContextShard`` when it spans more than one rank, else None."""
+    """The forward's ``ContextShard`` when it spans more than one rank, else None. Decoding (a
+    cache) under CP is refused: the cache holds whole sequences on one rank."""
     cp = info.cp
-    return cp if cp is not None and cp.size > 1 else None
+    if cp is None or cp.size == 1:
+        return None
+    if info.cache is not None:
+        raise ConfigError("decoding with context parallelism is not supported (parallel.cp must be 1)")
+    return cp
 
 
 def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0,

@@ -242,13 +242,14 @@ class SparseMLA(MultiLatentAttention):
         self.sparse_core = ctx.backend.sparse_latent_attention(ctx)
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
+        cp = context_shard(info)  # (refuses decoding under CP before the cache is touched)
         q_nope, q_rope, q_latent, c, k_rope = self.project(x, info)
         # the indexer rotates rotate-half with MLA's (YaRN) tables
         cos_sin = cached_yarn_cos_sin(info, self.dr, self.theta, self.yarn) if self.indexer.rope_dim else None
         state = None if info.cache is None else info.cache.layer(self.layer_number)
         # under CP the indexer keys and the latents are all-gathered (``cached_latents``): idx
         # indexes the whole sequence, and each rank attends its own queries over it
-        idx = self.indexer(x, q_latent, cos_sin, state, info.cache, context_shard(info), info.documents)
+        idx = self.indexer(x, q_latent, cos_sin, state, info.cache, cp, info.documents)
         if self.dense_reference:
             c_all, kr_all = self.cached_latents(c, k_rope, info)
             k, v = self.expand(c_all, kr_all)

@@ -33,7 +33,6 @@ from torch import nn
 
 from megamoe.cache import append_time
 from megamoe.config import MLAConfig
-from megamoe.errors import ConfigError
 from megamoe.layers.context_attention import context_shard, document_mask
 from megamoe.layers.core_attention import causal_mask
 from megamoe.layers.rotary import apply_rotary, apply_rotary_interleaved, cached_yarn_cos_sin, yarn_softmax_scale
@@ -138,8 +137,6 @@ class MultiLatentAttention(nn.Module):
         all-gathered over the CP group (context parallelism), or the given ones."""
         cp = context_shard(info)
         if cp is not None:
-            if info.cache is not None:
-                raise ConfigError("decoding with context parallelism is not supported (parallel.cp must be 1)")
             return cp.gather(c), cp.gather(k_rope)
         if info.cache is None:
             return c, k_rope
@@ -158,8 +155,9 @@ class MultiLatentAttention(nn.Module):
     # ---- forward ------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
+        cp = context_shard(info)  # (refuses decoding under CP)
         q_nope, q_rope, _, c, k_rope = self.project(x, info)
-        if info.cache is None and context_shard(info) is None:
+        if info.cache is None and cp is None:
             # training / scoring: expanded heads, fused causal attention (packed documents masked)
             k, v = self.expand(c, k_rope)
             out = self.core(torch.cat([q_nope, q_rope], dim=-1), k, v, documents=info.documents)

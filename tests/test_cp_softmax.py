@@ -135,3 +135,18 @@ def test_packed_documents_equal_documents_one_by_one(letter):
         if n in packed_grads:
             assert rel_err(packed_grads[n], p.grad) <= REL, n
     assert len(packed_grads) >= 4
+
+
+@pytest.mark.parametrize("letter", ["A", "M", "D"])
+def test_decoding_under_cp_is_refused_before_the_cache_changes(letter):
+    from types import SimpleNamespace
+
+    from megamoe.cache import InferenceCache
+    from megamoe.errors import ConfigError
+
+    mixer = build_mixer(letter, model_for(letter, None))
+    cache = InferenceCache(1)
+    info = ForwardInfo(positions=cache.positions(4), cache=cache, cp=SimpleNamespace(size=2))
+    with pytest.raises(ConfigError, match=r"decoding with context parallelism is not supported"):
+        mixer(torch.randn(1, 4, 32), info)
+    assert not cache.layer(mixer.layer_number)  # nothing half-written
