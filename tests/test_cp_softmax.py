@@ -101,9 +101,10 @@ def test_cp2_tp2_equals_single_process(pool, letter):
     check(pool(4).run(cp_case, letter, 2, 2, True), f"{letter} cp=2 x tp=2 (sp)")
 
 
+@pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("letter", LETTERS)
-def test_cp2_packed_documents_equal_single_process(pool, letter):
-    check(pool(2).run(cp_case, letter, 2, docs=True), f"{letter} cp=2 packed")
+def test_cp_packed_documents_equal_single_process(pool, letter, cp):
+    check(pool(cp).run(cp_case, letter, cp, docs=True), f"{letter} cp={cp} packed")
 
 
 # ---- packed documents without CP ------------------------------------------------------------
