@@ -31,13 +31,14 @@ def randomize_adapters(model, groups=None, seed: int = 5, std: float = 0.1) -> N
     load_adapter_state_dict(model, state, groups)
 
 
-def build_lora_model(cfg, groups=None, *, sp: bool = False, seed: int = 0, **lora):
-    """A LanguageModel with weights from ``seed``, adapters applied and randomized."""
+def build_lora_model(cfg, groups=None, *, sp: bool = False, seed: int = 0, fp8: str | None = None, **lora):
+    """A LanguageModel with weights from ``seed`` (GEMMs in ``fp8``'s recipe), adapters applied
+    and randomized."""
     from megamoe.lora import LoRAConfig, apply_lora
     from megamoe.model import LanguageModel
     from megamoe.weights import initialize
 
-    model = LanguageModel(cfg, groups, sequence_parallel=sp)
+    model = LanguageModel(cfg, groups, sequence_parallel=sp, fp8=fp8)
     initialize(model, model.groups, seed)
     apply_lora(model, LoRAConfig(**{"rank": 4, "alpha": 8.0, **lora}), seed=seed)
     randomize_adapters(model)

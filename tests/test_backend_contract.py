@@ -13,35 +13,19 @@ import pytest
 import torch
 
 from megamoe.config import MLPConfig
-from megamoe.layers.backends import available_backends, get_backend, register_backend
-from megamoe.layers.backends.cuda import CudaBackend
+from megamoe.layers.backends import get_backend
 from megamoe.parallel.groups import ParallelGroups
-from megamoe.spec import BuildContext
+from tests.backend_utils import CPU_BACKENDS as BACKENDS, ctx_for, cuda_on_cpu_registered
 from tests.numerics import rel_err
-
-# the cuda backend's roles on CPU tensors, where its CUDA-only kernels (fla) fall back to the
-# torch ops: every role's wiring is checked here too; tests/test_gpu.py runs it on the device
-class CudaOnCpu(CudaBackend):
-    name = "cuda_on_cpu"
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _cuda_on_cpu():
-    from megamoe.layers import backends
-
-    register_backend("cuda_on_cpu", CudaOnCpu)
-    yield
-    backends._REGISTRY.pop("cuda_on_cpu")
+    with cuda_on_cpu_registered():
+        yield
 
 
-BACKENDS = [b for b in available_backends() if b != "cuda"] + ["cuda_on_cpu"]
 EXACT, ALGO = 1e-6, 1e-5
-
-
-def ctx_for(backend: str) -> BuildContext:
-    return BuildContext(hidden_size=16, groups=ParallelGroups(), backend=get_backend(backend), sequence_parallel=False,
-                        norm_eps=1e-6, norm_zero_centered=False, init_std=0.2, num_layers=2,
-                        dtype=torch.float32, device=None)
 
 
 def randn(*shape, seed=0, scale=1.0):
@@ -219,6 +203,58 @@ def test_shared_expert(backend, gate):
     build = lambda ctx: ctx.backend.shared_expert(ctx, MLPConfig(ffn_hidden_size=12, swiglu_limit=None))  # noqa: E731
     inputs = [randn(2, 5, 16), randn(2, 5, 16, seed=1)] + ([randn(1, 16, seed=2, scale=0.3)] if gate else [])
     check_module(build, backend, lambda m, out, x, *g: m.add_to(out, x, g[0] if g else None), inputs, ALGO)
+
+
+# ---- LoRA around whatever role a backend returned ------------------------------------------
+
+def with_adapter(role, **lora):
+    """``role`` wrapped in a LoRA adapter (rank 3, scale 2), in place; ``twin_modules`` then draws
+    every parameter, the factors included (B would start at zero)."""
+    from megamoe.lora import LoRAConfig
+    from megamoe.lora.adapters import attach
+
+    attach(role, LoRAConfig(rank=3, alpha=6.0, **lora), ParallelGroups())
+    return role
+
+
+def adapted(build, parts=None, **lora):
+    """A build function whose role (or, with ``parts``, those sub-roles of it) carries adapters."""
+    def wrapped(ctx):
+        role = build(ctx)
+        for sub in [getattr(role, p) for p in parts] if parts else [role]:
+            with_adapter(sub, **lora)
+        return role
+    return wrapped
+
+
+@pytest.mark.parametrize("kind", ["column", "row", "replicated"])
+def test_lora_linears(backend, kind):
+    """The adapted linear role against local's: output, input, base weight, bias and both factors."""
+    build = {"column": lambda ctx: ctx.backend.column_linear(ctx, 16, [12, 8], bias=True),
+             "row": lambda ctx: ctx.backend.row_linear(ctx, 12, 16, bias=True),
+             "replicated": lambda ctx: ctx.backend.replicated_linear(ctx, 16, 6)}[kind]
+    width = 12 if kind == "row" else 16
+    check_module(adapted(build), backend, lambda m, x: m(x), [randn(2, 5, width)], EXACT)
+
+
+@pytest.mark.parametrize("expert_adapters", ["per_expert", "shared"])
+def test_lora_grouped_experts(backend, expert_adapters):
+    """The adapters inside each expert's SwiGLU, in the form of the backend's expert kernel,
+    against local's (the reference loop under autograd)."""
+    counts = [5, 0, 9, 2]
+    idx = torch.randint(0, 7, (16,), generator=torch.Generator().manual_seed(1))
+    build = adapted(lambda ctx: ctx.backend.grouped_experts(ctx, 4, 6, swiglu_limit=0.9),
+                    expert_adapters=expert_adapters)
+    check_module(build, backend, lambda m, x, p: m(x, idx, counts, p, 7),
+                 [randn(7, 16), torch.sigmoid(randn(16, seed=2))], ALGO)
+
+
+def test_lora_shared_expert(backend):
+    """Adapters on the shared expert's linears (the CPU backend then runs its modules' form)."""
+    build = adapted(lambda ctx: ctx.backend.shared_expert(ctx, MLPConfig(ffn_hidden_size=12, swiglu_limit=None)),
+                    parts=("linear_fc1", "linear_fc2"))
+    inputs = [randn(2, 5, 16), randn(2, 5, 16, seed=1), randn(1, 16, seed=2, scale=0.3)]
+    check_module(build, backend, lambda m, out, x, g: m.add_to(out, x, g), inputs, ALGO)
 
 
 # ---- a whole model ----------------------------------------------------------------------------

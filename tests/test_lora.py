@@ -1,18 +1,29 @@
 """LoRA on one process: merge/unmerge, decoding with adapters, the expert maths against a merged
 reference (forward and backward), target selection, freezing and config errors; on every
-available backend, and each backend's adapted model against the local backend's."""
+backend the CPU runs (``tests/backend_utils.py``: local, cpu, the cuda backend's roles on CPU
+tensors, its FP8 roles too), the adapters wrapping whatever roles the backend returned, and
+each backend's adapted model against the local backend's."""
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from megamoe.errors import ConfigError
-from megamoe.layers.backends import available_backends
+from tests.backend_utils import CPU_BACKENDS, cuda_on_cpu_registered
 from tests.lora_utils import build_lora_model, lora_model_config, token_batches
 from tests.numerics import rel_err
 
 REL = 1e-5
-per_backend = pytest.mark.parametrize("backend", available_backends())
+per_backend = pytest.mark.parametrize("backend", CPU_BACKENDS)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cuda_on_cpu():
+    with cuda_on_cpu_registered():
+        yield
 
 
 @per_backend
@@ -64,18 +75,17 @@ def test_merged_model_equals_adapter_model_and_unmerge_restores(backend):
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["per_expert", "shared"])
-@pytest.mark.parametrize("impl", ["loop", "autograd"])
+@pytest.mark.parametrize("kernel", ["loop", "reference", "grouped_mm"])
 @pytest.mark.parametrize("limit", [0.8, None], ids=["limit", "nolimit"])
-def test_expert_adapters_match_merged_weights_reference(shared, impl, limit):
-    """Both implementations of the grouped low-rank maths == the reference kernel on W + s B A,
+def test_expert_adapters_match_merged_weights_reference(shared, kernel, limit):
+    """The grouped low-rank maths in the form of each base kernel (the loop kernel's hand-written
+    backward, per-expert and grouped GEMMs under autograd) == the reference kernel on W + s B A,
     outputs and gradients (x, the four factors, the routing probs and, unfrozen, the weights)."""
     from megamoe.layers.grouped_gemm import swiglu_experts_reference
-    from megamoe.lora.experts import ExpertLoRA, lora_swiglu_experts, lora_swiglu_experts_autograd, merged_weights
-
-    kernel = lora_swiglu_experts if impl == "loop" else lora_swiglu_experts_autograd
+    from megamoe.lora.experts import ExpertLoRA, lora_swiglu_experts, merged_weights
 
     gen = torch.Generator().manual_seed(0)
-    e, h, f, r, n = 3, 12, 10, 4, 9
+    e, h, f, r, n = 3, 12, 12, 4, 9  # rows of 16-byte multiples: grouped_mm takes every GEMM
 
     def rnd(*shape):
         return (torch.randn(*shape, generator=gen) * 0.3).requires_grad_(True)
@@ -89,7 +99,7 @@ def test_expert_adapters_match_merged_weights_reference(shared, impl, limit):
     grad_out = torch.randn(n, h, generator=gen)
     lora = ExpertLoRA(*factors, scale=1.5)
 
-    out = kernel(x, idx, counts, probs, w1.detach(), w2.detach(), lora, n, limit=limit)
+    out = lora_swiglu_experts(kernel, x, idx, counts, probs, w1.detach(), w2.detach(), lora, n, limit=limit)
     got = torch.autograd.grad((out * grad_out).sum(), [x, probs, *factors])
     m1, m2 = merged_weights(w1.detach(), w2.detach(), lora)
     ref = swiglu_experts_reference(x, idx, counts, probs, m1, m2, n, limit=limit)
@@ -98,7 +108,7 @@ def test_expert_adapters_match_merged_weights_reference(shared, impl, limit):
     for name, a, b in zip(["x", "probs", "A1", "B1", "A2", "B2"], got, want):
         assert b.abs().sum() > 0 and rel_err(a, b) <= REL, name
     # unfrozen base weights: their gradients too
-    out = kernel(x, idx, counts, probs, w1, w2, lora, n, limit=limit)
+    out = lora_swiglu_experts(kernel, x, idx, counts, probs, w1, w2, lora, n, limit=limit)
     got = torch.autograd.grad((out * grad_out).sum(), [w1, w2])
     ref = swiglu_experts_reference(x, idx, counts, probs, w1 + (m1 - w1).detach(), w2 + (m2 - w2).detach(), n,
                                    limit=limit)
@@ -165,3 +175,105 @@ def test_config_errors_name_the_field(field, value):
 
     with pytest.raises(ConfigError, match=f"lora.{field}"):
         LoRAConfig(**{field: value}).validate()
+
+
+# ---- adapters around FP8 roles; recomputation -------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["column", "row", "replicated"])
+def test_adapters_wrap_fp8_linear_roles(kind):
+    """train.fp8=torch: the adapter adds exactly ``s B A x`` to whatever the FP8 role computes (its
+    FP8 GEMM stays), the factors get their exact gradients (which do not involve the base GEMM),
+    and merging folds the update into the weight the FP8 GEMM then reads."""
+    import torch.nn.functional as F
+
+    from megamoe.layers.fp8 import fp8_linear
+    from megamoe.lora import LoRAConfig
+    from megamoe.lora.adapters import attach
+    from megamoe.parallel.groups import ParallelGroups
+    from tests.backend_utils import ctx_for
+
+    ctx = ctx_for("cuda_on_cpu", fp8="torch")
+    role = {"column": lambda: ctx.backend.column_linear(ctx, 32, [16, 16], bias=True),
+            "row": lambda: ctx.backend.row_linear(ctx, 32, 16, bias=True),
+            "replicated": lambda: ctx.backend.replicated_linear(ctx, 16, 32)}[kind]()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in role.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    x = torch.randn(2, 5, role.weight.size(1), generator=gen)
+    dy = torch.randn(2, 5, role.weight.size(0), generator=gen)
+    base = role(x).detach()
+    bias = 0 if role.bias is None else role.bias.detach()
+    assert rel_err(base, F.linear(x, role.weight.detach()) + bias) > 1e-4  # the FP8 GEMM does run
+
+    adapter = attach(role, LoRAConfig(rank=3, alpha=6.0), ParallelGroups())
+    with torch.no_grad():
+        role.lora_A.normal_(0, 0.3, generator=gen)
+        role.lora_B.normal_(0, 0.3, generator=gen)
+    a, b = (t.detach().clone().requires_grad_() for t in (role.lora_A, role.lora_B))
+    low = F.linear(F.linear(x, a), b) * adapter.scale
+    y = role(x)
+    assert rel_err(y.detach() - base, low.detach()) <= 1e-5
+    got = torch.autograd.grad(y, [role.lora_A, role.lora_B], dy)
+    want = torch.autograd.grad(low, [a, b], dy)
+    for name, g, w in zip("AB", got, want):
+        assert rel_err(g, w) <= 1e-6, name
+
+    w0 = role.weight.detach().clone()
+    merged = w0 + (b.detach() @ a.detach()) * adapter.scale
+    with torch.no_grad():
+        adapter.merge()
+        local_bias = None if kind == "row" else role.bias  # a row-parallel bias is added after the reduction
+        assert torch.equal(role(x), fp8_linear(x, merged, local_bias) + (bias if local_bias is None else 0))
+        adapter.unmerge()
+    assert rel_err(role.weight, w0) <= 1e-6
+
+
+def test_fp8_model_carries_adapters_on_every_role():
+    """With FP8 roles LoRA targets the same modules as on local (FP8 roles were once skipped),
+    and the adapted FP8 model stays near the local one (e4m3 rounding through the layers)."""
+    from megamoe.lora import lora_parameters
+
+    ids = token_batches(1, 2, 13, 61)[0]
+    runs, names = [], []
+    for name, fp8 in (("cuda_on_cpu", "torch"), ("local", None)):
+        model = build_lora_model(lora_model_config(backend=name), fp8=fp8)
+        logits = model(ids)
+        logits.square().mean().backward()
+        params = dict(lora_parameters(model))
+        names.append(sorted(params))
+        runs.append((logits.detach(), [params[n].grad for n in sorted(params) if ".indexer." not in n]))
+    assert names[0] == names[1] and len(names[0]) > 100
+    assert rel_err(*(r[0] for r in runs)) < 0.1
+    assert all(g is not None and g.abs().sum() > 0 for g in runs[0][1])
+
+
+def test_recompute_gives_the_same_adapter_gradients():
+    """Recomputed layers rebuild the adapters' activations, adapter dropout masks included:
+    every adapter gradient as without recomputation."""
+    from megamoe.lora import lora_parameters
+
+    ids = token_batches(1, 2, 11, 61)[0]
+    grads = []
+    for parts in ([], ["layer"]):
+        model = build_lora_model(lora_model_config("GeAeMd"), dropout=0.3)
+        model.set_recompute(parts)
+        torch.manual_seed(0)
+        model(ids).square().mean().backward()
+        grads.append([p.grad for _, p in lora_parameters(model)])
+    assert len(grads[0]) > 20
+    for a, b in zip(*grads):
+        assert rel_err(a, b) <= 1e-6
+
+
+# no class swap, no role class, backend name or device test: LoRA knows roles by their interface
+NOT_IN_LORA = re.compile(r"__class__|\btype\(|Backend\b|[\"'](local|cpu|te|cuda)[\"']|\.device\.type|\.is_cuda|"
+                         r"torch\.cuda|ParallelLinear|ReplicatedLinear|GroupedExperts|SharedExpert|layers\.backends")
+
+
+def test_lora_wraps_roles_without_knowing_backends():
+    files = sorted(Path(__file__).resolve().parents[1].joinpath("megamoe", "lora").glob("*.py"))
+    assert len(files) >= 5
+    hits = [f"{p.name}:{i}: {line.strip()}" for p in files
+            for i, line in enumerate(p.read_text().splitlines(), 1) if NOT_IN_LORA.search(line)]
+    assert hits == []

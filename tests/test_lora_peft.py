@@ -78,13 +78,14 @@ def test_rslora_scale_and_peft_export(tmp_path):
 
     from megamoe.convert import from_hf, to_hf
     from megamoe.lora import LoRAConfig, apply_lora, export_peft
+    from megamoe.lora.adapters import adapter_of, has_lora
     from tests.test_convert_qwen import tiny_qwen3_moe
 
     tiny_qwen3_moe().save_pretrained(tmp_path / "hf")
     model = from_hf(tmp_path / "hf")
     to_hf(model, tmp_path / "back")
     apply_lora(model, LoRAConfig(rank=4, alpha=8, rslora=True))
-    scales = {m.lora_scale for m in model.modules() if hasattr(m, "lora_scale")}
+    scales = {adapter_of(m).scale for m in model.modules() if has_lora(m)}
     assert scales == {8 / 4 ** 0.5}
     randomize_adapters(model, std=0.2)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))

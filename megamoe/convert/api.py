@@ -17,6 +17,7 @@ from megamoe.convert.st_io import DTYPE_CODES
 from megamoe.convert.table import Entry, check_plan, expand
 from megamoe.errors import CheckpointError, ConfigError
 from megamoe.files import AtomicDir, check_replaceable, is_checkpoint_dir
+from megamoe.lora.adapters import adapter_of, has_lora
 from megamoe.model import build_model
 from megamoe.recipe import config_from_dict, config_to_dict
 from megamoe.parallel.groups import ParallelGroups
@@ -192,7 +193,7 @@ def _write_hf(out_dir, family: Family, cfg: ModelConfig, hf_config: dict | None,
 def _base_tensors(model) -> dict[str, torch.Tensor]:
     """The tensors an HF checkpoint holds: LoRA adapters must be merged first (their factors are
     then left out) or written separately (``megamoe.lora.export_peft``), never dropped silently."""
-    if any(not m.lora_merged for m in model.modules() if hasattr(m, "lora_merged")):
+    if any(not adapter_of(m).merged for m in model.modules() if has_lora(m)):
         raise CheckpointError("to_hf: the model carries unmerged LoRA adapters; fold them in with "
                               "megamoe.lora.merge(model) or write them with megamoe.lora.export_peft")
     return {n: t for n, t in model_tensors(model).items() if "lora_" not in n.rsplit(".", 1)[-1]}

@@ -1,10 +1,22 @@
-"""Adapter-carrying versions of the linear roles and the routed experts.
+"""LoRA as an adapter role around whatever linear or expert role a backend returned.
 
-``attach`` turns a module into its LoRA subclass in place (``ColumnParallelLinear`` ->
-``LoRAColumnParallelLinear``): the base parameters keep their objects and names, and the
-adapter parameters are added beside them, so checkpoints, conversion tables and HF names of
-the base weights are unchanged. The subclasses extend the base's ``local_linear`` (this
-rank's product, before any reduction) or the experts' forward.
+``attach`` wraps a role in place, without changing its class: the adapter factors become
+parameters of the role itself beside its base weights (``linear_qkv.lora_A`` next to
+``linear_qkv.weight``), so checkpoints, conversion tables and HF names of the base weights are
+unchanged, and an ``Adapter`` object (``role.lora_adapter``) takes over the role's kernel entry
+points, calling the backend's own version inside:
+
+- a linear role (column, row or replicated, of any backend: a ``weight`` and ``local_linear(x)``,
+  this rank's product before any reduction): ``local_linear`` gains ``s * B A drop(x)`` and
+  ``effective_weight()`` (the local weight as it multiplies; MLA's absorbed decode reads it)
+  gains ``s * B A``. The role's own communication and GEMM (plain, FP8, Transformer Engine)
+  stay as they are around and inside it;
+- a routed-experts role (``gate_up_weight``, ``down_weight``, ``swiglu_limit``, ``forward(x, idx,
+  counts, probs, out_rows)``, ``resolved_kernel()``): ``forward`` runs the adapters' form of the
+  role's kernel (``megamoe.lora.experts``); merged, the role's own kernel again.
+
+Which kind a role is comes from the role's interface and its weights' ``ParamRecord`` (shard
+rules over the group), never from its class: any backend's roles get LoRA.
 
 How each adapter is split, so that every layout computes the single-process function (full
 shapes; ``g`` is the linear's group, normally ``tp``):
@@ -38,14 +50,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamoe.layers.experts import GroupedExperts
 from megamoe.lora.config import LoRAConfig
 from megamoe.lora.experts import ExpertLoRA, lora_swiglu_experts
 from megamoe.params import mark_active_fraction
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.record import record
-from megamoe.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from megamoe.parallel.sharding import Shard, const_init, mark_init, mark_partial_grad, set_sharding, sharding, split_full
+from megamoe.parallel.sharding import (Shard, const_init, full_shape, mark_init, mark_partial_grad, set_sharding,
+                                      sharding, split_full)
 
 EXPERT_WEIGHTS = {"gate_up": "gate_up_weight", "down": "down_weight"}  # adapter prefix -> base weight
 ADAPTER_NAMES = frozenset({"lora_A", "lora_B", *(f"{p}_lora_{x}" for p in EXPERT_WEIGHTS for x in "AB")})
@@ -66,118 +77,128 @@ def _param(like: torch.Tensor, *shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=like.dtype, device=like.device))
 
 
-class _LoRAModule:
-    """State shared by the adapter mixins: scale, dropout, merged."""
+# ---- which roles can carry an adapter ------------------------------------------------------
 
-    lora_scale: float = 1.0
-    lora_dropout: float = 0.0
-    lora_merged: bool = False
-
-    @torch.no_grad()
-    def _fold(self, sign: float) -> None:
-        for weight, delta in self.lora_deltas():
-            weight.copy_((weight.float() + sign * delta).to(weight.dtype))
-
-    def lora_merge(self) -> None:
-        """Fold the adapter into the local base weights (the forward then skips it)."""
-        if not self.lora_merged:
-            self._fold(1.0)
-            self.lora_merged = True
-
-    def lora_unmerge(self) -> None:
-        """Subtract the folded adapter again (exact up to rounding of the weight dtype)."""
-        if self.lora_merged:
-            self._fold(-1.0)
-            self.lora_merged = False
+def role_kind(module: nn.Module) -> str | None:
+    """``"linear"``, ``"experts"`` or None, from the role's interface (see the module docstring)."""
+    if isinstance(getattr(module, "weight", None), torch.Tensor) and callable(getattr(module, "local_linear", None)):
+        return "linear"
+    if all(isinstance(getattr(module, w, None), torch.Tensor) for w in EXPERT_WEIGHTS.values()):
+        return "experts"
+    return None
 
 
-class LoRALinear(_LoRAModule):
-    """Mixin before a linear role: its rank-local product gains ``s * B A drop(x)``."""
-
-    def local_linear(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().local_linear(x)
-        if self.lora_merged:
-            return y
-        if self.lora_dropout > 0:
-            x = F.dropout(x, self.lora_dropout, self.training)
-        return y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
-
-    def lora_delta(self) -> torch.Tensor:
-        """The local weight update ``s * B A`` (fp32), shaped like the local weight."""
-        return (self.lora_B.float() @ self.lora_A.float()) * self.lora_scale
-
-    def lora_deltas(self):
-        return [(self.weight, self.lora_delta())]
-
-    def effective_weight(self) -> torch.Tensor:
-        w = super().effective_weight()
-        return w if self.lora_merged else w + self.lora_delta().to(w.dtype)
-
-
-class LoRAExperts(_LoRAModule):
-    """Mixin before ``GroupedExperts``: the expert maths with adapters (``megamoe.lora.experts``)."""
-
-    lora_groups: ParallelGroups | None = None
-
-    def lora_factors(self) -> ExpertLoRA:
-        """This rank's factors; a shared adapter contributes the ETP slice of its f dim."""
-        a1, b1, a2, b2 = (getattr(self, f"{p}_lora_{x}") for p in EXPERT_WEIGHTS for x in "AB")
-        if a1.dim() == 2 and self.lora_groups is not None:
-            f = self.down_weight.size(2) * self.lora_groups.size("etp")
-            b1 = split_full(b1, (Shard(0, "etp", (f, f)),), self.lora_groups)
-            a2 = split_full(a2, (Shard(1, "etp"),), self.lora_groups)
-        return ExpertLoRA(a1, b1, a2, b2, self.lora_scale, self.lora_dropout, self.training)
-
-    def forward(self, x, idx, counts, probs, out_rows):
-        if self.lora_merged:
-            return super().forward(x, idx, counts, probs, out_rows)
-        return lora_swiglu_experts(x, idx, counts, probs, self.gate_up_weight, self.down_weight, self.lora_factors(),
-                                   out_rows, self.swiglu_limit)
-
-    def lora_deltas(self):
-        f = self.lora_factors()
-        return [(self.gate_up_weight, torch.matmul(f.b1.float(), f.a1.float()) * f.scale),
-                (self.down_weight, torch.matmul(f.b2.float(), f.a2.float()) * f.scale)]
-
-    def effective_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W1, W2) with the adapters folded in (fp32 when not merged)."""
-        if self.lora_merged:
-            return self.gate_up_weight, self.down_weight
-        (w1, d1), (w2, d2) = self.lora_deltas()
-        return w1.float() + d1, w2.float() + d2
-
-
-class LoRAColumnParallelLinear(LoRALinear, ColumnParallelLinear):
-    pass
-
-
-class LoRARowParallelLinear(LoRALinear, RowParallelLinear):
-    pass
-
-
-class LoRAReplicatedLinear(LoRALinear, ReplicatedLinear):
-    pass
-
-
-class LoRAGroupedExperts(LoRAExperts, GroupedExperts):
-    pass
-
-
-LORA_CLASSES = {ColumnParallelLinear: LoRAColumnParallelLinear, RowParallelLinear: LoRARowParallelLinear,
-                ReplicatedLinear: LoRAReplicatedLinear, GroupedExperts: LoRAGroupedExperts}
+def adapter_of(module: nn.Module) -> Adapter | None:
+    """The adapter wrapping ``module`` (None if it carries none)."""
+    adapter = module.__dict__.get("lora_adapter")
+    return adapter if isinstance(adapter, Adapter) else None
 
 
 def is_adaptable(module: nn.Module) -> bool:
-    return type(module) in LORA_CLASSES
+    return role_kind(module) is not None
 
 
 def has_lora(module: nn.Module) -> bool:
-    return isinstance(module, _LoRAModule)
+    return adapter_of(module) is not None
+
+
+# ---- the adapter roles ---------------------------------------------------------------------
+
+class Adapter:
+    """What the linear and expert adapters share: the role they wrap, scale, dropout, merged.
+    The factors are the role's parameters (read from it at every call, so moving or loading
+    the model is seen)."""
+
+    def __init__(self, role: nn.Module, cfg: LoRAConfig):
+        self.role, self.scale, self.dropout, self.merged = role, cfg.scale, cfg.dropout, False
+
+    def deltas(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(local base weight, its fp32 update) pairs."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def _fold(self, sign: float) -> None:
+        for weight, delta in self.deltas():
+            weight.copy_((weight.float() + sign * delta).to(weight.dtype))
+
+    def merge(self) -> None:
+        """Fold the adapter into the local base weights (the role's own kernel then runs alone)."""
+        if not self.merged:
+            self._fold(1.0)
+            self.merged = True
+
+    def unmerge(self) -> None:
+        """Subtract the folded adapter again (exact up to rounding of the weight dtype)."""
+        if self.merged:
+            self._fold(-1.0)
+            self.merged = False
+
+
+class LinearAdapter(Adapter):
+    """Around a linear role: its rank-local product gains ``s * B A drop(x)``.
+
+    x [..., in_local] -> [..., out_local]; lora_A [r, in_local], lora_B [out_local, r]."""
+
+    def __init__(self, role: nn.Module, cfg: LoRAConfig):
+        super().__init__(role, cfg)
+        self.product, self.weight = role.local_linear, role.effective_weight  # the backend's own
+
+    def local_linear(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.product(x)
+        if self.merged:
+            return y
+        role = self.role
+        if self.dropout > 0:
+            x = F.dropout(x, self.dropout, role.training)
+        return y + F.linear(F.linear(x, role.lora_A), role.lora_B) * self.scale
+
+    def delta(self) -> torch.Tensor:
+        """The local weight update ``s * B A`` (fp32), shaped like the local weight."""
+        return (self.role.lora_B.float() @ self.role.lora_A.float()) * self.scale
+
+    def deltas(self):
+        return [(self.role.weight, self.delta())]
+
+    def effective_weight(self) -> torch.Tensor:
+        w = self.weight()
+        return w if self.merged else w + self.delta().to(w.dtype)
+
+
+class ExpertAdapter(Adapter):
+    """Around a routed-experts role: ``forward(x, idx, counts, probs, out_rows)`` with the
+    adapters inside each expert's SwiGLU (``megamoe.lora.experts``), in the form of the role's
+    kernel (``resolved_kernel()``: the reference loop, the loop kernel or torch's grouped GEMM)."""
+
+    def __init__(self, role: nn.Module, cfg: LoRAConfig, groups: ParallelGroups):
+        super().__init__(role, cfg)
+        self.groups, self.base_forward = groups, role.forward
+
+    def factors(self) -> ExpertLoRA:
+        """This rank's factors; a shared adapter contributes the ETP slice of its f dim."""
+        role = self.role
+        a1, b1, a2, b2 = (getattr(role, f"{p}_lora_{x}") for p in EXPERT_WEIGHTS for x in "AB")
+        if a1.dim() == 2:
+            f = role.down_weight.size(2) * self.groups.size("etp")
+            b1 = split_full(b1, (Shard(0, "etp", (f, f)),), self.groups)
+            a2 = split_full(a2, (Shard(1, "etp"),), self.groups)
+        return ExpertLoRA(a1, b1, a2, b2, self.scale, self.dropout, role.training)
+
+    def forward(self, x, idx, counts, probs, out_rows):
+        if self.merged:
+            return self.base_forward(x, idx, counts, probs, out_rows)
+        role = self.role
+        return lora_swiglu_experts(role.resolved_kernel(), x, idx, counts, probs, role.gate_up_weight,
+                                   role.down_weight, self.factors(), out_rows, role.swiglu_limit)
+
+    def deltas(self):
+        f = self.factors()
+        return [(self.role.gate_up_weight, torch.matmul(f.b1.float(), f.a1.float()) * f.scale),
+                (self.role.down_weight, torch.matmul(f.b2.float(), f.a2.float()) * f.scale)]
 
 
 # ---- attaching ---------------------------------------------------------------------------
 
-def _attach_linear(m: nn.Module, cfg: LoRAConfig) -> None:
+def _attach_linear(m: nn.Module, cfg: LoRAConfig, groups: ParallelGroups) -> None:
     rules = sharding(m.weight)
     out_local, in_local = m.weight.shape
     m.lora_A, m.lora_B = _param(m.weight, cfg.rank, in_local), _param(m.weight, out_local, cfg.rank)
@@ -189,7 +210,7 @@ def _attach_linear(m: nn.Module, cfg: LoRAConfig) -> None:
         set_sharding(m.lora_A, *rules)
         for r in rules:
             mark_partial_grad(m.lora_B, r.group)
-    mark_init(m.lora_A, kaiming_uniform_init(m.in_features))
+    mark_init(m.lora_A, kaiming_uniform_init(full_shape(m.weight, groups)[1]))
     mark_init(m.lora_B, const_init(0.0))
 
 
@@ -215,16 +236,20 @@ def _attach_experts(m: nn.Module, cfg: LoRAConfig, groups: ParallelGroups) -> No
             mark_active_fraction(p, fraction)
         else:  # used by the experts of every rank: the stage's ranks each hold a partial gradient
             mark_partial_grad(p, "tp")
-        setattr(m, name, p)
-    m.lora_groups = groups
+        m.register_parameter(name, p)
 
 
-def attach(module: nn.Module, cfg: LoRAConfig, groups: ParallelGroups) -> None:
-    """Turn ``module`` (a linear role or routed experts) into its LoRA subclass, in place."""
-    base = type(module)
-    module.__class__ = LORA_CLASSES[base]
-    if base is GroupedExperts:
+def attach(module: nn.Module, cfg: LoRAConfig, groups: ParallelGroups) -> Adapter:
+    """Wrap ``module`` (a linear or routed-experts role of any backend) in its adapter, in place:
+    the factors become its parameters, and the adapter's entry points replace the role's on
+    this instance (the class, the base parameters and their names stay)."""
+    if role_kind(module) == "experts":
         _attach_experts(module, cfg, groups)
+        adapter = ExpertAdapter(module, cfg, groups)
+        module.forward = adapter.forward
     else:
-        _attach_linear(module, cfg)
-    module.lora_scale, module.lora_dropout, module.lora_merged = cfg.scale, cfg.dropout, False
+        _attach_linear(module, cfg, groups)
+        adapter = LinearAdapter(module, cfg)
+        module.local_linear, module.effective_weight = adapter.local_linear, adapter.effective_weight
+    module.lora_adapter = adapter
+    return adapter

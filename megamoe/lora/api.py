@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from megamoe.errors import CheckpointError, ConfigError
-from megamoe.lora.adapters import attach, has_lora, is_adaptable, is_adapter_name
+from megamoe.lora.adapters import adapter_of, attach, has_lora, is_adaptable, is_adapter_name
 from megamoe.lora.config import LoRAConfig
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.sharding import full_shape, gather_full, shard_full
@@ -22,12 +22,13 @@ from megamoe.weights import initialize
 
 
 def adaptable_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Every linear role and routed-experts block of the language model by name, in model order.
+    """Every linear role and routed-experts role of the language model by name, in model order
+    (recognised by their interface, whichever backend built them: ``megamoe.lora.adapters``).
     The vision tower (``vision.*``) is not adapted: it trains, freezes or scales its learning
     rate by ``model.vision``, and its linears are parallel ones only under
     ``model.vision.parallel.tp > 1``, which must not change what the targets select."""
     return {name: m for name, m in model.named_modules()
-            if (is_adaptable(m) or has_lora(m)) and not (name == "vision" or name.startswith("vision."))}
+            if is_adaptable(m) and not (name == "vision" or name.startswith("vision."))}
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -96,12 +97,12 @@ def merge(model: nn.Module) -> None:
     """Fold every adapter into its base weights (local pieces; no communication). The forward
     then uses the merged weights only; ``unmerge`` takes the adapters out again."""
     for m in lora_modules(model).values():
-        m.lora_merge()
+        adapter_of(m).merge()
 
 
 def unmerge(model: nn.Module) -> None:
     for m in lora_modules(model).values():
-        m.lora_unmerge()
+        adapter_of(m).unmerge()
 
 
 def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -13,10 +13,11 @@ down term is a partial sum over ETP exactly like the base output. The low-rank t
 computed on the rows, never as a merged weight: memory is that of the rows, and the frozen
 weights get no gradient. ``merged_weights`` is the definition (merge and the tests use it).
 
-Two implementations: ``_LoopLoRAExperts``, the per-expert loop of the base ``loop`` kernel with
-the low-rank products added to each expert's GEMMs and a hand-written backward (CPU, and
-wherever torch's grouped GEMM is not usable), and plain autograd over whole-batch products
-(``lora_swiglu_experts_autograd``: with adapter dropout, or grouped GEMMs on accelerators).
+Two implementations, picked by the kernel the base experts role runs (the backend's choice):
+``_LoopLoRAExperts``, the per-expert loop of the base ``loop`` kernel with the low-rank products
+added to each expert's GEMMs and a hand-written backward, and plain autograd over whole-batch
+products (``lora_swiglu_experts_autograd``: per-expert GEMMs under the ``reference`` kernel,
+grouped GEMMs under ``grouped_mm``, and either with adapter dropout).
 """
 from __future__ import annotations
 
@@ -26,8 +27,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from megamoe.layers.grouped_gemm import (expert_slices, grouped_mm_support, swiglu_act_, swiglu_pre_grad,
-                                         swiglu_recompute)
+from megamoe.layers.grouped_gemm import expert_slices, swiglu_act_, swiglu_pre_grad, swiglu_recompute
 from megamoe.layers.mlp import clamp_gate_up
 
 
@@ -43,42 +43,43 @@ class ExpertLoRA:
     dropout: float = 0.0
     training: bool = False
 
-    def low_rank(self, rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor, counts) -> torch.Tensor:
+    def low_rank(self, rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor, counts, grouped: bool = False):
         """s * B (A drop(rows)): [S, in] -> [S, out]."""
         if self.dropout > 0:
             rows = F.dropout(rows, self.dropout, self.training)
-        return expert_linear(expert_linear(rows, a, counts), b, counts) * self.scale
+        return expert_linear(expert_linear(rows, a, counts, grouped), b, counts, grouped) * self.scale
 
 
 def _grouped_mm_ok(rows: torch.Tensor, w: torch.Tensor) -> bool:
-    # torch's grouped GEMM on accelerators (on CPU the per-expert loop is faster, docs/performance.md),
-    # when every row stride is a multiple of 16 bytes
+    # torch's grouped GEMM wants every row stride a multiple of 16 bytes
     size = rows.element_size()
-    return (rows.device.type != "cpu" and grouped_mm_support(rows.device, rows.dtype) is None
-            and rows.size(-1) * size % 16 == 0 and w.size(1) * size % 16 == 0)
+    return rows.size(-1) * size % 16 == 0 and w.size(1) * size % 16 == 0
 
 
-def expert_linear(rows: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+def expert_linear(rows: torch.Tensor, w: torch.Tensor, counts: Sequence[int], grouped: bool = False) -> torch.Tensor:
     """rows [S, in] grouped by expert (``counts`` rows each), w [E, out, in] or [out, in] (the
-    same for every expert) -> [S, out]."""
+    same for every expert) -> [S, out]; ``grouped``: one grouped GEMM where the strides allow."""
     if w.dim() == 2:
         return F.linear(rows, w)
-    if _grouped_mm_ok(rows, w):
+    if grouped and _grouped_mm_ok(rows, w):
         op = getattr(F, "grouped_mm", None) or torch._grouped_mm
         offs = torch.tensor(list(counts), device=rows.device).cumsum(0).to(torch.int32)
         return op(rows, w.transpose(1, 2), offs=offs)
     return torch.cat([F.linear(chunk, w[e]) for e, chunk in enumerate(rows.split(list(counts)))])
 
 
-def lora_swiglu_experts(x, idx, counts: Sequence[int], probs, w1, w2, lora: ExpertLoRA, out_rows: int,
-                        limit: float | None = None) -> torch.Tensor:
-    """The expert kernel contract of ``megamoe.layers.grouped_gemm`` with adapters added.
+def lora_swiglu_experts(kernel: str, x, idx, counts: Sequence[int], probs, w1, w2, lora: ExpertLoRA,
+                        out_rows: int, limit: float | None = None) -> torch.Tensor:
+    """The expert kernel contract of ``megamoe.layers.grouped_gemm`` with adapters added, in the
+    form of the base role's ``kernel`` (``reference``, ``loop`` or ``grouped_mm``): the loop
+    kernel's hand-written backward for ``loop`` (plain autograd with adapter dropout), whole-batch
+    products under autograd otherwise (grouped GEMMs for ``grouped_mm``, per-expert ones else).
 
     x [N, h], idx [S], counts [E] ints, probs [S] | None, w1 [E, 2f, h], w2 [E, h, f] -> [out_rows, h].
     """
-    dropped = lora.dropout > 0 and lora.training
-    if dropped or _grouped_mm_ok(x, w1):
-        return lora_swiglu_experts_autograd(x, idx, counts, probs, w1, w2, lora, out_rows, limit)
+    if kernel != "loop" or (lora.dropout > 0 and lora.training):
+        return lora_swiglu_experts_autograd(x, idx, counts, probs, w1, w2, lora, out_rows, limit,
+                                            grouped=kernel == "grouped_mm")
     if probs is not None:
         probs = probs.to(x.dtype)
     return _LoopLoRAExperts.apply(x, idx, probs, w1, w2, lora.a1, lora.b1, lora.a2, lora.b2, list(counts), out_rows,
@@ -86,15 +87,15 @@ def lora_swiglu_experts(x, idx, counts: Sequence[int], probs, w1, w2, lora: Expe
 
 
 def lora_swiglu_experts_autograd(x, idx, counts: Sequence[int], probs, w1, w2, lora: ExpertLoRA, out_rows: int,
-                                 limit: float | None = None) -> torch.Tensor:
-    """The same maths as whole-batch products under autograd (dropout, grouped GEMMs)."""
+                                 limit: float | None = None, grouped: bool = False) -> torch.Tensor:
+    """The same maths as whole-batch products under autograd (the reference, dropout, grouped GEMMs)."""
     rows = x.index_select(0, idx)
-    gate_up = expert_linear(rows, w1, counts) + lora.low_rank(rows, lora.a1, lora.b1, counts)
+    gate_up = expert_linear(rows, w1, counts, grouped) + lora.low_rank(rows, lora.a1, lora.b1, counts, grouped)
     gate, up = clamp_gate_up(*gate_up.chunk(2, dim=-1), limit)
     act = F.silu(gate) * up
     if probs is not None:  # exact before the down projection: both of its terms are linear
         act = act * probs[:, None].to(act.dtype)
-    y = expert_linear(act, w2, counts) + lora.low_rank(act, lora.a2, lora.b2, counts)
+    y = expert_linear(act, w2, counts, grouped) + lora.low_rank(act, lora.a2, lora.b2, counts, grouped)
     return x.new_zeros(out_rows, x.size(-1)).index_add(0, idx, y.to(x.dtype))
 
 
