@@ -8,9 +8,9 @@ single-process run, a CP rank's two chunks and a packed sequence::
 Ring attention (``ring_attention``; letters A and S under CP). Each rank keeps its queries; the
 K/V blocks (the two chunks a rank holds) travel once around the CP ring, and each block is
 merged into the running output with its log-sum-exp (online softmax). Work is done per
-(query chunk, key chunk) pair and a pair that its mask leaves empty is skipped, so with the
-2·CP load-balanced chunks every rank computes the same number of causal pairs, and a sliding
-window computes only the pairs it reaches. The backward passes (K, V, dK, dV) around the ring
+(query chunk, key chunk) pair, in tiles of at most ``TILE`` tokens a side, and a tile that its
+mask leaves empty is skipped, so with the 2·CP load-balanced chunks every rank computes the
+same number of causal tiles, and a sliding window computes only the tiles it reaches. The backward passes (K, V, dK, dV) around the ring
 once more; dK/dV arrive back at their owner after CP hops. Why a ring and not an all-gather of
 K/V: a rank never holds more than two blocks (memory stays O(S/CP)), and the next block's
 transfer overlaps the current block's compute.
@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from megamoe.errors import ConfigError
+
+TILE = 1024  # tokens per side of a score tile
 
 
 def context_shard(info):
@@ -82,26 +84,32 @@ class _RingTransfer:
 
 
 class _Blocks:
-    """The chunk pairs one ring step computes: for the block that came from rank ``src``, each
-    (query chunk i, key chunk j) with its mask, skipping the pairs the mask leaves empty."""
+    """The tiles one ring step computes: for the block that came from rank ``src``, each
+    (query tile, key tile) of at most ``tile`` x ``tile`` tokens inside a (query chunk, key
+    chunk) pair, with its mask, skipping the tiles the mask leaves empty. Tiles bound the
+    transient scores to ``b Hq tile^2`` numbers whatever the chunk length."""
 
-    def __init__(self, cp, window: int, documents: torch.Tensor | None, device):
-        self.cp, self.window, self.documents, self.device = cp, window, documents, device
-        self.q_chunks = self.chunks(cp.rank)
+    def __init__(self, cp, window: int, documents: torch.Tensor | None, device, tile: int):
+        self.cp, self.window, self.documents, self.device, self.tile = cp, window, documents, device, tile
+        self.q_tiles = self.tiles(cp.rank)
 
-    def chunks(self, rank: int) -> list[tuple[slice, torch.Tensor]]:
-        n = self.cp.chunk_len
-        return [(slice(i * n, (i + 1) * n), torch.arange(a, b, device=self.device))
-                for i, (a, b) in enumerate(self.cp.chunk_bounds(rank))]
+    def tiles(self, rank: int) -> list[tuple[slice, torch.Tensor]]:
+        """(local slice, global positions) of each tile of ``rank``'s two chunks, local order."""
+        n, out = self.cp.chunk_len, []
+        for i, (a, _) in enumerate(self.cp.chunk_bounds(rank)):
+            for t in range(0, n, self.tile):
+                m = min(self.tile, n - t)
+                out.append((slice(i * n + t, i * n + t + m), torch.arange(a + t, a + t + m, device=self.device)))
+        return out
 
     def pairs(self, src: int):
-        for qs, qp in self.q_chunks:
-            for ks, kp in self.chunks(src):
+        for qs, qp in self.q_tiles:
+            for ks, kp in self.tiles(src):
                 if kp[0] > qp[-1] or (self.window and kp[-1] <= qp[0] - self.window):
                     continue  # causal / window: nothing to see
-                mask = document_mask(self.documents, qp, kp, self.window)  # [1|b, n, n]
+                mask = document_mask(self.documents, qp, kp, self.window)  # [1|b, tq, tk]
                 if mask.any():
-                    yield qs, ks, mask[:, None, None]  # [1|b, 1, 1, n, n] over [b, Hk, rep, n, n]
+                    yield qs, ks, mask[:, None, None]  # [1|b, 1, 1, tq, tk] over [b, Hk, rep, tq, tk]
 
 
 def _scores(q, k, scale, mask):
@@ -112,9 +120,9 @@ def _scores(q, k, scale, mask):
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, window, cp, documents):
+    def forward(ctx, q, k, v, scale, window, cp, documents, tile):
         # q [b, g, r, s, d], k [b, g, s, d], v [b, g, s, dv] (grouped, local order)
-        blocks = _Blocks(cp, window, documents, q.device)
+        blocks = _Blocks(cp, window, documents, q.device, tile)
         out = torch.zeros(*q.shape[:-1], v.size(-1), dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = [k, v]
@@ -137,14 +145,14 @@ class RingAttention(torch.autograd.Function):
                 lse[..., qs] = new
             kv = transfer.wait() if transfer else None
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.window, ctx.cp, ctx.documents = scale, window, cp, documents
+        ctx.scale, ctx.window, ctx.cp, ctx.documents, ctx.tile = scale, window, cp, documents, tile
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
         cp, scale = ctx.cp, ctx.scale
-        blocks = _Blocks(cp, ctx.window, ctx.documents, q.device)
+        blocks = _Blocks(cp, ctx.window, ctx.documents, q.device, ctx.tile)
         do = d_out.float()
         delta = (do * out).sum(-1)  # [b, g, r, s]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -166,15 +174,16 @@ class RingAttention(torch.autograd.Function):
             dk, dv = _RingTransfer([dk, dv], cp.group, tag=1).wait()
             if kv_next:
                 kb, vb = kv_next.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-def ring_attention(q, k, v, scale: float, window: int, cp, documents: torch.Tensor | None = None):
+def ring_attention(q, k, v, scale: float, window: int, cp, documents: torch.Tensor | None = None,
+                   tile: int | None = None):
     """Causal (optionally windowed, document-masked) attention of this rank's queries over the whole
     sequence. q [b, s, Hq, d], k [b, s, Hk, d], v [b, s, Hk, dv] -> [b, s, Hq, dv]."""
     b, s, hq, d = q.shape
     hk = k.size(2)
     qg = q.reshape(b, s, hk, hq // hk, d).permute(0, 2, 3, 1, 4)  # [b, Hk, rep, s, d]
     out = RingAttention.apply(qg.contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
-                              scale, window, cp, documents)
+                              scale, window, cp, documents, tile or TILE)
     return out.permute(0, 3, 1, 2, 4).reshape(b, s, hq, v.size(-1))

@@ -38,8 +38,20 @@ def model_for(letter: str, model: dict | None):
 
 
 def cp_case(letter: str, cp: int, tp: int = 1, sp: bool = False, docs: bool = False, seed: int = 0,
-            model: dict | None = None) -> dict:
-    """Relative errors of a CP (x TP) mixer against the single-process one, on this rank."""
+            model: dict | None = None, tile: int | None = None) -> dict:
+    """Relative errors of a CP (x TP) mixer against the single-process one, on this rank.
+    ``tile``: ring attention's score tile for this run (default: its own)."""
+    from megamoe.layers import context_attention
+
+    default_tile = context_attention.TILE
+    context_attention.TILE = tile or default_tile
+    try:
+        return _cp_case(letter, cp, tp, sp, docs, seed, model)
+    finally:
+        context_attention.TILE = default_tile
+
+
+def _cp_case(letter, cp, tp, sp, docs, seed, model) -> dict:
     import torch.distributed as dist
 
     from megamoe.parallel.context import ContextShard
@@ -94,6 +106,12 @@ def test_cp2_equals_single_process(pool, letter):
 @pytest.mark.parametrize("letter", LETTERS)
 def test_cp4_equals_single_process(pool, letter):
     check(pool(4).run(cp_case, letter, 4), f"{letter} cp=4")
+
+
+@pytest.mark.parametrize("letter", ["A", "S"])
+def test_cp2_ring_tiles_equal_single_process(pool, letter):
+    """Ring attention in 3 x 3 tiles (chunks of 10 tokens: tiles of 3, 3, 3, 1), packed documents."""
+    check(pool(2).run(cp_case, letter, 2, docs=True, tile=3), f"{letter} cp=2 tiles of 3")
 
 
 @pytest.mark.parametrize("letter", LETTERS)
