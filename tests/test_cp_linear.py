@@ -122,6 +122,48 @@ def test_cp2_tp2_sp_equals_one_process(pool, letter):
     _check(pool(4).run(cp_case, letter, 2, 2, 24, False), f"{letter} cp2xtp2")
 
 
+def cp_prefill_case(letter: str, lengths: tuple[int, ...] = (24, 24), steps: int = 3) -> dict:
+    """Prefill in pieces under CP=2 (the second continues from the cached state), then decode
+    ``steps`` tokens without CP, against the same in one process: outputs and cached states."""
+    from megamoe.config import ParallelConfig
+    from megamoe.parallel.context import ContextShard
+    from megamoe.parallel.groups import build_groups
+
+    cfg = _config()
+    ref = build_mixer(letter, cfg)
+    _strong_decays(ref, letter)
+    groups = build_groups(ParallelConfig(cp=2))
+    par = build_mixer(letter, cfg, groups, full_state={n: p.detach() for n, p in ref.named_parameters()})
+    x, _ = _inputs(sum(lengths) + steps, cfg.hidden_size, seed=1)
+    ref_cache, cp_cache, errs, start = InferenceCache(2), InferenceCache(2), {}, 0
+    with torch.no_grad():
+        for i, n in enumerate(lengths + (1,) * steps):
+            piece = x[:, start:start + n]
+            want = ref(piece, ForwardInfo(positions=ref_cache.positions(n), cache=ref_cache))
+            if n > 1:  # a prefill piece: CP
+                shard = ContextShard(groups.cp, n)
+                info = ForwardInfo(positions=shard.split(cp_cache.positions(n)), cache=cp_cache, cp=shard)
+                errs[f"out {i}"] = rel_err(par(shard.split(piece), info), shard.split(want))
+            else:
+                errs[f"out {i}"] = rel_err(par(piece, ForwardInfo(positions=cp_cache.positions(1), cache=cp_cache)),
+                                           want)
+            ref_cache.advance(n)
+            cp_cache.advance(n)
+            start += n
+            if i == len(lengths) - 1:  # after the CP prefill: the usual state layout, every rank
+                mine, theirs = cp_cache.layer(par.layer_number), ref_cache.layer(ref.layer_number)
+                assert sorted(mine) == sorted(theirs), (sorted(mine), sorted(theirs))
+                errs.update({f"state {k}": rel_err(mine[k], theirs[k]) for k in theirs})
+    return errs
+
+
+@pytest.mark.parametrize("letter", LETTERS)
+def test_cp_prefill_leaves_the_decode_cache(pool, letter):
+    for rank, errs in enumerate(pool(2).run(cp_prefill_case, letter)):
+        bad = {k: v for k, v in errs.items() if v > REL}
+        assert not bad and len(errs) >= 6, f"{letter} rank {rank}: {errs}"
+
+
 # ---- bytes exchanged per layer -----------------------------------------------------------------
 
 def exchanged_bytes(letter: str, lengths: list[int]) -> list[int]:
@@ -190,16 +232,21 @@ def short_chunks(letter: str) -> str:
     cfg = _config()
     mixer = build_mixer(letter, cfg, groups)
     shard = ContextShard(groups.cp, 4)  # chunks of one token, kernel - 1 >= 2
-    try:
-        mixer(torch.zeros(2, 2, cfg.hidden_size), ForwardInfo(positions=torch.zeros(2, 2), cp=shard))
-    except ConfigError as e:
-        return str(e)
-    return "no error"
+    padded = InferenceCache(2, pad=torch.tensor([0, 1]))
+    messages = []
+    for cache in (None, padded):
+        try:
+            mixer(torch.zeros(2, 2, cfg.hidden_size), ForwardInfo(positions=torch.zeros(2, 2), cp=shard, cache=cache))
+            messages.append("no error")
+        except ConfigError as e:
+            messages.append(str(e))
+    return messages
 
 
-def test_chunk_shorter_than_conv_halo_is_one_line(pool):
-    for msg in pool(2).run(short_chunks, "G"):
-        assert "chunks of 1 tokens are shorter than the short convolution's kernel - 1 = 3" in msg
+def test_cp_errors_are_one_line(pool):
+    for short, padded in pool(2).run(short_chunks, "G"):
+        assert "chunks of 1 tokens are shorter than the short convolution's kernel - 1 = 3" in short
+        assert padded.startswith("mixer G: context parallelism with a left-padded decode cache is not supported")
 
 
 # ---- packed documents, one process --------------------------------------------------------------
@@ -231,7 +278,7 @@ def test_documents_with_decode_cache_is_one_line():
     mixer = build_mixer("G", cfg)
     info = ForwardInfo(positions=torch.zeros(1, 4, dtype=torch.long), cache=InferenceCache(1),
                        documents=torch.zeros(1, 4, dtype=torch.long))
-    with pytest.raises(ConfigError, match="mixer G: packed documents .* with a decode cache is not supported"):
+    with pytest.raises(ConfigError, match=r"mixer G: packed documents \(ForwardInfo.documents\) with a decode cache"):
         mixer(torch.zeros(1, 4, cfg.hidden_size), info)
 
 
