@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from megamoe.errors import ConfigError
 
@@ -187,3 +188,25 @@ def ring_attention(q, k, v, scale: float, window: int, cp, documents: torch.Tens
     out = RingAttention.apply(qg.contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
                               scale, window, cp, documents, tile or TILE)
     return out.permute(0, 3, 1, 2, 4).reshape(b, s, hq, v.size(-1))
+
+
+# ---- MLA's absorbed attention over all-gathered latents -----------------------------------------
+
+def _latent_tile(core, q_lat, q_rope, c, k_rope, scale, q_pos, documents):
+    """One query tile against the latents it can reach (keys up to its last position)."""
+    end = int(q_pos.max()) + 1
+    mask = document_mask(documents, q_pos, torch.arange(end, device=q_pos.device))
+    return core(q_lat, q_rope, c[:, :end], k_rope[:, :end], scale, mask)
+
+
+def tiled_latent_attention(core, q_lat, q_rope, c, k_rope, scale: float, q_pos: torch.Tensor,
+                           documents: torch.Tensor | None = None) -> torch.Tensor:
+    """``core`` (the ``latent_attention`` role) for queries at global positions ``q_pos`` [s] over
+    the whole sequence's latents c [b, S, r], k_rope [b, S, dr], in query tiles of about
+    ``TILE^2 / S`` rows, each recomputed in the backward (activation checkpointing): neither
+    the [s, S] mask nor the [b, s, H, S] scores are ever held whole. -> [b, s, H, r]."""
+    rows = max(16, TILE * TILE // c.size(1))
+    outs = [checkpoint(_latent_tile, core, q_lat[:, a:a + rows], q_rope[:, a:a + rows], c, k_rope, scale,
+                       q_pos[a:a + rows], documents, use_reentrant=False)
+            for a in range(0, q_lat.size(1), rows)]
+    return torch.cat(outs, dim=1)

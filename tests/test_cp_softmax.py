@@ -108,9 +108,10 @@ def test_cp4_equals_single_process(pool, letter):
     check(pool(4).run(cp_case, letter, 4), f"{letter} cp=4")
 
 
-@pytest.mark.parametrize("letter", ["A", "S"])
-def test_cp2_ring_tiles_equal_single_process(pool, letter):
-    """Ring attention in 3 x 3 tiles (chunks of 10 tokens: tiles of 3, 3, 3, 1), packed documents."""
+@pytest.mark.parametrize("letter", ["A", "S", "M"])
+def test_cp2_small_tiles_equal_single_process(pool, letter):
+    """TILE=3: ring attention in 3 x 3 tiles (chunks of 10 tokens: tiles of 3, 3, 3, 1); MLA's
+    checkpointed query tiles of 16 rows (20 local queries: 16 + 4); packed documents."""
     check(pool(2).run(cp_case, letter, 2, docs=True, tile=3), f"{letter} cp=2 tiles of 3")
 
 
