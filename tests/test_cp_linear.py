@@ -22,8 +22,8 @@ REL = 1e-5
 LETTERS = ["G", "K", "L"]
 
 
-def _config():
-    return tiny_model("GdKdLd")
+def _config(backend: str = "auto"):
+    return tiny_model("GdKdLd", backend=backend)
 
 
 @torch.no_grad()
@@ -57,8 +57,8 @@ def _inputs(seq_len: int, hidden: int, seed: int = 0):
     return torch.randn(2, seq_len, hidden, generator=gen), torch.randn(2, seq_len, hidden, generator=gen)
 
 
-def _reference(letter: str, seq_len: int, packed: bool):
-    cfg = _config()
+def _reference(letter: str, seq_len: int, packed: bool, backend: str = "auto"):
+    cfg = _config(backend)
     ref = build_mixer(letter, cfg)
     _strong_decays(ref, letter)
     x, dy = _inputs(seq_len, cfg.hidden_size)
@@ -71,7 +71,7 @@ def _reference(letter: str, seq_len: int, packed: bool):
 
 # ---- CP (x TP) against one process: run on every rank of a gloo pool ----------------------------
 
-def cp_case(letter: str, cp: int, tp: int, seq_len: int, packed: bool) -> dict:
+def cp_case(letter: str, cp: int, tp: int, seq_len: int, packed: bool, backend: str = "auto") -> dict:
     from megamoe.config import ParallelConfig
     from megamoe.parallel import comm
     from megamoe.parallel.context import ContextShard
@@ -79,7 +79,7 @@ def cp_case(letter: str, cp: int, tp: int, seq_len: int, packed: bool) -> dict:
     from megamoe.parallel.sharding import gather_full
     from megamoe.weights import finalize_grads
 
-    cfg, ref, x, dy, docs, xr, yr = _reference(letter, seq_len, packed)
+    cfg, ref, x, dy, docs, xr, yr = _reference(letter, seq_len, packed, backend)
     groups = build_groups(ParallelConfig(cp=cp, tp=tp))
     sp = tp > 1
     par = build_mixer(letter, cfg, groups, sp=sp, full_state={n: p.detach() for n, p in ref.named_parameters()})
@@ -110,6 +110,12 @@ def _check(results: list[dict], what: str) -> None:
 @pytest.mark.parametrize("seq_len,packed", [(24, False), (72, True)], ids=["S24", "S72-packed"])
 def test_cp2_equals_one_process(pool, letter, seq_len, packed):
     _check(pool(2).run(cp_case, letter, 2, 1, seq_len, packed), f"{letter} cp2 S={seq_len}")
+
+
+@pytest.mark.parametrize("letter", LETTERS)
+def test_cp2_through_the_local_backend(pool, letter):
+    """The same scheme over another backend's roles (token-by-token ops, torch's conv1d)."""
+    _check(pool(2).run(cp_case, letter, 2, 1, 24, True, "local"), f"{letter} cp2 local")
 
 
 @pytest.mark.parametrize("letter", LETTERS)

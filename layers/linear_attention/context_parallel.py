@@ -19,6 +19,7 @@ the sequence length.
 
 Short convolution: every local chunk continues from the last ``kernel - 1`` pre-conv inputs of
 the chunk before it (zeros for chunk 0): a second small all-gather, 2·CP·b·(kernel-1)·C values.
+The conv role runs [halo | chunk] from a zero state and the halo's outputs are dropped.
 
 Prefill under CP (a decode cache, rows of equal length): the sequence starts from the cache's
 ``conv`` and recurrent states, and every rank leaves them as after the whole sequence (the scan
@@ -112,8 +113,9 @@ class SequenceView:
         if self.state is not None:
             self.state["conv"] = last
         halo = halo.flatten(0, 1)                                  # [2b, K-1, C]
-        if self.resets is None:
-            return _unchunk(conv(_chunks(x), weight, halo)[0])
+        if self.resets is None:  # [halo | chunk] from a zero state, halo outputs dropped: the role's
+            ext = torch.cat([halo, _chunks(x)], dim=1)             # training form (its own backward)
+            return _unchunk(conv(ext, weight)[0][:, kernel - 1:])
         n, width = x.size(1) // 2, kernel - 1                     # the halo's own document starts
         before = F.pad(self.full_resets, (width, 0))               # [b, K-1 + S]
         halo_resets = torch.stack([before[:, c * n:c * n + width] for c in self.cp.chunk_ids()], 1)
@@ -134,7 +136,7 @@ class SequenceView:
         q, k, v, g, beta = (_chunks(t) for t in (q, k, v, g, beta))
         v_ext = torch.cat([v, v.new_zeros(2 * b, s // 2, hv, dk)], dim=-1)        # [2b, n, hv, dv + dk]
         eye = torch.eye(dk, dtype=torch.float32, device=v.device)
-        h0 = F.pad(eye, (dv, 0)).expand(2 * b, hv, dk, dv + dk)                     # [0 | I]
+        h0 = F.pad(eye, (dv, 0)).expand(2 * b, hv, dk, dv + dk).contiguous()        # [0 | I] (kernels want it dense)
         o_ext, final = op.chunked(q, k, v_ext, g, beta, scale=scale, initial_state=h0, chunk_size=chunk_size,
                                   recompute=recompute)
         o0, qm = o_ext.split([dv, dk], dim=-1)                                    # o(0), M_t^T q_t
