@@ -123,9 +123,10 @@ def test_cp4_equals_one_process(pool, letter):
     _check(pool(4).run(cp_case, letter, 4, 1, 40, True), f"{letter} cp4")
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("letter", LETTERS)
-def test_cp2_tp2_sp_equals_one_process(pool, letter):
-    _check(pool(4).run(cp_case, letter, 2, 2, 24, False), f"{letter} cp2xtp2")
+def test_cp2_tp2_sp_equals_one_process(pool, letter, packed):
+    _check(pool(4).run(cp_case, letter, 2, 2, 24, packed), f"{letter} cp2xtp2")
 
 
 def cp_prefill_case(letter: str, lengths: tuple[int, ...] = (24, 24), steps: int = 3) -> dict:
