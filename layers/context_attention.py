@@ -10,10 +10,15 @@ K/V blocks (the two chunks a rank holds) travel once around the CP ring, and eac
 merged into the running output with its log-sum-exp (online softmax). Work is done per
 (query chunk, key chunk) pair, in tiles of at most ``TILE`` tokens a side, and a tile that its
 mask leaves empty is skipped, so with the 2·CP load-balanced chunks every rank computes the
-same number of causal tiles, and a sliding window computes only the tiles it reaches. The backward passes (K, V, dK, dV) around the ring
-once more; dK/dV arrive back at their owner after CP hops. Why a ring and not an all-gather of
-K/V: a rank never holds more than two blocks (memory stays O(S/CP)), and the next block's
-transfer overlaps the current block's compute.
+same number of causal tiles, and a sliding window computes only the tiles it reaches. The
+backward recomputes each tile's probabilities from the saved log-sum-exp and passes (K, V)
+and the accumulating (dK, dV) around the ring once more; dK/dV arrive back at their owner
+after CP hops. Why a ring and not an all-gather of K/V: a rank never holds more than two
+blocks (memory stays O(S/CP)), and the next block's transfer overlaps the current block's
+compute.
+
+MLA (M, D, I) all-gathers its latents instead (``tiled_latent_attention`` for M): see
+docs/mixers.md "Context parallelism: softmax attention" for the choice per mixer.
 
 Shapes: q [b, s, Hq, d], k [b, s, Hk, d], v [b, s, Hk, dv] (s = this rank's 2 chunks, local
 order); inside, heads are grouped as [b, Hk, rep, t, d] so GQA never expands K/V.
@@ -104,8 +109,9 @@ class _Blocks:
         return out
 
     def pairs(self, src: int):
+        k_tiles = self.tiles(src)
         for qs, qp in self.q_tiles:
-            for ks, kp in self.tiles(src):
+            for ks, kp in k_tiles:
                 if kp[0] > qp[-1] or (self.window and kp[-1] <= qp[0] - self.window):
                     continue  # causal / window: nothing to see
                 mask = document_mask(self.documents, qp, kp, self.window)  # [1|b, tq, tk]
