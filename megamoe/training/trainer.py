@@ -31,7 +31,7 @@ from megamoe.training.faults import describe, is_collective_failure
 from megamoe.training.guards import CheckpointMismatch, check_unchanged, run_record
 from megamoe.training.monitor import Monitor, memory_gib, peak_tflops
 from megamoe.training.optimizer import DistributedOptimizer, lr_at
-from megamoe.training.pipeline import build_chunks, build_schedule
+from megamoe.training.pipeline import build_chunks, build_schedule, timed_p2p
 from megamoe.weights import initialize
 
 log = logging.getLogger(__name__)
@@ -300,7 +300,7 @@ class Trainer:
             self._stage_modules[0].extra = [self._stage_inputs(mb)[1] for mb in micro]
         args = [(mb["input_ids"].to(self.device),) for mb in micro] if self.first else None
         targets = [mb["labels"].to(self.device) for mb in micro] if self.last else None
-        with self._autocast():
+        with self._autocast(), timed_p2p():
             self._schedule.step(arg_mbs=args, target_mbs=targets, losses=losses, return_outputs=False)
         for x in losses:
             loss_sum += x.detach().double().cpu() * total_tokens.double().cpu()
@@ -315,6 +315,10 @@ class Trainer:
 
     def train_step(self, micro: list[dict]) -> dict:
         """Forward, backward, gradient sync, clip and update on one global batch."""
+        with self._timing():  # every collective of a sampled step, the gradient sync included
+            return self._train_step(micro)
+
+    def _train_step(self, micro: list[dict]) -> dict:
         if len(micro) != self.n_micro:
             raise ConfigError(f"data gave {len(micro)} micro-batches, train.global_batch_size needs {self.n_micro}")
         start = time.perf_counter()
@@ -328,8 +332,7 @@ class Trainer:
                             f"answers data.seq_len truncates away?)")
         self.optimizer.zero_grad()
         self.phase = "forward/backward"
-        with self._timing():
-            loss_sum = self._forward_backward(micro, total_tokens.to(self.device))
+        loss_sum = self._forward_backward(micro, total_tokens.to(self.device))
         self.phase = "gradient sync"
         sync_grads(self.chunks, self.groups)
         self.phase = "gradient norm"
@@ -369,14 +372,15 @@ class Trainer:
         embed = b.parts.get("embedding", (0, 0.0))[1] if not self.recipe.model.tie_embeddings else 0.0
         return 6.0 * (b.active - embed)
 
-    def _gather_latencies(self) -> dict[str, list[float]]:
-        """The samples of every rank since the last call, on rank 0 (a collective)."""
+    def _gather_latencies(self) -> dict[str, list[tuple[float, int]]]:
+        """The (seconds, bytes) samples of every rank since the last call, by ``comm.sample_key``,
+        on rank 0 (a collective)."""
         if self.recorder is None:
             return {}
         mine = {f"rank{self.rank}/{k}": v for k, v in self.recorder.drain().items()}
         gathered = [None] * self.world if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
-        out: dict[str, list[float]] = {}
+        out: dict[str, list[tuple[float, int]]] = {}
         for part in gathered or []:
             for k, v in part.items():
                 out.setdefault(k.split("/", 1)[1], []).extend(v)
