@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from megamoe.parallel import comm
 from megamoe.errors import ConfigError
 
 TILE = 1024  # tokens per side of a score tile
@@ -80,11 +81,18 @@ class _RingTransfer:
         self.sent = torch.cat([t.reshape(-1) for t in tensors])
         self.got = torch.empty_like(self.sent)
         nxt, prv = (dist.get_global_rank(group, (rank + o) % size) for o in (1, -1))
+        self.timer = comm.p2p_timer(group, [self.sent, self.got], "ring")  # sampled training steps only
         self.reqs = [dist.isend(self.sent, nxt, group=group, tag=tag), dist.irecv(self.got, prv, group=group, tag=tag)]
+        if self.timer is not None:
+            self.timer.pause()
 
     def wait(self) -> list[torch.Tensor]:
+        if self.timer is not None:
+            self.timer.resume()
         for r in self.reqs:
             r.wait()
+        if self.timer is not None:
+            self.timer.finish()
         parts = self.got.split([s.numel() for s in self.shapes])
         return [p.view(s) for p, s in zip(parts, self.shapes)]
 

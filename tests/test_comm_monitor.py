@@ -116,6 +116,31 @@ def test_every_communicating_group_is_in_the_histograms(pool, tmp_path, name):
         assert 0 <= line[f"{key}/p50_ms"] <= line[f"{key}/p99_ms"], key
 
 
+def ring_step_sampled() -> dict:
+    """One context-parallel ring transfer (the K/V blocks of ring attention) on the cp group,
+    once outside and once inside a sampled step."""
+    import torch
+
+    from layers.context_attention import _RingTransfer
+    from megamoe.parallel import comm
+    from megamoe.parallel.groups import build_groups
+
+    groups = build_groups(ParallelConfig(cp=2))
+    rank = dist.get_rank()
+    block = torch.full((300,), float(rank))  # 1200 bytes each way
+    _RingTransfer([block], groups.cp).wait()  # no recorder: nothing timed
+    rec = comm.LatencyRecorder()
+    with rec.active():
+        got = _RingTransfer([block], groups.cp).wait()[0]
+    return {"got": got[0].item(), "samples": {k: [n for _, n in v] for k, v in rec.drain().items()}}
+
+
+def test_context_parallel_ring_is_timed_on_the_cp_group(pool):
+    for rank, out in enumerate(pool(2).run(ring_step_sampled)):
+        assert out["got"] == float(1 - rank)  # the previous rank's block
+        assert out["samples"] == {"send_recv/cp/4KiB/ring": [2400]}  # sent + received
+
+
 def test_size_buckets():
     from megamoe.parallel.comm import size_bucket
 

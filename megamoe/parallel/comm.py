@@ -127,6 +127,40 @@ class LatencyRecorder:
         return out
 
 
+class P2PTimer:
+    """One batch of point-to-point transfers on a sampled step, recorded as ``send_recv`` when
+    ``finish`` is called: the host time between construction and ``pause`` (issuing) plus
+    between ``resume`` and ``finish`` (waiting) on CPU; on CUDA, events from construction to
+    ``finish`` on the current stream. Made by ``p2p_timer``."""
+
+    def __init__(self, rec: LatencyRecorder, key: str, nbytes: int, cuda: bool):
+        self.rec, self.key, self.nbytes, self.seconds = rec, key, nbytes, 0.0
+        self.start = rec.start_event() if cuda else None
+        self._t = time.perf_counter()
+
+    def pause(self) -> None:
+        self.seconds += time.perf_counter() - self._t
+
+    def resume(self) -> None:
+        self._t = time.perf_counter()
+
+    def finish(self) -> None:
+        if self.start is not None:
+            self.rec.add_events(self.key, self.nbytes, self.start, self.rec.start_event())
+        else:
+            self.rec.add(self.key, self.nbytes, self.seconds + time.perf_counter() - self._t)
+
+
+def p2p_timer(group, tensors: list[torch.Tensor], tag: str | None = None) -> P2PTimer | None:
+    """A ``P2PTimer`` for sending/receiving ``tensors`` over ``group`` on a sampled step, else
+    None (no timing code at all)."""
+    rec = _RECORDER.get()
+    if rec is None:
+        return None
+    nbytes = sum(_nbytes(t) for t in tensors)
+    return P2PTimer(rec, sample_key("send_recv", group, nbytes, tag), nbytes, any(t.is_cuda for t in tensors))
+
+
 def active_recorder() -> LatencyRecorder | None:
     """The recorder of a sampled step, else None."""
     return _RECORDER.get()

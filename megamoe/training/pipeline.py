@@ -8,7 +8,6 @@ and the schedule applies the loss there.
 """
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from typing import Callable
 
@@ -97,63 +96,47 @@ def build_schedule(chunks: list[LanguageModel], ids: list[int], n_stages: int, g
     return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False), modules
 
 
-class _P2PBatch:
-    """One batch of pipeline sends/receives being timed: issue time plus the time spent
-    waiting for each of its works (gloo), or events from issue to the last wait (CUDA)."""
-
-    def __init__(self, key: str, nbytes: int, works: int, seconds: float, start):
-        self.key, self.nbytes, self.left, self.seconds, self.start = key, nbytes, works, seconds, start
-
-
 @contextmanager
 def timed_p2p():
     """On a sampled step (a ``comm`` recorder active), time the pipeline schedule's sends and
-    receives as ``send_recv`` on the ``pp`` group; otherwise nothing at all.
+    receives as ``send_recv`` on the ``pp`` group (tag ``pipeline``); otherwise nothing at all.
 
     ``torch.distributed.pipelining`` issues them through its module functions ``_batch_p2p``
-    and ``_wait_batch_p2p``; they are wrapped for the step only. A batch's sample is the host
-    time the schedule spends issuing it and waiting for it; on CUDA, events from its issue to
-    its last wait on the current stream. Without those functions (another torch) the pipeline
-    is not timed.
+    and ``_wait_batch_p2p``; they are wrapped for the step only. A batch's sample is the time
+    the schedule spends issuing it and waiting for all its works (``comm.P2PTimer``). Without
+    those functions (another torch) the pipeline is not timed.
     """
     from torch.distributed.pipelining import schedules
 
-    rec = comm.active_recorder()
     batch_fn, wait_fn = getattr(schedules, "_batch_p2p", None), getattr(schedules, "_wait_batch_p2p", None)
-    if rec is None or batch_fn is None or wait_fn is None:
+    if comm.active_recorder() is None or batch_fn is None or wait_fn is None:
         yield
         return
-    open_: dict[int, _P2PBatch] = {}  # id(work) -> its batch
+    open_: dict[int, list] = {}  # id(work) -> [its batch's timer, works of the batch not yet waited]
 
     def batch_p2p(ops, desc=None):
-        cuda = any(op.tensor.is_cuda for op in ops)
-        start = rec.start_event() if cuda else None
-        t0 = time.perf_counter()
+        timer = comm.p2p_timer(ops[0].group if ops else None, [op.tensor for op in ops], "pipeline")
         works = batch_fn(ops, desc=desc)
-        nbytes = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
-        group = ops[0].group if ops else None
-        b = _P2PBatch(comm.sample_key("send_recv", group, nbytes, "pipeline"), nbytes, len(works),
-                      time.perf_counter() - t0, start)
+        timer.pause()
+        entry = [timer, len(works)]
         for w in works:
-            open_[id(w)] = b
+            open_[id(w)] = entry
         if not works:
-            rec.add(b.key, nbytes, b.seconds)
+            timer.finish()
         return works
 
     def wait_batch_p2p(works):
         for w in works:
-            t0 = time.perf_counter()
+            entry = open_.pop(id(w), None)
+            if entry is not None:
+                entry[0].resume()
             w.wait()
-            b = open_.pop(id(w), None)
-            if b is None:
-                continue
-            b.seconds += time.perf_counter() - t0
-            b.left -= 1
-            if b.left == 0:
-                if b.start is not None:
-                    rec.add_events(b.key, b.nbytes, b.start, rec.start_event())
-                else:
-                    rec.add(b.key, b.nbytes, b.seconds)
+            if entry is not None:
+                entry[0].pause()
+                entry[1] -= 1
+                if entry[1] == 0:
+                    entry[0].resume()
+                    entry[0].finish()
 
     schedules._batch_p2p, schedules._wait_batch_p2p = batch_p2p, wait_batch_p2p
     try:
