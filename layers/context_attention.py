@@ -206,6 +206,11 @@ def ring_attention(q, k, v, scale: float, window: int, cp, documents: torch.Tens
 
 # ---- MLA's absorbed attention over all-gathered latents -----------------------------------------
 
+def tile_rows(keys: int) -> int:
+    """Query rows per pass so that a pass scores about TILE^2 (query, key) pairs (at least 16)."""
+    return max(16, TILE * TILE // keys)
+
+
 def _latent_tile(core, q_lat, q_rope, c, k_rope, scale, q_pos, documents):
     """One query tile against the latents it can reach (keys up to its last position)."""
     end = int(q_pos.max()) + 1
@@ -219,8 +224,19 @@ def tiled_latent_attention(core, q_lat, q_rope, c, k_rope, scale: float, q_pos: 
     the whole sequence's latents c [b, S, r], k_rope [b, S, dr], in query tiles of about
     ``TILE^2 / S`` rows, each recomputed in the backward (activation checkpointing): neither
     the [s, S] mask nor the [b, s, H, S] scores are ever held whole. -> [b, s, H, r]."""
-    rows = max(16, TILE * TILE // c.size(1))
+    rows = tile_rows(c.size(1))
     outs = [checkpoint(_latent_tile, core, q_lat[:, a:a + rows], q_rope[:, a:a + rows], c, k_rope, scale,
                        q_pos[a:a + rows], documents, use_reentrant=False)
+            for a in range(0, q_lat.size(1), rows)]
+    return torch.cat(outs, dim=1)
+
+
+def tiled_sparse_latent_attention(core, q_lat, q_rope, c, k_rope, idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """``core`` (the ``sparse_latent_attention`` role) in checkpointed query tiles of about
+    ``TILE^2 / K`` rows (idx [b, s, K]): the [b, rows, K, r] latents each tile gathers exist
+    for one tile at a time and are not kept for the backward. -> [b, s, H, r]."""
+    rows = tile_rows(idx.size(-1))
+    outs = [checkpoint(core, q_lat[:, a:a + rows], q_rope[:, a:a + rows], c, k_rope, idx[:, a:a + rows], scale,
+                       use_reentrant=False)
             for a in range(0, q_lat.size(1), rows)]
     return torch.cat(outs, dim=1)

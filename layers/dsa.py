@@ -37,7 +37,8 @@ from torch import nn
 from megamoe.cache import append_time
 from megamoe.config import DSAConfig, MLAConfig
 from megamoe.errors import ConfigError
-from megamoe.layers.context_attention import context_shard, document_mask
+from megamoe.layers.context_attention import (context_shard, document_mask, tile_rows,
+                                               tiled_sparse_latent_attention)
 from megamoe.layers.mla import MultiLatentAttention
 from megamoe.layers.rotary import apply_rotary, cached_yarn_cos_sin
 from megamoe.parallel import comm
@@ -150,6 +151,16 @@ class Indexer(nn.Module):
         weights = self.linear_weights(x).float() * self.heads ** -0.5  # [b, s, Hi]
         qpos = query_positions(s, k.size(1), k.device) if cp is None else cp.local_index(k.device)
         pad = None if cache is None else cache.pad
+        valid = None if pad is None or self.pooled else cache.attention_mask(s, k.size(1), device=k.device)
+        # queries in passes of `rows`: at most [b, rows, Hi, T] scores exist at a time (long contexts)
+        rows = tile_rows(k.size(1))
+        parts = [self.select(q[:, a:a + rows], k, gate, weights[:, a:a + rows], qpos[a:a + rows], pad,
+                             None if valid is None else valid[..., a:a + rows, :], documents)
+                 for a in range(0, s, rows)]
+        return torch.cat(parts, dim=1)
+
+    def select(self, q, k, gate, weights, qpos, pad, valid, documents):
+        """The selection of some queries (``forward``'s tensors cut to their rows): indices [b, rows, K]."""
         if self.pooled:
             if documents is not None:
                 return self.select_document_pools(q, k, gate, weights, qpos, documents)
@@ -157,8 +168,7 @@ class Indexer(nn.Module):
                 return self.select_pools(q, k, gate, weights, qpos)
             return self.select_pools_padded(q, k, gate, weights, qpos, pad.to(k.device))
         scores = self.score(q, k, weights)
-        valid = None if pad is None else cache.attention_mask(s, k.size(1), device=k.device)  # no padded keys
-        if valid is None:
+        if valid is None:  # (a padded batch's valid keys come from the cache)
             valid = document_mask(documents, qpos, torch.arange(k.size(1), device=k.device)).expand_as(scores)
         return select_topk(scores, valid, self.topk)
 
@@ -257,7 +267,11 @@ class SparseMLA(MultiLatentAttention):
             out = self.core(torch.cat([q_nope, q_rope], dim=-1), k, v, mask=mask)
         else:
             c_all, kr_all = self.cached_latents(comm.copy_to(c, self.tp_group), k_rope, info)
-            o_lat = self.sparse_core(self.absorbed_query(q_nope), q_rope, c_all, kr_all, idx, self.scale)
+            q_lat = self.absorbed_query(q_nope)
+            if cp is not None:  # long sequences: checkpointed query tiles bound the gathered latents
+                o_lat = tiled_sparse_latent_attention(self.sparse_core, q_lat, q_rope, c_all, kr_all, idx, self.scale)
+            else:
+                o_lat = self.sparse_core(q_lat, q_rope, c_all, kr_all, idx, self.scale)
             out = self.absorbed_output(o_lat)
         return self.finish(out, x)
 

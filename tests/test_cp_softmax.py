@@ -108,10 +108,11 @@ def test_cp4_equals_single_process(pool, letter):
     check(pool(4).run(cp_case, letter, 4), f"{letter} cp=4")
 
 
-@pytest.mark.parametrize("letter", ["A", "S", "M"])
+@pytest.mark.parametrize("letter", LETTERS)
 def test_cp2_small_tiles_equal_single_process(pool, letter):
     """TILE=3: ring attention in 3 x 3 tiles (chunks of 10 tokens: tiles of 3, 3, 3, 1); MLA's
-    checkpointed query tiles of 16 rows (20 local queries: 16 + 4); packed documents."""
+    checkpointed query tiles, the indexer's selection passes and DSA's checkpointed sparse tiles
+    of 16 rows (20 local queries: 16 + 4); packed documents."""
     check(pool(2).run(cp_case, letter, 2, docs=True, tile=3), f"{letter} cp=2 tiles of 3")
 
 
@@ -128,9 +129,14 @@ def test_cp_packed_documents_equal_single_process(pool, letter, cp):
 
 # ---- packed documents without CP ------------------------------------------------------------
 
+@pytest.mark.parametrize("tile", [None, 3], ids=["", "tile3"])
 @pytest.mark.parametrize("letter", LETTERS)
-def test_packed_documents_equal_documents_one_by_one(letter):
-    """One packed row equals each of its documents run alone (outputs, input and weight gradients)."""
+def test_packed_documents_equal_documents_one_by_one(letter, tile, monkeypatch):
+    """One packed row equals each of its documents run alone (outputs, input and weight gradients);
+    tile 3: the indexer selects in passes of 16 queries."""
+    from megamoe.layers import context_attention
+
+    monkeypatch.setattr(context_attention, "TILE", tile or context_attention.TILE)
     cfg = model_for(letter, None)
     mixer = build_mixer(letter, cfg, seed=3)
     gen = torch.Generator().manual_seed(3)
