@@ -141,10 +141,10 @@ class LinearAdapter(Adapter):
 
     def __init__(self, role: nn.Module, cfg: LoRAConfig):
         super().__init__(role, cfg)
-        self.product, self.weight = role.local_linear, role.effective_weight  # the backend's own
+        self.base_product, self.base_weight = role.local_linear, role.effective_weight  # the backend's own
 
     def local_linear(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.product(x)
+        y = self.base_product(x)
         if self.merged:
             return y
         role = self.role
@@ -160,7 +160,7 @@ class LinearAdapter(Adapter):
         return [(self.role.weight, self.delta())]
 
     def effective_weight(self) -> torch.Tensor:
-        w = self.weight()
+        w = self.base_weight()
         return w if self.merged else w + self.delta().to(w.dtype)
 
 
