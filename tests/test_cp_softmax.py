@@ -176,3 +176,33 @@ def test_decoding_under_cp_is_refused_before_the_cache_changes(letter):
     with pytest.raises(ConfigError, match=r"decoding with context parallelism is not supported"):
         mixer(torch.randn(1, 4, 32), info)
     assert not cache.layer(mixer.layer_number)  # nothing half-written
+
+
+def ring_bytes_case(cp: int) -> int:
+    """Bytes this rank sends (isend) in one forward + backward of an ``A`` layer."""
+    import torch.distributed as dist
+
+    from megamoe.parallel.context import ContextShard
+    from megamoe.parallel.groups import build_groups
+
+    groups = build_groups(ParallelConfig(cp=cp))
+    cfg = model_for("A", None)
+    mixer = build_mixer("A", cfg, groups)
+    shard = ContextShard(groups.cp, SEQ)
+    x = torch.randn(2, shard.local_len, cfg.hidden_size, requires_grad=True)
+    sent, isend = [], dist.isend
+    dist.isend = lambda t, *a, **kw: sent.append(t.numel() * t.element_size()) or isend(t, *a, **kw)
+    try:
+        mixer(x, ForwardInfo(positions=shard.local_index().expand(2, -1), cp=shard)).sum().backward()
+    finally:
+        dist.isend = isend
+    return sum(sent)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_bytes_match_the_documented_formula(pool, cp):
+    """docs/mixers.md: forward (P-1) b (S/P) Hk (d+dv) e; backward the same plus P b (S/P) Hk (d+dv) 4."""
+    b, hk, d = 2, 2, 8
+    block = b * (SEQ // cp) * hk * (d + d)
+    want = (cp - 1) * block * 4 + (cp - 1) * block * 4 + cp * block * 4
+    assert pool(cp).run(ring_bytes_case, cp) == [want] * cp
