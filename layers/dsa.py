@@ -25,6 +25,13 @@ Two attentions over the selection (shapes: indices [b, s, K], -1 = no key):
 Decode cache: MLA's latents, plus the indexer keys (``index_k`` [b, T, Di]; for ``I`` also
 ``index_gate`` [b, T, Di], from which the pools are rebuilt).
 
+Context parallelism: the indexer keys (and I's pool gates) and MLA's latents are all-gathered
+over CP, so each rank selects among every key of the sequence for its own queries (indices
+into the whole sequence). Packed documents: ``D`` selects only keys of the query's document,
+``I`` cuts pools from each document's start (``Indexer.pool_table``). The indexer selects in
+passes of ``context_attention.tile_rows(T)`` queries, so its [b, rows, Hi, T] scores stay
+bounded at long contexts.
+
 Parameters per layer: MLA's + r_q*Hi*Di + h*Di + 2*Di (LayerNorm) + h*Hi
   [+ kpool*Di + Di*h for I].
 """

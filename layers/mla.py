@@ -22,6 +22,11 @@ not per-head keys/values: (kv_lora + dr) numbers per token instead of heads/tp *
 dv), and the same on every TP rank. Decoding attends in the absorbed form
 (``q_nope W_uk . c`` and ``(p c) W_uv^T``), so cached latents are never re-expanded.
 
+Context parallelism: ``c`` and ``k_rope`` of the whole sequence are all-gathered over CP
+(r + dr numbers a token) and the local queries attend in the absorbed form, in checkpointed
+query tiles (``context_attention.tiled_latent_attention``); masks from global positions.
+Packed documents (``info.documents``): no query sees another document, with and without CP.
+
 Parameters per layer (q_lora_rank r_q, kv_lora_rank r, heads H):
     h*r_q + r_q + r_q*H*(dn+dr)   (or h*H*(dn+dr) without r_q)
     + h*(r+dr) + r + r*H*(dn+dv) + H*dv*h  [+ h*H head gate]
