@@ -89,6 +89,7 @@ class Trainer:
             self.hf_origin = meta.get("hf")
         if recipe.lora is not None:
             self._apply_lora()
+        self.expert_store = self._open_expert_store()
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.optimizer = DistributedOptimizer(named, self.groups, self.optim_cfg, offload=self.train.optimizer_offload)
         self._maybe_resume()
@@ -120,6 +121,19 @@ class Trainer:
             print(f"LoRA: {trainable:,} trainable parameters of {total:,} ({100.0 * trainable / max(total, 1):.3f}%), "
                   f"rank {lora.rank}, alpha {lora.alpha:g}, expert adapters {lora.expert_adapters}; "
                   f"router frozen, expert-bias update {'on' if lora.update_expert_bias else 'off'}", flush=True)
+
+    def _open_expert_store(self):
+        """Tiered experts (``model.moe.expert_store``) read from the store, by default the weights
+        being fine-tuned (``checkpoint.load``); they are frozen, so only under LoRA."""
+        moe = self.recipe.model.moe
+        if moe is None or not moe.expert_store.enabled:
+            return None
+        if self.recipe.lora is None:
+            raise ConfigError("model.moe.expert_store.budget_mib is set but lora is not: tiered experts are frozen "
+                              "(LoRA fine-tuning, inference); unset the budget to train the experts")
+        from megamoe.tiers import open_expert_store
+
+        return open_expert_store(self.chunks, self.groups, self.base_weights)
 
     def _weights_will_load(self) -> bool:
         """Every model weight comes from a checkpoint: ``checkpoint.load`` (LoRA adapters are
