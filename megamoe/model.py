@@ -4,8 +4,15 @@
 stage builds only its layers (named by their global index, so checkpoints do not depend on
 the layout), the first stage the embedding, the last the final norm and output layer.
 
-Shapes: input_ids [b, s]; hidden states [b, s, h] (``[b, s/tp, h]`` under sequence
-parallelism); logits [b, s, V].
+Context parallelism (CP, ``parallel.cp``) is applied here and only here: every stage takes
+full-sequence inputs (``input_ids``, ``positions``, ``labels`` [b, S], ``documents``), builds
+``ContextShard(groups.cp, S)`` and cuts them to this rank's two chunks (multimodal: the image
+tokens are merged into the local chunks, see ``megamoe.multimodal``); hidden states between
+pipeline stages and the logits cover the local tokens only. The trainer and the data loader
+hand every CP rank of a data-parallel rank the same full samples.
+
+Shapes: input_ids [b, S]; hidden states [b, s, h] with s = S/cp the local tokens
+(``[b, s/tp, h]`` under sequence parallelism); logits [b, s, V].
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ from megamoe.layers.backends import get_backend
 from megamoe.layers.hyper_connection import HyperConnection, expand_streams, merge_streams
 from megamoe.layout import MIXERS, MLPS, LayerKind
 from megamoe.parallel import comm
+from megamoe.parallel.context import ContextShard, split_for_cp
 from megamoe.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.linear import VocabParallelEmbedding
@@ -201,6 +209,7 @@ class LanguageModel(nn.Module):
         ids = range(self.layout.num_layers) if layer_ids is None else layer_ids
         self.block = layer_class(cfg)
         self.layers = nn.ModuleDict({str(i): self.block(self.layout.layers[i], cfg, ctx, i) for i in ids})
+        self.cp_size = ctx.groups.size("cp")
         self.embedding = None
         if pre_process or (post_process and cfg.tie_embeddings):
             self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.groups.tp,
@@ -250,21 +259,39 @@ class LanguageModel(nn.Module):
         full = comm.gather_from(local_logits, -1, self.groups.tp)
         return full[..., : self.config.vocab_size]
 
+    def context_shard(self, seq_len: int, cache=None) -> ContextShard | None:
+        """This rank's share of a sequence of ``seq_len`` tokens under CP; None without CP."""
+        if self.cp_size == 1:
+            return None
+        if cache is not None:
+            raise ConfigError(f"parallel.cp={self.cp_size}: decoding with a cache does not support context parallelism")
+        return ContextShard(self.groups.cp, seq_len)
+
+    def loss_sum(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Sum of the token losses of this rank's tokens: labels [b, S] (full sequence, cut here to
+        the local CP chunks) against vocab-parallel logits [b, s, V_pad/tp]."""
+        labels = split_for_cp(self.context_shard(labels.size(1)), labels)
+        return vocab_parallel_cross_entropy(local_logits, labels, self.groups.tp, self.config.vocab_size).sum()
+
     def loss(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean causal-LM loss over tokens whose label is not -100."""
-        per_token = vocab_parallel_cross_entropy(local_logits, labels, self.groups.tp, self.config.vocab_size)
-        count = (labels != IGNORE_INDEX).sum().clamp(min=1)
-        return per_token.sum() / count
+        """Mean causal-LM loss over tokens whose label is not -100, the whole sequence's value on
+        every CP rank. Backward gives each CP rank its own tokens' share (the trainer sums
+        gradients over ``dp_cp``, so the sum is the single-process gradient)."""
+        count = (labels != IGNORE_INDEX).sum().clamp(min=1)  # full labels: the global count
+        return comm.reduce_from(self.loss_sum(local_logits, labels), self.groups.cp) / count
+
+    def full_length(self, input_ids: torch.Tensor | None, hidden: torch.Tensor | None) -> int:
+        """S, the full sequence a stage input stands for (hidden states are cut over SP and CP)."""
+        if input_ids is not None:
+            return input_ids.size(1)
+        return hidden.size(1) * (self.groups.tp_size if self.ctx.sp else 1) * self.cp_size
 
     def default_positions(self, input_ids: torch.Tensor | None, hidden: torch.Tensor | None,
                           cache=None) -> torch.Tensor:
-        """0..s-1 for every sample, s being the full sequence (also on SP shards); after the
+        """0..S-1 for every sample, S being the full sequence (also on SP and CP shards); after the
         tokens a decode cache has already seen."""
-        if input_ids is not None:
-            b, s, device = input_ids.size(0), input_ids.size(1), input_ids.device
-        else:
-            b, s, device = hidden.size(0), hidden.size(1), hidden.device
-            s *= self.groups.tp_size if self.ctx.sp else 1
+        ref = input_ids if input_ids is not None else hidden
+        b, s, device = ref.size(0), self.full_length(input_ids, hidden), ref.device
         if cache is not None:  # after what it has seen; a left-padded row counts from its first token
             return cache.positions(s, device)
         return torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
@@ -284,15 +311,19 @@ class LanguageModel(nn.Module):
             return self.gather_logits(out)
         return self.loss(out, labels)
 
-    def forward_stage(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """One pipeline stage: token ids [b, s] (first stage) or hidden states in; hidden states
-        or, on the last stage, vocab-parallel logits [b, s, V_pad/tp] out."""
+    def forward_stage(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
+                      documents: torch.Tensor | None = None) -> torch.Tensor:
+        """One pipeline stage: token ids [b, S] (first stage) or hidden states in; hidden states
+        or, on the last stage, vocab-parallel logits [b, s, V_pad/tp] out. ``positions`` [b, S]
+        (or [3, b, S]) and ``documents`` [b, S] cover the full sequence on every stage."""
         ids, hidden = (x, None) if self.pre_process else (None, x)
+        shard = self.context_shard(self.full_length(ids, hidden), cache)
         if positions is None:
             positions = self.default_positions(ids, hidden, cache)
         if self.pre_process:
-            hidden = self.embed(ids)
-        hidden = self.run_layers(hidden, ForwardInfo(positions=positions, cache=cache))
+            hidden = self.embed(split_for_cp(shard, ids))
+        info = ForwardInfo(positions=split_for_cp(shard, positions, dim=-1), cache=cache, cp=shard, documents=documents)
+        hidden = self.run_layers(hidden, info)
         if cache is not None:  # every pipeline stage keeps its own cache
             cache.advance(positions.size(-1))
         return self.head(hidden) if self.post_process else hidden

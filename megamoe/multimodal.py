@@ -28,6 +28,7 @@ from megamoe.config import ModelConfig
 from megamoe.errors import ConfigError
 from megamoe.model import DTYPES, LanguageModel
 from megamoe.parallel import comm
+from megamoe.parallel.context import split_for_cp
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.spec import ForwardInfo
 from megamoe.vision.preprocess import ImageError
@@ -116,11 +117,15 @@ class MultimodalModel(LanguageModel):
 
     # ---- pieces -------------------------------------------------------------------------
 
-    def merge_images(self, hidden: torch.Tensor, input_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Replace placeholder embeddings by image tokens [N, h]; hidden [b, s(/tp), h]."""
+    def merge_images(self, hidden: torch.Tensor, input_ids: torch.Tensor, tokens: torch.Tensor,
+                     shard=None) -> torch.Tensor:
+        """Replace placeholder embeddings by image tokens [N, h]; input_ids [b, S] (full sequence),
+        hidden [b, s(/tp), h] (this rank's CP chunks, ``shard``, cut over TP under SP): the images
+        are placed on the full sequence, then cut like the text (every CP rank runs the tower)."""
         mask = input_ids == self.image_token_id
         full = hidden.new_zeros(*input_ids.shape, hidden.size(-1))
         full = full.masked_scatter(mask.unsqueeze(-1), tokens.to(hidden.dtype))
+        full, mask = split_for_cp(shard, full, mask)
         if self.ctx.sp:  # keep this rank's sequence shard; backward gathers the full gradient
             full = comm.scatter_to(full, 1, self.groups.tp)
             mask = mask.chunk(self.groups.tp_size, dim=1)[self.groups.tp_rank]
@@ -142,12 +147,13 @@ class MultimodalModel(LanguageModel):
         return pos
 
     def embed_multimodal(self, input_ids: torch.Tensor, images=None, positions: torch.Tensor | None = None,
-                         cache=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden [b, s(/tp), h] with image tokens merged, positions)."""
+                         cache=None, shard=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [b, s(/tp), h] of this rank's CP chunks with image tokens merged, positions of
+        the full sequence)."""
         images = [] if images is None else list(images)
         sizes = [tuple(img.shape[-2:]) for img in images]
         spans = image_spans(input_ids, self.image_token_id, [self.vision.num_tokens(*hw) for hw in sizes])
-        hidden = self.merge_images(self.embed(input_ids), input_ids, self.vision(images))
+        hidden = self.merge_images(self.embed(split_for_cp(shard, input_ids)), input_ids, self.vision(images), shard)
         if positions is None:
             positions = self.positions_for(input_ids, spans, [self.vision.lm_grid(*hw) for hw in sizes], cache)
         return hidden, positions
@@ -167,16 +173,17 @@ class MultimodalModel(LanguageModel):
         return self.gather_logits(out) if labels is None else self.loss(out, labels)
 
     def forward_stage(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
-                      images=None) -> torch.Tensor:
+                      images=None, documents: torch.Tensor | None = None) -> torch.Tensor:
         """One pipeline stage (see ``LanguageModel.forward_stage``); the first stage also takes
         the batch's ``images``. Placeholders without images are an error, never ignored."""
+        ids, hidden = (x, None) if self.pre_process else (None, x)
+        shard = self.context_shard(self.full_length(ids, hidden), cache)
         if self.pre_process:
-            hidden, positions = self.embed_multimodal(x, images, positions, cache)
-        else:
-            hidden = x
-            if positions is None:
-                positions = self.default_positions(None, hidden, cache)
-        hidden = self.run_layers(hidden, ForwardInfo(positions=positions, cache=cache))
+            hidden, positions = self.embed_multimodal(x, images, positions, cache, shard)
+        elif positions is None:
+            positions = self.default_positions(None, hidden, cache)
+        info = ForwardInfo(positions=split_for_cp(shard, positions, dim=-1), cache=cache, cp=shard, documents=documents)
+        hidden = self.run_layers(hidden, info)
         if cache is not None:  # every pipeline stage keeps its own cache
             cache.advance(positions.size(-1))
         return self.head(hidden) if self.post_process else hidden

@@ -66,7 +66,8 @@ def planned_model(cfg: ModelConfig, lora=None):
 def _grid(parallel, world_size: int) -> dict[str, int]:
     dp = world_size // (parallel.tp * parallel.pp * parallel.cp)
     edp = world_size // (parallel.etp * parallel.ep * parallel.pp)
-    return {"tp": parallel.tp, "ep": parallel.ep, "etp": parallel.etp, "dp": dp, "edp": edp}
+    return {"tp": parallel.tp, "ep": parallel.ep, "etp": parallel.etp, "dp": dp, "cp": parallel.cp,
+            "dp_cp": dp * parallel.cp, "edp": edp}
 
 
 def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, seq_len: int, *,
@@ -74,12 +75,14 @@ def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, 
     """Bytes one rank of each pipeline stage holds (on the device, and in host memory with
     ``offload``): parameters in their dtype; gradients of trainable parameters in that dtype;
     AdamW's two fp32 moments, plus an fp32 master for a parameter below fp32, split over the
-    data-parallel ranks by ZeRO-1 (experts over the expert-data-parallel ones); activations.
+    data(-context)-parallel ranks by ZeRO-1 (experts over the expert-data-parallel ones);
+    activations.
 
     Activations (rough): ~34 bytes per hidden element per layer and token kept for backward in
     bf16 (Megatron's estimate for a transformer layer), divided by TP under sequence
-    parallelism; ``recompute`` with ``layer`` keeps only each layer's input (2 bytes per hidden
-    element). The static part is what the trainer allocates, exactly (tests/test_plan.py).
+    parallelism and by CP (each rank keeps its 2 of the 2·CP chunks: its share of the K/V and
+    linear-attention inputs too); ``recompute`` with ``layer`` keeps only each layer's input (2
+    bytes per hidden element). The static part is what the trainer allocates, exactly (tests/test_plan.py).
     ``model``: the meta model (``planned_model``) when planning many layouts of one."""
     import math
 
@@ -97,14 +100,14 @@ def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, 
         row["params"] += local
         row["weights"] += local * p.element_size()
         if p.requires_grad:
-            replicas = g["edp"] if any(r.group in ("ep", "etp") for r in rules) else g["dp"]
+            replicas = g["edp"] if any(r.group in ("ep", "etp") for r in rules) else g["dp_cp"]
             state = 8 + (4 if p.dtype != torch.float32 else 0)      # moments (+ fp32 master)
             row["grads"] += local * p.element_size()
             row["optim"] += local * state / (replicas if zero1 else 1)
     per_layer = 2 if "layer" in recompute else 34
-    sp = parallel.tp if parallel.sequence_parallel else 1
+    cut = (parallel.tp if parallel.sequence_parallel else 1) * parallel.cp
     for row in rows:
-        row["activations"] = len(row["layers"]) * per_layer * micro_batch * seq_len * cfg.hidden_size / sp
+        row["activations"] = len(row["layers"]) * per_layer * micro_batch * seq_len * cfg.hidden_size / cut
         row["device"] = row["weights"] + row["grads"] + row["activations"] + (0 if offload else row["optim"])
         row["host"] = row["optim"] if offload else 0.0
     return rows
@@ -125,6 +128,40 @@ def memory_plan(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, s
         out.append(f"{i:<7}{span:<10}{human(r['params']):>12}" + "".join(
             f"{r[k] / 2 ** 30:>{w}.2f}" for k, w in (("weights", 10), ("grads", 9), ("optim", 11),
                                                        ("activations", 9), ("device", 9), ("host", 8))))
+    return "\n".join(out)
+
+
+LONG_CONTEXT = (128 * 1024, 256 * 1024, 512 * 1024, 1024 * 1024)
+
+
+def long_context_plan(cfg: ModelConfig, parallel, world_size: int, lengths=LONG_CONTEXT, **kw) -> str:
+    """The busiest rank's device memory (GiB, ``stage_memory``; one sequence per micro-batch) for
+    each length in ``lengths`` at every CP size the world allows with the recipe's tp, pp, ep and
+    etp, so the CP a context length needs can be read off; as printed by megamoe-plan --long-context."""
+    import dataclasses
+
+    from megamoe.errors import ConfigError
+
+    model = planned_model(cfg, kw.pop("lora", None))
+    cps = []
+    for cp in (1, 2, 4, 8, 16, 32, 64, 128):
+        trial = dataclasses.replace(parallel, cp=cp)
+        try:
+            trial.validate(world_size)
+        except ConfigError:
+            continue
+        cps.append(trial)
+    if not cps:
+        raise ConfigError(f"--long-context: no CP size fits --world-size {world_size} with parallel.tp*pp="
+                          f"{parallel.tp * parallel.pp}")
+    head = f"{'tokens':<8}" + "".join(f"{'cp=' + str(p.cp):>9}" for p in cps)
+    out = [f"long context: busiest rank's device memory (GiB), micro-batch 1, tp {parallel.tp} pp {parallel.pp} "
+           f"ep {parallel.ep} etp {parallel.etp}, sequence_parallel {parallel.sequence_parallel}", head]
+    for n in lengths:
+        cells = [max(r["device"] for r in stage_memory(cfg, p, world_size, 1, n, model=model, **kw)) / 2 ** 30
+                 for p in cps]
+        name = f"{n // 2 ** 20}M" if n % 2 ** 20 == 0 else f"{n // 1024}K"
+        out.append(f"{name:<8}" + "".join(f"{c:>9.2f}" for c in cells))
     return "\n".join(out)
 
 

@@ -17,6 +17,7 @@ from megamoe.config import ModelConfig, ParallelConfig, check_pipeline_support, 
 from megamoe.data.config import DataConfig
 from megamoe.errors import ConfigError
 from megamoe.lora.config import LoRAConfig
+from megamoe.parallel.context import check_cp_length
 from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
 
 RECIPE_DIR = Path(__file__).parent / "recipes"
@@ -50,8 +51,11 @@ class Recipe:
         self.train.validate()
         if self.lora is not None:
             self.lora.validate()
-        if self.parallel.cp > 1:
-            raise ConfigError("parallel.cp>1: context parallelism is not implemented by the trainer yet")
+        # CP cuts every sequence into 2*cp chunks; under SP each rank's two chunks are cut over TP
+        check_cp_length(self.data.seq_len, self.parallel.cp, "data.seq_len")
+        if self.parallel.cp > 1 and self.parallel.sequence_parallel and (self.data.seq_len // self.parallel.cp) % self.parallel.tp:
+            raise ConfigError(f"data.seq_len {self.data.seq_len} / parallel.cp={self.parallel.cp} is not divisible by "
+                              f"parallel.tp={self.parallel.tp} (sequence parallelism cuts each rank's tokens over TP)")
         check_pipeline_support(self.model, self.parallel)
         if world_size is not None:
             self.parallel.validate(world_size)

@@ -150,7 +150,8 @@ def test_wheel_installs_every_module_and_the_commands(tmp_path):
     plan = subprocess.run([str(venv / "bin" / "megamoe-plan"), "--config", "tiny_dense"], capture_output=True,
                           text=True, cwd=tmp_path, env=env)
     assert plan.returncode == 0 and "summary:" in plan.stdout, plan.stderr[-2000:]
-    refused = subprocess.run([str(venv / "bin" / "megamoe-plan"), "--config", "tiny_dense", "parallel.cp=2"],
-                             capture_output=True, text=True, cwd=tmp_path, env=env)
+    refused = subprocess.run([str(venv / "bin" / "megamoe-plan"), "--config", "tiny_dense", "parallel.cp=2",
+                              "data.seq_len=30"], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
-        "error: parallel.cp>1: context parallelism is not implemented by the trainer yet"], refused.stderr
+        "error: data.seq_len 30 is not divisible by 2*parallel.cp = 4 (context parallelism cuts each sequence "
+        "into 2*cp equal chunks)"], refused.stderr

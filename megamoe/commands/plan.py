@@ -3,6 +3,7 @@ per-stage memory per rank; or place experts over EP ranks from their measured lo
 
     megamoe-plan --config moe_1t --world-size 1024 parallel.tp=8 parallel.pp=4 parallel.ep=64
     megamoe-plan --config hybrid_vl_1t --world-size 1024 --gpu-mem 141GiB [lora.rank=16 ...]
+    megamoe-plan --config moe_1t --world-size 1024 --long-context parallel.tp=8 parallel.ep=64
     megamoe-plan experts --load LOAD.json --ep 8 [--out PLACEMENT.json]
     megamoe-plan experts --calibrate HF_DIR --text FILE --ep 8 [--seq-len 512] [--tokenizer SPEC] [--save-load LOAD.json]
 
@@ -14,7 +15,7 @@ busiest-rank load (max/mean) before and after, and writes the placement that
 import sys
 
 from megamoe.cli import number_in, recipe_parser, run_main, tool_parser
-from megamoe.plan import describe, fitting_layouts, memory_plan
+from megamoe.plan import describe, fitting_layouts, long_context_plan, memory_plan
 from megamoe.training.entry import load_train_recipe
 
 
@@ -82,9 +83,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--world-size", type=number_in(int, 1), default=1, help="number of ranks (GPUs) of the run")
     p.add_argument("--gpu-mem", type=_bytes, help="list the layouts whose every rank fits this much device memory "
                    "(e.g. 141GiB, 80GB)")
+    p.add_argument("--long-context", action="store_true", help="also print the busiest rank's memory at 128K-1M "
+                   "tokens per sequence for every context-parallel size (parallel.cp) the world allows")
     args = p.parse_args(argv)
     recipe = load_train_recipe(args.config, args.overrides, validate=False)
     print(describe(recipe.model))
+    if args.long_context:
+        print(long_context_plan(recipe.model, recipe.parallel, args.world_size, lora=recipe.lora,
+                                offload=recipe.train.optimizer_offload, recompute=recipe.train.recompute,
+                                zero1=recipe.optim.zero1))
     if args.gpu_mem:
         what = "LoRA" if recipe.lora is not None else "full training"
         fits = fitting_layouts(recipe, args.world_size, args.gpu_mem)

@@ -3,12 +3,12 @@
 Stage cuts come from the layout string: ``layout.stages(pp * vpp)`` gives the layers of each
 virtual stage; pipeline rank r holds virtual stages r, r + pp, r + 2*pp, ... (interleaved
 1F1B when vpp > 1). Activations between stages are the residual stream ``[b, s(/tp), h]``
-(``[b, s(/tp), n, h]`` with hyper-connections); the last stage returns vocab-parallel logits
-and the schedule applies the loss there.
+(``[b, s(/tp), n, h]`` with hyper-connections; s = S/cp, this rank's CP chunks); the last
+stage returns vocab-parallel logits of the local tokens and the schedule applies the loss
+there (the full labels, cut by the model's ``loss_sum``).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -16,7 +16,6 @@ from torch import nn
 
 from megamoe.config import ModelConfig, ParallelConfig, check_pipeline_support
 from megamoe.model import LanguageModel, build_model
-from megamoe.parallel import comm
 from megamoe.parallel.groups import ParallelGroups
 
 
@@ -61,7 +60,8 @@ def stage_examples(chunk: LanguageModel, micro_batch: int, seq_len: int, device,
     mode would run an extra forward and backward to infer shapes, which MoE routers would
     count as real tokens.)"""
     ctx = chunk.ctx
-    local_seq = seq_len // ctx.groups.tp_size if ctx.sp else seq_len
+    cp_seq = seq_len // chunk.cp_size  # this rank's CP chunks
+    local_seq = cp_seq // ctx.groups.tp_size if ctx.sp else cp_seq
     # requires_grad marks activations whose gradients travel between stages; the residual stream
     # between stages may carry more than [b, s, h] (hyper-connections: [b, s, n, h])
     hidden = torch.zeros(micro_batch, local_seq, ctx.hidden_size, dtype=ctx.dtype, device=device)
@@ -69,7 +69,7 @@ def stage_examples(chunk: LanguageModel, micro_batch: int, seq_len: int, device,
     inp = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device) if chunk.pre_process else hidden
     if chunk.post_process:
         vocab = -(-chunk.config.vocab_size // ctx.groups.tp_size)
-        out = torch.zeros(micro_batch, seq_len, vocab, dtype=logits_dtype, device=device, requires_grad=True)
+        out = torch.zeros(micro_batch, cp_seq, vocab, dtype=logits_dtype, device=device, requires_grad=True)
     else:
         out = hidden
     return inp, out
@@ -94,52 +94,3 @@ def build_schedule(chunks: list[LanguageModel], ids: list[int], n_stages: int, g
     if len(stages) == 1:
         return Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False), modules
     return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False), modules
-
-
-@contextmanager
-def timed_p2p():
-    """On a sampled step (a ``comm`` recorder active), time the pipeline schedule's sends and
-    receives as ``send_recv`` on the ``pp`` group (tag ``pipeline``); otherwise nothing at all.
-
-    ``torch.distributed.pipelining`` issues them through its module functions ``_batch_p2p``
-    and ``_wait_batch_p2p``; they are wrapped for the step only. A batch's sample is the time
-    the schedule spends issuing it and waiting for all its works (``comm.P2PTimer``). Without
-    those functions (another torch) the pipeline is not timed.
-    """
-    from torch.distributed.pipelining import schedules
-
-    batch_fn, wait_fn = getattr(schedules, "_batch_p2p", None), getattr(schedules, "_wait_batch_p2p", None)
-    if comm.active_recorder() is None or batch_fn is None or wait_fn is None:
-        yield
-        return
-    open_: dict[int, list] = {}  # id(work) -> [its batch's timer, works of the batch not yet waited]
-
-    def batch_p2p(ops, desc=None):
-        timer = comm.p2p_timer(ops[0].group if ops else None, [op.tensor for op in ops], "pipeline")
-        works = batch_fn(ops, desc=desc)
-        timer.pause()
-        entry = [timer, len(works)]
-        for w in works:
-            open_[id(w)] = entry
-        if not works:
-            timer.finish()
-        return works
-
-    def wait_batch_p2p(works):
-        for w in works:
-            entry = open_.pop(id(w), None)
-            if entry is not None:
-                entry[0].resume()
-            w.wait()
-            if entry is not None:
-                entry[0].pause()
-                entry[1] -= 1
-                if entry[1] == 0:
-                    entry[0].resume()
-                    entry[0].finish()
-
-    schedules._batch_p2p, schedules._wait_batch_p2p = batch_p2p, wait_batch_p2p
-    try:
-        yield
-    finally:
-        schedules._batch_p2p, schedules._wait_batch_p2p = batch_fn, wait_fn

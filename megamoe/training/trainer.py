@@ -1,9 +1,11 @@
-"""The training loop on the megatron-core grid: DP (+ZeRO-1), TP/SP, PP (1F1B), EP.
+"""The training loop on the megatron-core grid: DP (+ZeRO-1), TP/SP, PP (1F1B), EP, CP.
 
 One optimizer step consumes one global batch of ``train.global_batch_size`` samples; data
-parallel rank r of D takes its slice, split into micro-batches. The loss of every
-micro-batch is divided by the global number of target tokens, so gradients are plain sums
-and any layout reproduces the single-process run.
+parallel rank r of D takes its slice, split into micro-batches. The ranks of a CP group share
+a data-parallel rank: each gets the same full samples and the model cuts them to its chunks
+(``megamoe.model``). The loss of every micro-batch is divided by the global number of target
+tokens, so gradients are plain sums (over ``dp_cp``) and any layout reproduces the
+single-process run.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from megamoe.data import BatchLayout, TrainData
 from megamoe.errors import CheckpointError, ConfigError, DataError, MegamoeError
 from megamoe.plan import budget
 from megamoe.parallel import comm
-from megamoe.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from megamoe.parallel.cross_entropy import IGNORE_INDEX
 from megamoe.parallel.groups import ParallelGroups, build_groups, init_distributed
 from megamoe.recipe import Recipe, config_to_dict
 from megamoe.training import checkpoint as ckpt
@@ -31,7 +33,7 @@ from megamoe.training.faults import describe, is_collective_failure
 from megamoe.training.guards import CheckpointMismatch, check_unchanged, run_record
 from megamoe.training.monitor import Monitor, memory_gib, peak_tflops
 from megamoe.training.optimizer import DistributedOptimizer, lr_at
-from megamoe.training.pipeline import build_chunks, build_schedule, timed_p2p
+from megamoe.training.pipeline import build_chunks, build_schedule
 from megamoe.weights import initialize
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.groups = groups or build_groups(recipe.parallel, self.train.collective_timeout_s)
         self.phase = "setup"  # the part of the step in progress, for CollectiveFailure
-        self.dp = self.groups.size("dp_cp")
+        self.dp = self.groups.size("dp")  # CP ranks share a data-parallel rank (and its samples)
         self.n_micro = self.train.micro_batches(self.dp)
         self.device = _device(self.train)
         torch.manual_seed(self.train.seed * 1009 + self.rank)
@@ -89,7 +91,6 @@ class Trainer:
             self.hf_origin = meta.get("hf")
         if recipe.lora is not None:
             self._apply_lora()
-        self.expert_store = self._open_expert_store()
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.optimizer = DistributedOptimizer(named, self.groups, self.optim_cfg, offload=self.train.optimizer_offload)
         self._maybe_resume()
@@ -121,19 +122,6 @@ class Trainer:
             print(f"LoRA: {trainable:,} trainable parameters of {total:,} ({100.0 * trainable / max(total, 1):.3f}%), "
                   f"rank {lora.rank}, alpha {lora.alpha:g}, expert adapters {lora.expert_adapters}; "
                   f"router frozen, expert-bias update {'on' if lora.update_expert_bias else 'off'}", flush=True)
-
-    def _open_expert_store(self):
-        """Tiered experts (``model.moe.expert_store``) read from the store, by default the weights
-        being fine-tuned (``checkpoint.load``); they are frozen, so only under LoRA."""
-        moe = self.recipe.model.moe
-        if moe is None or not moe.expert_store.enabled:
-            return None
-        if self.recipe.lora is None:
-            raise ConfigError("model.moe.expert_store.budget_mib is set but lora is not: tiered experts are frozen "
-                              "(LoRA fine-tuning, inference); unset the budget to train the experts")
-        from megamoe.tiers import open_expert_store
-
-        return open_expert_store(self.chunks, self.groups, self.base_weights)
 
     def _weights_will_load(self) -> bool:
         """Every model weight comes from a checkpoint: ``checkpoint.load`` (LoRA adapters are
@@ -283,8 +271,8 @@ class Trainer:
         return ids, {"images": [self._preprocess(img).to(self.device) for img in mb["images"]]}
 
     def _loss_sum(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        cfg = self.recipe.model
-        return vocab_parallel_cross_entropy(local_logits, labels, self.groups.tp, cfg.vocab_size).sum()
+        """This rank's tokens' loss sum (labels are the full sequence; the last chunk cuts them)."""
+        return self.chunks[-1].loss_sum(local_logits, labels)
 
     def _forward_backward(self, micro: list[dict], total_tokens: torch.Tensor) -> torch.Tensor:
         """Sum of token losses of this rank's micro-batches (on the last stage, else 0)."""
@@ -314,7 +302,7 @@ class Trainer:
             self._stage_modules[0].extra = [self._stage_inputs(mb)[1] for mb in micro]
         args = [(mb["input_ids"].to(self.device),) for mb in micro] if self.first else None
         targets = [mb["labels"].to(self.device) for mb in micro] if self.last else None
-        with self._autocast(), timed_p2p():
+        with self._autocast():
             self._schedule.step(arg_mbs=args, target_mbs=targets, losses=losses, return_outputs=False)
         for x in losses:
             loss_sum += x.detach().double().cpu() * total_tokens.double().cpu()
@@ -329,24 +317,22 @@ class Trainer:
 
     def train_step(self, micro: list[dict]) -> dict:
         """Forward, backward, gradient sync, clip and update on one global batch."""
-        with self._timing():  # every collective of a sampled step, the gradient sync included
-            return self._train_step(micro)
-
-    def _train_step(self, micro: list[dict]) -> dict:
         if len(micro) != self.n_micro:
             raise ConfigError(f"data gave {len(micro)} micro-batches, train.global_batch_size needs {self.n_micro}")
         start = time.perf_counter()
         local_tokens = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro)
         self.phase = "token count"
+        # every CP rank holds the full labels: count over the data-parallel ranks only
         total_tokens = comm.all_reduce_tensor(torch.tensor(float(local_tokens), dtype=torch.float64),
-                                              self.groups.dp_cp).to(torch.float32)
+                                              self.groups.dp).to(torch.float32)
         if total_tokens.item() == 0:  # the same sum on every rank: all of them stop here
             raise DataError(f"step {self.step + 1}: the global batch has no target tokens (every label is masked), "
                             f"so the loss would be 0 and nothing learned; check data.paths (SFT samples whose "
                             f"answers data.seq_len truncates away?)")
         self.optimizer.zero_grad()
         self.phase = "forward/backward"
-        loss_sum = self._forward_backward(micro, total_tokens.to(self.device))
+        with self._timing():
+            loss_sum = self._forward_backward(micro, total_tokens.to(self.device))
         self.phase = "gradient sync"
         sync_grads(self.chunks, self.groups)
         self.phase = "gradient norm"
@@ -386,15 +372,14 @@ class Trainer:
         embed = b.parts.get("embedding", (0, 0.0))[1] if not self.recipe.model.tie_embeddings else 0.0
         return 6.0 * (b.active - embed)
 
-    def _gather_latencies(self) -> dict[str, list[tuple[float, int]]]:
-        """The (seconds, bytes) samples of every rank since the last call, by ``comm.sample_key``,
-        on rank 0 (a collective)."""
+    def _gather_latencies(self) -> dict[str, list[float]]:
+        """The samples of every rank since the last call, on rank 0 (a collective)."""
         if self.recorder is None:
             return {}
         mine = {f"rank{self.rank}/{k}": v for k, v in self.recorder.drain().items()}
         gathered = [None] * self.world if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
-        out: dict[str, list[tuple[float, int]]] = {}
+        out: dict[str, list[float]] = {}
         for part in gathered or []:
             for k, v in part.items():
                 out.setdefault(k.split("/", 1)[1], []).extend(v)
@@ -444,7 +429,7 @@ class Trainer:
             raise ConfigError("data: the trainer has no dataset")
         cfg = self.recipe
         layout = BatchLayout(self.train.global_batch_size, self.train.micro_batch_size, self.dp,
-                             self.groups.rank("dp_cp"))
+                             self.groups.rank("dp"))
         data = TrainData(self.dataset, layout, cfg.data.seed, cfg.data.shuffle, self.consumed, cfg.data.num_workers)
         log_dir = log_dir or cfg.logging.dir or (Path(cfg.checkpoint.dir) / "tb" if cfg.checkpoint.dir else "runs")
         monitor = Monitor(log_dir, cfg.logging, self.train.steps, self.step, enabled=self.rank == 0)
