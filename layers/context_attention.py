@@ -10,10 +10,15 @@ K/V blocks (the two chunks a rank holds) travel once around the CP ring, and eac
 merged into the running output with its log-sum-exp (online softmax). Work is done per
 (query chunk, key chunk) pair, in tiles of at most ``TILE`` tokens a side, and a tile that its
 mask leaves empty is skipped, so with the 2·CP load-balanced chunks every rank computes the
-same number of causal tiles, and a sliding window computes only the tiles it reaches. The backward passes (K, V, dK, dV) around the ring
-once more; dK/dV arrive back at their owner after CP hops. Why a ring and not an all-gather of
-K/V: a rank never holds more than two blocks (memory stays O(S/CP)), and the next block's
-transfer overlaps the current block's compute.
+same number of causal tiles, and a sliding window computes only the tiles it reaches. The
+backward recomputes each tile's probabilities from the saved log-sum-exp and passes (K, V)
+and the accumulating (dK, dV) around the ring once more; dK/dV arrive back at their owner
+after CP hops. Why a ring and not an all-gather of K/V: a rank never holds more than two
+blocks (memory stays O(S/CP)), and the next block's transfer overlaps the current block's
+compute.
+
+MLA (M, D, I) all-gathers its latents instead (``tiled_latent_attention`` for M): see
+docs/mixers.md "Context parallelism: softmax attention" for the choice per mixer.
 
 Shapes: q [b, s, Hq, d], k [b, s, Hk, d], v [b, s, Hk, dv] (s = this rank's 2 chunks, local
 order); inside, heads are grouped as [b, Hk, rep, t, d] so GQA never expands K/V.
@@ -22,7 +27,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
+from megamoe.parallel import comm
 from megamoe.errors import ConfigError
 
 TILE = 1024  # tokens per side of a score tile
@@ -74,11 +81,18 @@ class _RingTransfer:
         self.sent = torch.cat([t.reshape(-1) for t in tensors])
         self.got = torch.empty_like(self.sent)
         nxt, prv = (dist.get_global_rank(group, (rank + o) % size) for o in (1, -1))
+        self.timer = comm.p2p_timer(group, [self.sent, self.got], "ring")  # sampled training steps only
         self.reqs = [dist.isend(self.sent, nxt, group=group, tag=tag), dist.irecv(self.got, prv, group=group, tag=tag)]
+        if self.timer is not None:
+            self.timer.pause()
 
     def wait(self) -> list[torch.Tensor]:
+        if self.timer is not None:
+            self.timer.resume()
         for r in self.reqs:
             r.wait()
+        if self.timer is not None:
+            self.timer.finish()
         parts = self.got.split([s.numel() for s in self.shapes])
         return [p.view(s) for p, s in zip(parts, self.shapes)]
 
@@ -103,8 +117,9 @@ class _Blocks:
         return out
 
     def pairs(self, src: int):
+        k_tiles = self.tiles(src)
         for qs, qp in self.q_tiles:
-            for ks, kp in self.tiles(src):
+            for ks, kp in k_tiles:
                 if kp[0] > qp[-1] or (self.window and kp[-1] <= qp[0] - self.window):
                     continue  # causal / window: nothing to see
                 mask = document_mask(self.documents, qp, kp, self.window)  # [1|b, tq, tk]
@@ -187,3 +202,41 @@ def ring_attention(q, k, v, scale: float, window: int, cp, documents: torch.Tens
     out = RingAttention.apply(qg.contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
                               scale, window, cp, documents, tile or TILE)
     return out.permute(0, 3, 1, 2, 4).reshape(b, s, hq, v.size(-1))
+
+
+# ---- MLA's absorbed attention over all-gathered latents -----------------------------------------
+
+def tile_rows(keys: int) -> int:
+    """Query rows per pass so that a pass scores about TILE^2 (query, key) pairs (at least 16)."""
+    return max(16, TILE * TILE // keys)
+
+
+def _latent_tile(core, q_lat, q_rope, c, k_rope, scale, q_pos, documents):
+    """One query tile against the latents it can reach (keys up to its last position)."""
+    end = int(q_pos.max()) + 1
+    mask = document_mask(documents, q_pos, torch.arange(end, device=q_pos.device))
+    return core(q_lat, q_rope, c[:, :end], k_rope[:, :end], scale, mask)
+
+
+def tiled_latent_attention(core, q_lat, q_rope, c, k_rope, scale: float, q_pos: torch.Tensor,
+                           documents: torch.Tensor | None = None) -> torch.Tensor:
+    """``core`` (the ``latent_attention`` role) for queries at global positions ``q_pos`` [s] over
+    the whole sequence's latents c [b, S, r], k_rope [b, S, dr], in query tiles of about
+    ``TILE^2 / S`` rows, each recomputed in the backward (activation checkpointing): neither
+    the [s, S] mask nor the [b, s, H, S] scores are ever held whole. -> [b, s, H, r]."""
+    rows = tile_rows(c.size(1))
+    outs = [checkpoint(_latent_tile, core, q_lat[:, a:a + rows], q_rope[:, a:a + rows], c, k_rope, scale,
+                       q_pos[a:a + rows], documents, use_reentrant=False)
+            for a in range(0, q_lat.size(1), rows)]
+    return torch.cat(outs, dim=1)
+
+
+def tiled_sparse_latent_attention(core, q_lat, q_rope, c, k_rope, idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """``core`` (the ``sparse_latent_attention`` role) in checkpointed query tiles of about
+    ``TILE^2 / K`` rows (idx [b, s, K]): the [b, rows, K, r] latents each tile gathers exist
+    for one tile at a time and are not kept for the backward. -> [b, s, H, r]."""
+    rows = tile_rows(idx.size(-1))
+    outs = [checkpoint(core, q_lat[:, a:a + rows], q_rope[:, a:a + rows], c, k_rope, idx[:, a:a + rows], scale,
+                       use_reentrant=False)
+            for a in range(0, q_lat.size(1), rows)]
+    return torch.cat(outs, dim=1)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamoe.layers.context_attention import document_mask, ring_attention
+from megamoe.layers.context_attention import ring_attention
 
 
 def causal_mask(t_q: int, t_k: int, window: int = 0, device=None) -> torch.Tensor:
@@ -36,9 +36,8 @@ class CoreAttention(nn.Module):
         order): packed documents, no query sees another document's keys."""
         if cp is not None and cp.size > 1:
             return ring_attention(q, k, v, self.scale, self.window, cp, documents)
-        if documents is not None:
-            pos = torch.arange(k.size(1), device=q.device)
-            mask = document_mask(documents, pos[k.size(1) - q.size(1):], pos, self.window).unsqueeze(1)
+        if documents is not None and mask is None and q.size(1) == k.size(1):
+            return self.packed(q, k, v, documents)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, t, d]
         t, tk = q.size(2), k.size(2)
         gqa = q.size(1) != k.size(1)
@@ -49,3 +48,14 @@ class CoreAttention(nn.Module):
                 mask = causal_mask(t, tk, self.window, q.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         return out.transpose(1, 2)
+
+    def packed(self, q, k, v, documents: torch.Tensor) -> torch.Tensor:
+        """Each document of each row attended on its own (causal inside it): exactly the documents
+        run one by one, through the fused kernel, and no [s, s] mask is built."""
+        rows = []
+        for r in range(q.size(0)):
+            _, lengths = torch.unique_consecutive(documents[r], return_counts=True)
+            spans = torch.cumsum(lengths, 0).tolist()
+            rows.append(torch.cat([self(q[r:r + 1, a:e], k[r:r + 1, a:e], v[r:r + 1, a:e])
+                                   for a, e in zip([0] + spans[:-1], spans)], dim=1))
+        return torch.cat(rows, dim=0)

@@ -25,10 +25,19 @@ Two attentions over the selection (shapes: indices [b, s, K], -1 = no key):
 Decode cache: MLA's latents, plus the indexer keys (``index_k`` [b, T, Di]; for ``I`` also
 ``index_gate`` [b, T, Di], from which the pools are rebuilt).
 
+Context parallelism: the indexer keys (and I's pool gates) and MLA's latents are all-gathered
+over CP, so each rank selects among every key of the sequence for its own queries (indices
+into the whole sequence). Packed documents: ``D`` selects only keys of the query's document,
+``I`` cuts pools from each document's start (``Indexer.pool_table``). The indexer selects in
+passes of ``context_attention.tile_rows(T)`` queries, so its [b, rows, Hi, T] scores stay
+bounded at long contexts.
+
 Parameters per layer: MLA's + r_q*Hi*Di + h*Di + 2*Di (LayerNorm) + h*Hi
   [+ kpool*Di + Di*h for I].
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +46,8 @@ from torch import nn
 from megamoe.cache import append_time
 from megamoe.config import DSAConfig, MLAConfig
 from megamoe.errors import ConfigError
-from megamoe.layers.context_attention import context_shard, document_mask
+from megamoe.layers.context_attention import (context_shard, document_mask, tile_rows,
+                                               tiled_sparse_latent_attention)
 from megamoe.layers.mla import MultiLatentAttention
 from megamoe.layers.rotary import apply_rotary, cached_yarn_cos_sin
 from megamoe.parallel import comm
@@ -88,6 +98,17 @@ def sparse_latent_attention(q_lat, q_rope, c, k_rope, idx, scale: float):
     scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
     p = torch.softmax(scores.float(), dim=-1).to(c.dtype)
     return torch.einsum("bshk,bskr->bshr", p, c_sel)
+
+
+class PoolTable(NamedTuple):
+    """GLM-5's candidate pools: keys [b, N, Di], first token [N], and for packed documents
+    ok [b, N] (starts a complete pool of its document), documents [b, T], in_doc [b, T]."""
+
+    keys: torch.Tensor
+    first: torch.Tensor
+    ok: torch.Tensor | None
+    documents: torch.Tensor | None
+    in_doc: torch.Tensor | None
 
 
 class LayerNorm(nn.Module):
@@ -150,15 +171,23 @@ class Indexer(nn.Module):
         weights = self.linear_weights(x).float() * self.heads ** -0.5  # [b, s, Hi]
         qpos = query_positions(s, k.size(1), k.device) if cp is None else cp.local_index(k.device)
         pad = None if cache is None else cache.pad
+        valid = None if pad is None or self.pooled else cache.attention_mask(s, k.size(1), device=k.device)
+        table = self.pool_table(k, gate, documents) if self.pooled and pad is None else None
+        # queries in passes of `rows`: at most [b, rows, Hi, T] scores exist at a time (long contexts)
+        rows = tile_rows(k.size(1))
+        parts = [self.select(q[:, a:a + rows], k, gate, weights[:, a:a + rows], qpos[a:a + rows], pad,
+                             None if valid is None else valid[..., a:a + rows, :], documents, table)
+                 for a in range(0, s, rows)]
+        return torch.cat(parts, dim=1)
+
+    def select(self, q, k, gate, weights, qpos, pad, valid, documents, table):
+        """The selection of some queries (``forward``'s tensors cut to their rows): indices [b, rows, K]."""
         if self.pooled:
-            if documents is not None:
-                return self.select_document_pools(q, k, gate, weights, qpos, documents)
             if pad is None:
-                return self.select_pools(q, k, gate, weights, qpos)
+                return self.choose_pools(table, q, weights, qpos)
             return self.select_pools_padded(q, k, gate, weights, qpos, pad.to(k.device))
         scores = self.score(q, k, weights)
-        valid = None if pad is None else cache.attention_mask(s, k.size(1), device=k.device)  # no padded keys
-        if valid is None:
+        if valid is None:  # (a padded batch's valid keys come from the cache)
             valid = document_mask(documents, qpos, torch.arange(k.size(1), device=k.device)).expand_as(scores)
         return select_topk(scores, valid, self.topk)
 
@@ -168,7 +197,7 @@ class Indexer(nn.Module):
         return torch.einsum("bsh,bshn->bsn", weights, per_head)
 
     def select_pools_padded(self, q, k, gate, weights, qpos, pad):
-        """``select_pools`` for left-padded rows (pad [b]): pools are cut from each row's first real
+        """GLM-5 selection for left-padded rows (pad [b]): pools are cut from each row's first real
         token, so the keys are shifted to start there, selected, and the indices shifted back.
         A padded query selects only itself."""
         total = k.size(1)
@@ -176,53 +205,50 @@ class Indexer(nn.Module):
         inside = (j < total).unsqueeze(-1)
         shift = lambda t: torch.where(inside, t.gather(1, j.clamp(max=total - 1)[..., None].expand_as(t)), 0)  # noqa: E731
         qpos_row = qpos[None, :] - pad[:, None]  # [b, s] positions of the queries in their row
-        idx = self.select_pools(q, shift(k), shift(gate), weights, qpos_row)
+        idx = self.choose_pools(self.pool_table(shift(k), shift(gate)), q, weights, qpos_row)
         idx = torch.where(idx >= 0, idx + pad[:, None, None], -1)
         own = torch.full_like(idx, -1)
         own[..., 0] = qpos
         return torch.where((qpos_row < 0).unsqueeze(-1), own, idx)
 
-    def select_document_pools(self, q, k, gate, weights, qpos, documents):
-        """``select_pools`` for packed documents [b, T]: pools are cut from each document's start and
-        a query sees only its document's pools. A pool is named by its first token, so candidates
-        are all T tokens (the ones that start a complete pool are valid), ranked in token order
-        as ``select_pools`` ranks its pools."""
+    def pool_table(self, k, gate, documents: torch.Tensor | None = None) -> PoolTable:
+        """GLM-5's candidate pools of ``kpool`` consecutive keys, built once per forward. Without
+        documents: the T // kpool complete pools from token 0. With packed documents [b, T]: pools
+        are cut from each document's start; a pool is named by its first token, so the candidates
+        are all T tokens (those that start a complete pool are valid), ranked in token order as
+        the plain pools are."""
         bsz, total, kp = k.size(0), k.size(1), self.kpool
-        in_doc = position_in_document(documents)  # [b, T]
         offsets = torch.arange(kp, device=k.device)
-        last = (torch.arange(total, device=k.device) + kp - 1).clamp(max=total - 1)  # a pool's last token
-        complete = (in_doc % kp == 0) & (in_doc.gather(1, last.expand(bsz, -1)) == in_doc + kp - 1)
-        members = (torch.arange(total, device=k.device)[:, None] + offsets).clamp(max=total - 1)  # [T, kp]
-        keys, logits = k[:, members], gate[:, members].float() + self.pool_ape.float()  # [b, T, kp, Di]
-        pool_keys = (torch.softmax(logits, dim=2).to(keys.dtype) * keys).sum(dim=2)  # [b, T, Di]
-        q_doc = documents[:, qpos]  # [b, s]
-        valid = (complete[:, None, :] & (last[None, None, :] <= qpos[None, :, None])
-                 & (documents[:, None, :] == q_doc[..., None]))
-        chosen = select_topk(self.score(q, pool_keys, weights), valid, self.topk // kp)
-        tokens = (chosen.unsqueeze(-1) + offsets).masked_fill(chosen.unsqueeze(-1) < 0, -1).flatten(-2)
-        if kp == 1:
-            return tokens
-        tail_count = (in_doc[:, qpos] + 1) % kp  # [b, s] tokens of the query's incomplete pool
-        tail = (qpos + 1 - tail_count)[..., None] + offsets[:-1]
-        tail = tail.masked_fill(offsets[:-1] >= tail_count[..., None], -1)
-        return torch.cat([tokens, tail], dim=-1)
+        if documents is None:
+            first = torch.arange(total // kp, device=k.device) * kp  # only complete pools can be selected
+            ok = in_doc = None
+        else:
+            first = torch.arange(total, device=k.device)
+            in_doc = position_in_document(documents)  # [b, T]
+            last = (first + kp - 1).clamp(max=total - 1)
+            ok = (in_doc % kp == 0) & (in_doc.gather(1, last.expand(bsz, -1)) == in_doc + kp - 1)
+        members = (first[:, None] + offsets).clamp(max=total - 1)  # [N, kp]
+        keys, logits = k[:, members], gate[:, members].float() + self.pool_ape.float()  # [b, N, kp, Di]
+        pool_keys = (torch.softmax(logits, dim=2).to(keys.dtype) * keys).sum(dim=2)  # [b, N, Di]
+        return PoolTable(pool_keys, first, ok, documents, in_doc)
 
-    def select_pools(self, q, k, gate, weights, qpos):
-        """GLM-5: score complete pools, keep topk/kpool of them, add the visible tail pool.
-        qpos: [s] query positions, or [b, s] per row."""
-        bsz, total, kp = k.size(0), k.size(1), self.kpool
-        pools = total // kp  # only complete pools can ever be selected
-        keys = k[:, :pools * kp].view(bsz, pools, kp, self.dim)
-        logits = gate[:, :pools * kp].view(bsz, pools, kp, self.dim).float() + self.pool_ape.float()
-        pool_keys = (torch.softmax(logits, dim=2).to(keys.dtype) * keys).sum(dim=2)  # [b, P, Di]
-        pool_end = torch.arange(pools, device=k.device) * kp + kp - 1
-        valid = (pool_end <= qpos[..., None]).expand(bsz, -1, -1)
-        chosen = select_topk(self.score(q, pool_keys, weights), valid, self.topk // kp)  # [b, s, k]
-        offsets = torch.arange(kp, device=k.device)
-        tokens = (chosen.unsqueeze(-1) * kp + offsets).masked_fill(chosen.unsqueeze(-1) < 0, -1).flatten(-2)
+    def choose_pools(self, table: PoolTable, q, weights, qpos) -> torch.Tensor:
+        """Score the pools a query sees (complete, last token visible, its document), keep topk/kpool
+        of them, add the query's incomplete tail pool. qpos: [s] query positions, or [b, s] per row."""
+        bsz, kp = q.size(0), self.kpool
+        offsets = torch.arange(kp, device=q.device)
+        valid = (table.first + kp - 1 <= qpos[..., None]).expand(bsz, -1, -1)  # [b, s, N]
+        in_query = qpos
+        if table.documents is not None:
+            q_doc = table.documents[:, qpos]  # [b, s]
+            valid = valid & table.ok[:, None, :] & (table.documents[:, None, table.first] == q_doc[..., None])
+            in_query = table.in_doc[:, qpos]
+        chosen = select_topk(self.score(q, table.keys, weights), valid, self.topk // kp)  # [b, s, k]
+        start = table.first[chosen.clamp(min=0)].unsqueeze(-1)
+        tokens = (start + offsets).masked_fill(chosen.unsqueeze(-1) < 0, -1).flatten(-2)
         if kp == 1:
             return tokens
-        tail_count = (qpos + 1) % kp
+        tail_count = (in_query + 1) % kp  # tokens of the query's incomplete pool
         tail = (qpos + 1 - tail_count)[..., None] + offsets[:-1]  # [(b,) s, kp - 1]
         tail = tail.masked_fill(offsets[:-1] >= tail_count[..., None], -1)
         return torch.cat([tokens, tail.expand(bsz, -1, -1)], dim=-1)
@@ -257,7 +283,11 @@ class SparseMLA(MultiLatentAttention):
             out = self.core(torch.cat([q_nope, q_rope], dim=-1), k, v, mask=mask)
         else:
             c_all, kr_all = self.cached_latents(comm.copy_to(c, self.tp_group), k_rope, info)
-            o_lat = self.sparse_core(self.absorbed_query(q_nope), q_rope, c_all, kr_all, idx, self.scale)
+            q_lat = self.absorbed_query(q_nope)
+            if cp is not None:  # long sequences: checkpointed query tiles bound the gathered latents
+                o_lat = tiled_sparse_latent_attention(self.sparse_core, q_lat, q_rope, c_all, kr_all, idx, self.scale)
+            else:
+                o_lat = self.sparse_core(q_lat, q_rope, c_all, kr_all, idx, self.scale)
             out = self.absorbed_output(o_lat)
         return self.finish(out, x)
 

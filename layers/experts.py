@@ -44,6 +44,7 @@ class GroupedExperts(nn.Module):
         if num_experts % ep or f % etp:
             raise ValueError(f"{num_experts} experts / ffn {f} do not split over ep={ep} / etp={etp}")
         self.num_experts, self.num_local = num_experts, num_experts // ep
+        self.hidden_size, self.ffn_hidden_size, self.etp_size = h, f, etp
         self.local_start = ctx.groups.rank("ep") * self.num_local
         self.kernel, self.swiglu_limit = kernel, swiglu_limit
         kw = dict(dtype=ctx.dtype, device=ctx.device)
@@ -58,8 +59,24 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, counts: Sequence[int], probs: torch.Tensor | None,
                 out_rows: int) -> torch.Tensor:
-        return swiglu_experts(self.kernel, x, idx, counts, probs, self.gate_up_weight, self.down_weight, out_rows,
-                              self.swiglu_limit, self.fusion.active(x.device))
+        return self.compute(x, idx, counts, probs, self.gate_up_weight, self.down_weight, out_rows)
+
+    def compute(self, x, idx, counts: Sequence[int], probs, w1: torch.Tensor, w2: torch.Tensor, out_rows: int,
+                experts: Sequence[int] | None = None) -> torch.Tensor:
+        """The kernel on given weights: w1 [n, 2f/etp, h], w2 [n, h, f/etp] for the local
+        ``experts`` (None: all of them, n = E/ep) with ``counts`` [n]. What subclasses extend
+        (adapters) or feed differently (tiered storage)."""
+        return swiglu_experts(self.kernel, x, idx, counts, probs, w1, w2, out_rows, self.swiglu_limit,
+                              self.fusion.active(x.device))
+
+    def expert_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """This rank's shapes of one expert's two weights: (2f/etp, h), (h, f/etp)."""
+        fl = self.ffn_hidden_size // self.etp_size
+        return (2 * fl, self.hidden_size), (self.hidden_size, fl)
+
+    def weight_like(self) -> torch.Tensor:
+        """A tensor with the weights' dtype and device (what adapters are created like)."""
+        return self.gate_up_weight
 
     def resolved_kernel(self) -> str:
         return resolve_kernel(self.kernel, self.gate_up_weight.device, self.gate_up_weight.dtype)

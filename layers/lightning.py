@@ -170,7 +170,7 @@ class LightningAttention(nn.Module):
         bsz, s = qkv.shape[:2]
         q, k, v = qkv.view(bsz, s, self.heads, 3 * self.head_dim).chunk(3, dim=-1)
         slope = torch.tensor(self.slopes, dtype=torch.float64, device=x.device)
-        view = SequenceView.of(info, "L", s)  # CP and packed documents (context_parallel.py); None: plain
+        view = SequenceView.of(info, "L", s, self.layer_number)  # CP, packed documents; None: plain
         if view is not None:
             o = view.lightning(self.op, q, k, v, slope, block=self.block)
         else:

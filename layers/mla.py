@@ -22,6 +22,11 @@ not per-head keys/values: (kv_lora + dr) numbers per token instead of heads/tp *
 dv), and the same on every TP rank. Decoding attends in the absorbed form
 (``q_nope W_uk . c`` and ``(p c) W_uv^T``), so cached latents are never re-expanded.
 
+Context parallelism: ``c`` and ``k_rope`` of the whole sequence are all-gathered over CP
+(r + dr numbers a token) and the local queries attend in the absorbed form, in checkpointed
+query tiles (``context_attention.tiled_latent_attention``); masks from global positions.
+Packed documents (``info.documents``): no query sees another document, with and without CP.
+
 Parameters per layer (q_lora_rank r_q, kv_lora_rank r, heads H):
     h*r_q + r_q + r_q*H*(dn+dr)   (or h*H*(dn+dr) without r_q)
     + h*(r+dr) + r + r*H*(dn+dv) + H*dv*h  [+ h*H head gate]
@@ -33,7 +38,7 @@ from torch import nn
 
 from megamoe.cache import append_time
 from megamoe.config import MLAConfig
-from megamoe.layers.context_attention import context_shard, document_mask
+from megamoe.layers.context_attention import context_shard, tiled_latent_attention
 from megamoe.layers.core_attention import causal_mask
 from megamoe.layers.rotary import apply_rotary, apply_rotary_interleaved, cached_yarn_cos_sin, yarn_softmax_scale
 from megamoe.parallel import comm
@@ -144,14 +149,6 @@ class MultiLatentAttention(nn.Module):
         # the cache is outside autograd and shared by every rank's heads: keep it as values
         return append_time(state, "c", c), append_time(state, "k_rope", k_rope)
 
-    def latent_mask(self, s: int, total: int, info: ForwardInfo, device) -> torch.Tensor:
-        """[s, T] or [b, s, T] bool: what the s queries may see of the T latents."""
-        cp = context_shard(info)
-        if cp is not None:
-            return document_mask(info.documents, cp.local_index(device), torch.arange(total, device=device))
-        mask = info.cache.attention_mask(s, total, device=device)
-        return causal_mask(s, total, device=device) if mask is None else mask
-
     # ---- forward ------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
@@ -161,15 +158,21 @@ class MultiLatentAttention(nn.Module):
             # training / scoring: expanded heads, fused causal attention (packed documents masked)
             k, v = self.expand(c, k_rope)
             out = self.core(torch.cat([q_nope, q_rope], dim=-1), k, v, documents=info.documents)
+            return self.finish(out, x)
+        # decoding over the cached latents, or CP over the all-gathered ones: the absorbed form.
+        # CP gathers the latent, (kv_lora + dr) numbers a token, not H * (dn + dr + dv) expanded
+        # keys and values, and never expands the whole sequence's heads on one rank.
+        c_all, kr_all = self.cached_latents(comm.copy_to(c, self.tp_group), k_rope, info)
+        q_lat = self.absorbed_query(q_nope)
+        if cp is not None:
+            o_lat = tiled_latent_attention(self.latent_core, q_lat, q_rope, c_all, kr_all, self.scale,
+                                           cp.local_index(x.device), info.documents)
         else:
-            # decoding over the cached latents, or CP over the all-gathered ones: the absorbed form.
-            # CP gathers the latent, (kv_lora + dr) numbers a token, not H * (dn + dr + dv) expanded
-            # keys and values, and never expands the whole sequence's heads on one rank.
-            c_all, kr_all = self.cached_latents(comm.copy_to(c, self.tp_group), k_rope, info)
-            mask = self.latent_mask(q_nope.size(1), c_all.size(1), info, x.device)
-            out = self.absorbed_output(self.latent_core(self.absorbed_query(q_nope), q_rope, c_all, kr_all,
-                                                        self.scale, mask))
-        return self.finish(out, x)
+            mask = info.cache.attention_mask(q_nope.size(1), c_all.size(1), device=x.device)  # padded rows
+            if mask is None:
+                mask = causal_mask(q_nope.size(1), c_all.size(1), device=x.device)
+            o_lat = self.latent_core(q_lat, q_rope, c_all, kr_all, self.scale, mask)
+        return self.finish(self.absorbed_output(o_lat), x)
 
 
 register_mixer("M", ModuleSpec(MultiLatentAttention))

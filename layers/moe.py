@@ -41,7 +41,7 @@ class MoELayer(nn.Module):
         self.experts = ctx.backend.grouped_experts(ctx, cfg.num_experts, cfg.moe_ffn_hidden_size,
                                                    kernel=cfg.expert_kernel,
                                                    active_fraction=cfg.top_k / cfg.num_experts,
-                                                   swiglu_limit=cfg.swiglu_limit)
+                                                   swiglu_limit=cfg.swiglu_limit, store=cfg.expert_store)
         self.dispatch = DISPATCHERS[cfg.dispatcher](cfg.num_experts, ctx.groups)
         shared = cfg.shared_ffn()
         self.shared_experts = (ctx.backend.shared_expert(ctx, MLPConfig(ffn_hidden_size=shared,

@@ -431,6 +431,43 @@ class KDAConfig:
               f"must be divisible by parallel.tp={parallel.tp}")
 
 
+STORE_TIERS = ("disk", "host")
+
+
+@dataclass
+class ExpertStoreConfig:
+    """Tiered storage of FROZEN routed experts (LoRA fine-tuning, inference): the weights stay
+    in a store and each MoE layer brings in only the experts its tokens were routed to, into a
+    bounded cache of hot experts (``megamoe.tiers``, docs/memory.md).
+
+    budget_mib: MiB of expert weights a rank holds at once over all its MoE layers (the LRU
+        cache of hot experts and the experts stacked for one kernel call); None: every expert
+        is resident (no tiering).
+    tier: ``disk`` reads each expert's slices from the store's safetensors files when it is
+        routed to; ``host`` reads this rank's experts once into host memory (pinned on a GPU)
+        and copies them to the device when routed to.
+    path: the store, a converted megamoe checkpoint directory (``megamoe-convert import-hf``,
+        ``megamoe.tiers.save_converted``); None: the run's ``checkpoint.load`` (fine-tuning) or
+        the checkpoint being served.
+    prefetch: read the next experts in a background thread while the current ones compute.
+    """
+
+    budget_mib: Optional[float] = None
+    tier: str = "disk"
+    path: Optional[str] = None
+    prefetch: bool = True
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_mib is not None
+
+    def validate(self, path: str = "model.moe.expert_store") -> None:
+        if self.budget_mib is not None:
+            check(isinstance(self.budget_mib, (int, float)) and self.budget_mib > 0, f"{path}.budget_mib",
+                  self.budget_mib, "must be > 0 (or null: every expert resident)")
+        check_choice(f"{path}.tier", self.tier, STORE_TIERS)
+
+
 @dataclass
 class MoEConfig:
     """Routed experts (letter e): router, SwiGLU experts, optional shared experts.
@@ -464,6 +501,8 @@ class MoEConfig:
     # expert placement {layer: order}: slot s (EP rank s // (E/ep)) holds the HF checkpoint's
     # expert order[s]; applied by the converter (megamoe.placement). None: slot s holds expert s
     placement: Optional[Dict[str, List[int]]] = None
+    # where frozen experts live (LoRA fine-tuning, inference): see ExpertStoreConfig
+    expert_store: ExpertStoreConfig = field(default_factory=ExpertStoreConfig)
 
     def shared_ffn(self) -> int:
         """Width of the fused shared-expert SwiGLU (0 without shared experts)."""
@@ -505,6 +544,7 @@ class MoEConfig:
         check_choice(f"{path}.dispatcher", self.dispatcher, ("alltoall", "allgather"))
         check_choice(f"{path}.expert_kernel", self.expert_kernel, ("auto", "grouped_mm", "loop", "reference"))
         check_swiglu_limit(f"{path}.swiglu_limit", self.swiglu_limit)
+        self.expert_store.validate(f"{path}.expert_store")
 
     def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.moe") -> None:
         check(self.num_experts % parallel.ep == 0, f"{path}.num_experts", self.num_experts,

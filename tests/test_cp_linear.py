@@ -22,8 +22,8 @@ REL = 1e-5
 LETTERS = ["G", "K", "L"]
 
 
-def _config():
-    return tiny_model("GdKdLd")
+def _config(backend: str = "auto"):
+    return tiny_model("GdKdLd", backend=backend)
 
 
 @torch.no_grad()
@@ -57,8 +57,8 @@ def _inputs(seq_len: int, hidden: int, seed: int = 0):
     return torch.randn(2, seq_len, hidden, generator=gen), torch.randn(2, seq_len, hidden, generator=gen)
 
 
-def _reference(letter: str, seq_len: int, packed: bool):
-    cfg = _config()
+def _reference(letter: str, seq_len: int, packed: bool, backend: str = "auto"):
+    cfg = _config(backend)
     ref = build_mixer(letter, cfg)
     _strong_decays(ref, letter)
     x, dy = _inputs(seq_len, cfg.hidden_size)
@@ -71,7 +71,7 @@ def _reference(letter: str, seq_len: int, packed: bool):
 
 # ---- CP (x TP) against one process: run on every rank of a gloo pool ----------------------------
 
-def cp_case(letter: str, cp: int, tp: int, seq_len: int, packed: bool) -> dict:
+def cp_case(letter: str, cp: int, tp: int, seq_len: int, packed: bool, backend: str = "auto") -> dict:
     from megamoe.config import ParallelConfig
     from megamoe.parallel import comm
     from megamoe.parallel.context import ContextShard
@@ -79,7 +79,7 @@ def cp_case(letter: str, cp: int, tp: int, seq_len: int, packed: bool) -> dict:
     from megamoe.parallel.sharding import gather_full
     from megamoe.weights import finalize_grads
 
-    cfg, ref, x, dy, docs, xr, yr = _reference(letter, seq_len, packed)
+    cfg, ref, x, dy, docs, xr, yr = _reference(letter, seq_len, packed, backend)
     groups = build_groups(ParallelConfig(cp=cp, tp=tp))
     sp = tp > 1
     par = build_mixer(letter, cfg, groups, sp=sp, full_state={n: p.detach() for n, p in ref.named_parameters()})
@@ -113,13 +113,62 @@ def test_cp2_equals_one_process(pool, letter, seq_len, packed):
 
 
 @pytest.mark.parametrize("letter", LETTERS)
+def test_cp2_through_the_local_backend(pool, letter):
+    """The same scheme over another backend's roles (token-by-token ops, torch's conv1d)."""
+    _check(pool(2).run(cp_case, letter, 2, 1, 24, True, "local"), f"{letter} cp2 local")
+
+
+@pytest.mark.parametrize("letter", LETTERS)
 def test_cp4_equals_one_process(pool, letter):
     _check(pool(4).run(cp_case, letter, 4, 1, 40, True), f"{letter} cp4")
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("letter", LETTERS)
-def test_cp2_tp2_sp_equals_one_process(pool, letter):
-    _check(pool(4).run(cp_case, letter, 2, 2, 24, False), f"{letter} cp2xtp2")
+def test_cp2_tp2_sp_equals_one_process(pool, letter, packed):
+    _check(pool(4).run(cp_case, letter, 2, 2, 24, packed), f"{letter} cp2xtp2")
+
+
+def cp_prefill_case(letter: str, lengths: tuple[int, ...] = (24, 24), steps: int = 3) -> dict:
+    """Prefill in pieces under CP=2 (the second continues from the cached state), then decode
+    ``steps`` tokens without CP, against the same in one process: outputs and cached states."""
+    from megamoe.config import ParallelConfig
+    from megamoe.parallel.context import ContextShard
+    from megamoe.parallel.groups import build_groups
+
+    cfg = _config()
+    ref = build_mixer(letter, cfg)
+    _strong_decays(ref, letter)
+    groups = build_groups(ParallelConfig(cp=2))
+    par = build_mixer(letter, cfg, groups, full_state={n: p.detach() for n, p in ref.named_parameters()})
+    x, _ = _inputs(sum(lengths) + steps, cfg.hidden_size, seed=1)
+    ref_cache, cp_cache, errs, start = InferenceCache(2), InferenceCache(2), {}, 0
+    with torch.no_grad():
+        for i, n in enumerate(lengths + (1,) * steps):
+            piece = x[:, start:start + n]
+            want = ref(piece, ForwardInfo(positions=ref_cache.positions(n), cache=ref_cache))
+            if n > 1:  # a prefill piece: CP
+                shard = ContextShard(groups.cp, n)
+                info = ForwardInfo(positions=shard.split(cp_cache.positions(n)), cache=cp_cache, cp=shard)
+                errs[f"out {i}"] = rel_err(par(shard.split(piece), info), shard.split(want))
+            else:
+                errs[f"out {i}"] = rel_err(par(piece, ForwardInfo(positions=cp_cache.positions(1), cache=cp_cache)),
+                                           want)
+            ref_cache.advance(n)
+            cp_cache.advance(n)
+            start += n
+            if i == len(lengths) - 1:  # after the CP prefill: the usual state layout, every rank
+                mine, theirs = cp_cache.layer(par.layer_number), ref_cache.layer(ref.layer_number)
+                assert sorted(mine) == sorted(theirs), (sorted(mine), sorted(theirs))
+                errs.update({f"state {k}": rel_err(mine[k], theirs[k]) for k in theirs})
+    return errs
+
+
+@pytest.mark.parametrize("letter", LETTERS)
+def test_cp_prefill_leaves_the_decode_cache(pool, letter):
+    for rank, errs in enumerate(pool(2).run(cp_prefill_case, letter)):
+        bad = {k: v for k, v in errs.items() if v > REL}
+        assert not bad and len(errs) >= 6, f"{letter} rank {rank}: {errs}"
 
 
 # ---- bytes exchanged per layer -----------------------------------------------------------------
@@ -190,16 +239,21 @@ def short_chunks(letter: str) -> str:
     cfg = _config()
     mixer = build_mixer(letter, cfg, groups)
     shard = ContextShard(groups.cp, 4)  # chunks of one token, kernel - 1 >= 2
-    try:
-        mixer(torch.zeros(2, 2, cfg.hidden_size), ForwardInfo(positions=torch.zeros(2, 2), cp=shard))
-    except ConfigError as e:
-        return str(e)
-    return "no error"
+    padded = InferenceCache(2, pad=torch.tensor([0, 1]))
+    messages = []
+    for cache in (None, padded):
+        try:
+            mixer(torch.zeros(2, 2, cfg.hidden_size), ForwardInfo(positions=torch.zeros(2, 2), cp=shard, cache=cache))
+            messages.append("no error")
+        except ConfigError as e:
+            messages.append(str(e))
+    return messages
 
 
-def test_chunk_shorter_than_conv_halo_is_one_line(pool):
-    for msg in pool(2).run(short_chunks, "G"):
-        assert "chunks of 1 tokens are shorter than the short convolution's kernel - 1 = 3" in msg
+def test_cp_errors_are_one_line(pool):
+    for short, padded in pool(2).run(short_chunks, "G"):
+        assert "chunks of 1 tokens are shorter than the short convolution's kernel - 1 = 3" in short
+        assert padded.startswith("mixer G: context parallelism with a left-padded decode cache is not supported")
 
 
 # ---- packed documents, one process --------------------------------------------------------------
@@ -231,7 +285,7 @@ def test_documents_with_decode_cache_is_one_line():
     mixer = build_mixer("G", cfg)
     info = ForwardInfo(positions=torch.zeros(1, 4, dtype=torch.long), cache=InferenceCache(1),
                        documents=torch.zeros(1, 4, dtype=torch.long))
-    with pytest.raises(ConfigError, match="mixer G: packed documents .* with a decode cache is not supported"):
+    with pytest.raises(ConfigError, match=r"mixer G: packed documents \(ForwardInfo.documents\) with a decode cache"):
         mixer(torch.zeros(1, 4, cfg.hidden_size), info)
 
 

@@ -108,9 +108,11 @@ def test_cp4_equals_single_process(pool, letter):
     check(pool(4).run(cp_case, letter, 4), f"{letter} cp=4")
 
 
-@pytest.mark.parametrize("letter", ["A", "S"])
-def test_cp2_ring_tiles_equal_single_process(pool, letter):
-    """Ring attention in 3 x 3 tiles (chunks of 10 tokens: tiles of 3, 3, 3, 1), packed documents."""
+@pytest.mark.parametrize("letter", LETTERS)
+def test_cp2_small_tiles_equal_single_process(pool, letter):
+    """TILE=3: ring attention in 3 x 3 tiles (chunks of 10 tokens: tiles of 3, 3, 3, 1); MLA's
+    checkpointed query tiles, the indexer's selection passes and DSA's checkpointed sparse tiles
+    of 16 rows (20 local queries: 16 + 4); packed documents."""
     check(pool(2).run(cp_case, letter, 2, docs=True, tile=3), f"{letter} cp=2 tiles of 3")
 
 
@@ -127,9 +129,14 @@ def test_cp_packed_documents_equal_single_process(pool, letter, cp):
 
 # ---- packed documents without CP ------------------------------------------------------------
 
+@pytest.mark.parametrize("tile", [None, 3], ids=["", "tile3"])
 @pytest.mark.parametrize("letter", LETTERS)
-def test_packed_documents_equal_documents_one_by_one(letter):
-    """One packed row equals each of its documents run alone (outputs, input and weight gradients)."""
+def test_packed_documents_equal_documents_one_by_one(letter, tile, monkeypatch):
+    """One packed row equals each of its documents run alone (outputs, input and weight gradients);
+    tile 3: the indexer selects in passes of 16 queries."""
+    from megamoe.layers import context_attention
+
+    monkeypatch.setattr(context_attention, "TILE", tile or context_attention.TILE)
     cfg = model_for(letter, None)
     mixer = build_mixer(letter, cfg, seed=3)
     gen = torch.Generator().manual_seed(3)
@@ -169,3 +176,33 @@ def test_decoding_under_cp_is_refused_before_the_cache_changes(letter):
     with pytest.raises(ConfigError, match=r"decoding with context parallelism is not supported"):
         mixer(torch.randn(1, 4, 32), info)
     assert not cache.layer(mixer.layer_number)  # nothing half-written
+
+
+def ring_bytes_case(cp: int) -> int:
+    """Bytes this rank sends (isend) in one forward + backward of an ``A`` layer."""
+    import torch.distributed as dist
+
+    from megamoe.parallel.context import ContextShard
+    from megamoe.parallel.groups import build_groups
+
+    groups = build_groups(ParallelConfig(cp=cp))
+    cfg = model_for("A", None)
+    mixer = build_mixer("A", cfg, groups)
+    shard = ContextShard(groups.cp, SEQ)
+    x = torch.randn(2, shard.local_len, cfg.hidden_size, requires_grad=True)
+    sent, isend = [], dist.isend
+    dist.isend = lambda t, *a, **kw: sent.append(t.numel() * t.element_size()) or isend(t, *a, **kw)
+    try:
+        mixer(x, ForwardInfo(positions=shard.local_index().expand(2, -1), cp=shard)).sum().backward()
+    finally:
+        dist.isend = isend
+    return sum(sent)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_bytes_match_the_documented_formula(pool, cp):
+    """docs/mixers.md: forward (P-1) b (S/P) Hk (d+dv) e; backward the same plus P b (S/P) Hk (d+dv) 4."""
+    b, hk, d = 2, 2, 8
+    block = b * (SEQ // cp) * hk * (d + d)
+    want = (cp - 1) * block * 4 + (cp - 1) * block * 4 + cp * block * 4
+    assert pool(cp).run(ring_bytes_case, cp) == [want] * cp

@@ -6,6 +6,7 @@
   Tolerances (rel_err): fp32 5e-3 (fla's kernels round through TF32 dots), bf16 3e-2.
 - the grouped-GEMM experts and the FP8 roles against the reference on the device.
 - a tiny hybrid MoE's loss curve trained on the GPU against the same run on the CPU.
+- LoRA around the cuda backend's roles on the device against the local backend on the CPU.
 - the te backend (where ``transformer_engine`` imports): its FP8 GEMM against bf16, its loss curve
   against the CPU's, and its state dict against the local backend's (checkpoints do not depend on it).
 """
@@ -131,6 +132,25 @@ def test_fp8_linear_on_cuda_against_bf16():
     want += torch.autograd.grad(want[0], (x, w), torch.ones_like(want[0]))
     for a, b in zip(got, want):
         assert rel_err(a, b) <= 6e-2
+
+
+def test_lora_on_the_cuda_backend_matches_local_on_the_cpu():
+    """Adapters wrapping the cuda backend's roles on the device (fla mixers, the experts' adapters
+    in the grouped-GEMM form), fp32: logits and every adapter gradient against the same adapted
+    model on the local backend on the CPU (fla's TF32 dots: 1e-2)."""
+    from megamoe.lora import lora_parameters
+    from tests.lora_utils import build_lora_model, lora_model_config, token_batches
+
+    ids = token_batches(1, 2, 13, 61)[0]
+    runs = []
+    for backend, device in (("cuda", "cuda"), ("local", "cpu")):
+        model = build_lora_model(lora_model_config("GeKdMeAe", backend=backend)).to(device)
+        logits = model(ids.to(device))
+        logits.square().mean().backward()
+        runs.append([logits.detach().cpu()] + [p.grad.cpu() for _, p in sorted(lora_parameters(model))])
+    assert len(runs[0]) > 30
+    for a, b in zip(*runs):
+        assert rel_err(a, b) <= 1e-2
 
 
 def _losses(tmp: Path, device: str, *extra: str) -> list[float]:

@@ -94,8 +94,10 @@ def timed_collectives_pretending_cuda() -> dict:
 def test_timed_collectives_issue_no_device_synchronize(pool):
     for out in pool(2).run(timed_collectives_pretending_cuda):
         assert out["synchronize"] == 0
-        # forward all-gather; all-to-all forward and backward (the reduce-scatter is untimed)
-        assert out["samples"] == {"all_gather/layer7": 1, "all_to_all/layer7": 2}
+        # forward all-gather; all-to-all forward and backward; the backward reduce-scatter, all
+        # keyed kind/group/size bucket/tag
+        assert out["samples"] == {"all_gather/world/1KiB/layer7": 1, "all_to_all/world/1KiB/layer7": 2,
+                                  "reduce_scatter/world/1KiB/layer7": 1}
 
 
 @pytest.mark.gpu
@@ -110,12 +112,13 @@ def test_cuda_timing_uses_events_without_synchronizing():
     torch.cuda.set_sync_debug_mode("error")  # any synchronizing call below raises
     try:
         with rec.active(), comm.tag_scope("layer0"):
-            y = comm._timed("all_gather", None, lambda a: a @ a, x)
+            y = comm._timed("all_gather", None, 512 * 512 * 4, None, lambda a: a @ a, x)
     finally:
         torch.cuda.set_sync_debug_mode("default")
         sync.undo()
     assert sync.calls == 0
     samples = rec.drain()
-    assert list(samples) == ["all_gather/layer0"] and len(samples["all_gather/layer0"]) == 1
-    assert samples["all_gather/layer0"][0] > 0
+    key = "all_gather/world/1MiB/layer0"  # a 1MiB tensor; group None reads as world
+    assert list(samples) == [key] and len(samples[key]) == 1
+    assert samples[key][0][0] > 0 and samples[key][0][1] == 512 * 512 * 4
     torch.testing.assert_close(y, x @ x)

@@ -74,6 +74,25 @@ def test_merged_model_equals_adapter_model_and_unmerge_restores(backend):
             assert rel_err(p, before[n]) <= 1e-6, n
 
 
+def test_adapted_model_copies_and_moves():
+    """The adapters follow the model: a deep copy is independent (its adapters wrap its own roles)
+    and a dtype move (what ``megamoe.precision.cast`` does) computes the same function."""
+    import copy
+
+    from megamoe.lora import lora_parameters
+
+    model = build_lora_model(lora_model_config("GeMe")).eval()
+    ids = token_batches(1, 2, 9, 61)[0]
+    with torch.no_grad():
+        logits = model(ids)
+        twin = copy.deepcopy(model).to(torch.float64)
+        assert rel_err(twin(ids).float(), logits) <= 1e-5
+        for _, p in lora_parameters(twin):
+            p.zero_()
+        assert rel_err(model(ids), logits) == 0  # the original's adapters are untouched
+        assert rel_err(twin(ids).float(), logits) > 1e-3  # and the copy's own adapters are the ones it runs
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["per_expert", "shared"])
 @pytest.mark.parametrize("kernel", ["loop", "reference", "grouped_mm"])
 @pytest.mark.parametrize("limit", [0.8, None], ids=["limit", "nolimit"])
@@ -256,7 +275,7 @@ def test_recompute_gives_the_same_adapter_gradients():
     ids = token_batches(1, 2, 11, 61)[0]
     grads = []
     for parts in ([], ["layer"]):
-        model = build_lora_model(lora_model_config("GeAeMd"), dropout=0.3)
+        model = build_lora_model(lora_model_config("AeMd"), dropout=0.3)
         model.set_recompute(parts)
         torch.manual_seed(0)
         model(ids).square().mean().backward()

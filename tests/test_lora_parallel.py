@@ -29,7 +29,7 @@ def _loss_sum(model, ids):
     return loss, logits
 
 
-def lora_parity_case(parallel: dict, sp: bool, expert_adapters: str) -> dict:
+def lora_parity_case(parallel: dict, sp: bool, expert_adapters: str, backend: str = "auto") -> dict:
     from megamoe.lora import lora_parameters
     from megamoe.parallel.groups import build_groups
     from megamoe.parallel.sharding import gather_full
@@ -37,7 +37,7 @@ def lora_parity_case(parallel: dict, sp: bool, expert_adapters: str) -> dict:
     from tests.numerics import rel_err
 
     groups = build_groups(ParallelConfig(**parallel, sequence_parallel=sp))
-    cfg = lora_model_config(LAYOUT)
+    cfg = lora_model_config(LAYOUT, backend=backend)
     ref = build_lora_model(cfg, expert_adapters=expert_adapters)
     model = build_lora_model(cfg, groups, sp=sp, expert_adapters=expert_adapters)
     dp, me = groups.size("dp"), groups.rank("dp")
@@ -64,16 +64,17 @@ def lora_parity_case(parallel: dict, sp: bool, expert_adapters: str) -> dict:
     return errs
 
 
-@pytest.mark.parametrize("parallel,sp,experts", [
-    (dict(tp=2), True, "per_expert"),
-    (dict(tp=2), False, "shared"),
-    (dict(ep=2), False, "per_expert"),
-    (dict(ep=2), False, "shared"),
-    (dict(etp=2), False, "per_expert"),
-    (dict(etp=2), False, "shared"),
-], ids=["tp2-sp", "tp2-shared", "ep2", "ep2-shared", "etp2", "etp2-shared"])
-def test_lora_parallel_equals_single(pool, parallel, sp, experts):
-    for rank, errs in enumerate(pool(2).run(lora_parity_case, parallel, sp, experts)):
+@pytest.mark.parametrize("parallel,sp,experts,backend", [
+    (dict(tp=2), True, "per_expert", "auto"),
+    (dict(tp=2), False, "shared", "auto"),
+    (dict(ep=2), False, "per_expert", "auto"),
+    (dict(ep=2), False, "shared", "auto"),
+    (dict(etp=2), False, "per_expert", "auto"),
+    (dict(etp=2), False, "shared", "auto"),
+    (dict(etp=2), False, "per_expert", "local"),  # the adapters in the reference expert loop's form
+], ids=["tp2-sp", "tp2-shared", "ep2", "ep2-shared", "etp2", "etp2-shared", "etp2-local"])
+def test_lora_parallel_equals_single(pool, parallel, sp, experts, backend):
+    for rank, errs in enumerate(pool(2).run(lora_parity_case, parallel, sp, experts, backend)):
         assert errs.pop("_frozen_with_grad") == 0
         assert any("experts.gate_up_lora_A" in k for k in errs) and any("linear_kv_down.lora_B" in k for k in errs)
         bad = {k: v for k, v in errs.items() if v > REL}

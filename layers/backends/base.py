@@ -15,6 +15,8 @@ from megamoe.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowP
 from megamoe.spec import BuildContext
 from megamoe.layers.core_attention import CoreAttention
 from megamoe.layers.dsa import sparse_latent_attention
+from megamoe.layers.experts import GroupedExperts
+from megamoe.layers.tiered_experts import TieredExperts
 from megamoe.layers.mla import latent_attention
 from megamoe.layers.norm import ShardedRMSNorm
 
@@ -83,6 +85,18 @@ class BaseBackend:
     def sparse_latent_attention(self, ctx: BuildContext):
         """DSA's attention over the indexer's selection (``megamoe.layers.dsa.sparse_latent_attention``)."""
         return sparse_latent_attention
+
+    # ---- routed experts -----------------------------------------------------------------------
+
+    def experts_module(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str,
+                       active_fraction: float, swiglu_limit: float | None, store=None, cls=GroupedExperts):
+        """``cls`` (the backend's experts class) with resident weights, or ``TieredExperts`` when
+        ``store`` (``ExpertStoreConfig``) is enabled: the weights then stay in the expert store
+        and come in when routed to (``megamoe.tiers``)."""
+        kw = dict(kernel=kernel, active_fraction=active_fraction, swiglu_limit=swiglu_limit, fusion=self.fusion)
+        if store is not None and store.enabled:
+            return TieredExperts(ctx, num_experts, ffn_hidden_size, store=store, **kw)
+        return cls(ctx, num_experts, ffn_hidden_size, **kw)
 
     def router_logits(self, ctx: BuildContext):
         """The router GEMM: (x [T, h], weight [E, h]) -> fp32 logits [T, E]."""

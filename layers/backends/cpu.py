@@ -17,7 +17,6 @@ from megamoe.layers.grouped_gemm import shared_swiglu_add
 from megamoe.spec import BuildContext
 from megamoe.layers.backends.base import BaseBackend
 from megamoe.layers.backends.local import _norm
-from megamoe.layers.experts import GroupedExperts
 from megamoe.layers.lightning import lightning_chunked, lightning_recurrent
 from megamoe.layers.linear_attention.chunk_delta import chunk_delta_rule
 from megamoe.layers.linear_attention.common import causal_conv, l2norm
@@ -108,11 +107,11 @@ class CpuBackend(BaseBackend):
         return ChunkedLightning()
 
     def grouped_experts(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str = "auto",
-                        active_fraction: float = 1.0, swiglu_limit: float | None = None):
-        """Stacked SwiGLU experts; ``auto`` runs the loop kernel (torch's grouped GEMM where it works
-        on an accelerator), its SwiGLU passes fused per ``fusion``."""
-        return GroupedExperts(ctx, num_experts, ffn_hidden_size, kernel=kernel, active_fraction=active_fraction,
-                              swiglu_limit=swiglu_limit, fusion=self.fusion)
+                        active_fraction: float = 1.0, swiglu_limit: float | None = None, store=None):
+        """Stacked SwiGLU experts (tiered with an enabled ``store``); ``auto`` runs the loop kernel
+        (torch's grouped GEMM where it works on an accelerator), its SwiGLU passes fused per ``fusion``."""
+        return self.experts_module(ctx, num_experts, ffn_hidden_size, kernel=kernel, active_fraction=active_fraction,
+                                   swiglu_limit=swiglu_limit, store=store)
 
     def shared_expert(self, ctx: BuildContext, cfg, layer_number: int = 0):
         return FusedSharedExpert(cfg, ctx, layer_number, fusion=self.fusion)

@@ -28,7 +28,6 @@ from megamoe.layers.backends.cpu import ChunkedDeltaRule, ChunkedLightning, CpuB
 from megamoe.layers.experts import GroupedExperts
 from megamoe.layers.fp8 import fp8_linear
 from megamoe.layers.fp8_experts import swiglu_experts_fp8
-from megamoe.layers.grouped_gemm import swiglu_experts
 from megamoe.layers.linear_attention.common import expand_key_heads
 
 FP8_RECIPES = ("torch",)  # the Transformer Engine recipes (delayed, current, blockwise, mxfp8) need TE
@@ -124,13 +123,9 @@ class FP8GroupedExperts(GroupedExperts):
     """Routed experts with FP8 grouped GEMMs; widths the scaled GEMM rejects run the configured
     high-precision kernel."""
 
-    def forward(self, x, idx, counts, probs, out_rows):
-        out = swiglu_experts_fp8(x, idx, counts, probs, self.gate_up_weight, self.down_weight, out_rows,
-                                 self.swiglu_limit)
-        if out is not None:
-            return out
-        return swiglu_experts(self.kernel, x, idx, counts, probs, self.gate_up_weight, self.down_weight, out_rows,
-                              self.swiglu_limit, self.fusion.active(x.device))
+    def compute(self, x, idx, counts, probs, w1, w2, out_rows, experts=None):
+        out = swiglu_experts_fp8(x, idx, counts, probs, w1, w2, out_rows, self.swiglu_limit)
+        return out if out is not None else super().compute(x, idx, counts, probs, w1, w2, out_rows, experts)
 
 
 class CudaBackend(CpuBackend):
@@ -165,9 +160,14 @@ class CudaBackend(CpuBackend):
         return FlaLightning()
 
     def grouped_experts(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str = "auto",
-                        active_fraction: float = 1.0, swiglu_limit: float | None = None):
+                        active_fraction: float = 1.0, swiglu_limit: float | None = None, store=None):
         """Stacked SwiGLU experts; ``auto`` runs torch's grouped GEMM where it works (the loop
-        kernel otherwise, e.g. on the CPU in the contract tests)."""
-        cls = FP8GroupedExperts if self.fp8 else GroupedExperts
-        return cls(ctx, num_experts, ffn_hidden_size, kernel=kernel, active_fraction=active_fraction,
-                   swiglu_limit=swiglu_limit, fusion=self.fusion)
+        kernel otherwise, e.g. on the CPU in the contract tests). Tiered experts (an enabled
+        ``store``) come to the device through the store's side stream and run the
+        high-precision kernels (FP8 copies of stored experts are not made)."""
+        if self.fp8 and store is not None and store.enabled:
+            raise ConfigError("model.moe.expert_store with train.fp8: tiered experts run in high precision; "
+                              "unset one of them")
+        return self.experts_module(ctx, num_experts, ffn_hidden_size, kernel=kernel, active_fraction=active_fraction,
+                                   swiglu_limit=swiglu_limit, store=store,
+                                   cls=FP8GroupedExperts if self.fp8 else GroupedExperts)

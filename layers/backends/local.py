@@ -10,7 +10,6 @@ from __future__ import annotations
 from megamoe.fusion import EAGER, Fusion
 from megamoe.spec import BuildContext
 from megamoe.layers.backends.base import BaseBackend
-from megamoe.layers.experts import GroupedExperts
 from megamoe.layers.lightning import lightning_recurrent
 from megamoe.layers.linear_attention.common import causal_conv_reference, l2norm_reference
 from megamoe.layers.linear_attention.delta_rule import recurrent_delta_rule
@@ -68,10 +67,11 @@ class LocalBackend(BaseBackend):
         return RecurrentLightning()
 
     def grouped_experts(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str = "auto",
-                        active_fraction: float = 1.0, swiglu_limit: float | None = None):
-        """Stacked SwiGLU experts sharded over ep/etp; ``auto`` runs the reference loop."""
-        return GroupedExperts(ctx, num_experts, ffn_hidden_size, kernel="reference" if kernel == "auto" else kernel,
-                              active_fraction=active_fraction, swiglu_limit=swiglu_limit, fusion=self.fusion)
+                        active_fraction: float = 1.0, swiglu_limit: float | None = None, store=None):
+        """Stacked SwiGLU experts sharded over ep/etp (tiered with an enabled ``store``); ``auto``
+        runs the reference loop."""
+        return self.experts_module(ctx, num_experts, ffn_hidden_size, kernel="reference" if kernel == "auto" else kernel,
+                                   active_fraction=active_fraction, swiglu_limit=swiglu_limit, store=store)
 
     def shared_expert(self, ctx: BuildContext, cfg, layer_number: int = 0):
         """The MoE layer's shared SwiGLU expert (``SharedExpert``; ``add_to`` joins it to the routed output)."""

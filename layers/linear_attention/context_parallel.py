@@ -13,11 +13,18 @@ its outputs are [o(0) | M_t^T q_t] and its final state [R_c | M_c]. Lightning (L
 scalar exp(-s n) (times 0 when a document starts in the chunk); the op's final state is R_c.
 One all-gather (backward: reduce-scatter, which carries the state gradients back to the ranks
 that made them) of every rank's (M, R) pairs, a scan over the 2·CP chunks in global order
-(H_0 = 0), and the exact correction o_t = o_t(0) + (M_t^T q_t) H_in. Bytes exchanged per layer
-and rank: 2·CP·b·hv·dk·(dk+dv)·4 (G, K; L: 2·CP·b·h·dk·dv·4), whatever the sequence length.
+(H_0 = 0, or the decode cache's state), and the exact correction o_t = o_t(0) + (M_t^T q_t) H_in.
+Bytes each rank receives per layer: 2·CP·b·hv·dk·(dk+dv)·4 (G, K; L: 2·CP·b·h·dk·dv·4), whatever
+the sequence length.
 
 Short convolution: every local chunk continues from the last ``kernel - 1`` pre-conv inputs of
 the chunk before it (zeros for chunk 0): a second small all-gather, 2·CP·b·(kernel-1)·C values.
+The conv role runs [halo | chunk] from a zero state and the halo's outputs are dropped.
+
+Prefill under CP (a decode cache, rows of equal length): the sequence starts from the cache's
+``conv`` and recurrent states, and every rank leaves them as after the whole sequence (the scan
+runs on to the last chunk; the conv window is the last chunk's tail), so decoding continues
+without CP from the usual layout.
 
 Packed documents (``ForwardInfo.documents``, with or without CP): the state is zeroed before the
 first token of every document and the convolution reads nothing before it. The delta rule gets a
@@ -59,23 +66,31 @@ def gathered_slot(cp, chunk: int) -> int:
 class SequenceView:
     """How a linear-attention mixer sees its tokens when they are not one whole sequence:
     ``cp`` (a ContextShard of 2+ ranks, or None) and ``resets`` ([b, s] bool: a document starts at
-    this local token, or None). ``full_resets`` [b, S]: the same for the whole sequence."""
+    this local token, or None). ``full_resets`` [b, S]: the same for the whole sequence. ``state``:
+    the layer's decode state under CP (prefill): read as the sequence's start (``conv``, the
+    recurrent state) and left, on every rank, as after the whole sequence in the usual layout."""
 
-    def __init__(self, cp, full_resets: torch.Tensor | None):
-        self.cp, self.full_resets = cp, full_resets
+    def __init__(self, cp, full_resets: torch.Tensor | None, state=None):
+        self.cp, self.full_resets, self.state = cp, full_resets, state
         self.resets = None if full_resets is None or cp is None else cp.split(full_resets, 1)
         if cp is None:
             self.resets = full_resets
 
     @classmethod
-    def of(cls, info: ForwardInfo, letter: str, local_len: int) -> "SequenceView | None":
+    def of(cls, info: ForwardInfo, letter: str, local_len: int, layer_number: int = 0) -> "SequenceView | None":
         """None for a plain sequence (no CP, no packed documents): the mixer's usual path."""
         cp = info.cp if info.cp is not None and info.cp.size > 1 else None
         if cp is None and info.documents is None:
             return None
+        state = None
         if info.cache is not None:
-            what = "context parallelism" if cp is not None else "packed documents (ForwardInfo.documents)"
-            raise ConfigError(f"mixer {letter}: {what} with a decode cache is not supported (prefill without it)")
+            if info.documents is not None:
+                raise ConfigError(f"mixer {letter}: packed documents (ForwardInfo.documents) with a decode cache "
+                                  f"are not supported")
+            if info.cache.pad is not None:
+                raise ConfigError(f"mixer {letter}: context parallelism with a left-padded decode cache is not "
+                                  f"supported (prefill rows of equal length)")
+            state = info.cache.layer(layer_number)
         full_len = local_len if cp is None else cp.seq_len
         resets = None
         if info.documents is not None:
@@ -83,7 +98,7 @@ class SequenceView:
             if docs.dim() != 2 or docs.size(1) != full_len:
                 raise ConfigError(f"mixer {letter}: documents has shape {tuple(docs.shape)}, expected [b, {full_len}]")
             resets = F.pad(docs[:, 1:] != docs[:, :-1], (1, 0))
-        return cls(cp, resets)
+        return cls(cp, resets, state)
 
     # ---- short convolution ---------------------------------------------------------------
 
@@ -93,9 +108,14 @@ class SequenceView:
         kernel = weight.size(-1)
         if self.cp is None:
             return masked_conv(x, weight, self.resets)
-        halo = conv_halo(x, kernel - 1, self.cp).flatten(0, 1)     # [2b, K-1, C]
-        if self.resets is None:
-            return _unchunk(conv(_chunks(x), weight, halo)[0])
+        start = None if self.state is None else self.state.get("conv")
+        halo, last = conv_halo(x, kernel - 1, self.cp, start)
+        if self.state is not None:
+            self.state["conv"] = last
+        halo = halo.flatten(0, 1)                                  # [2b, K-1, C]
+        if self.resets is None:  # [halo | chunk] from a zero state, halo outputs dropped: the role's
+            ext = torch.cat([halo, _chunks(x)], dim=1)             # training form (its own backward)
+            return _unchunk(conv(ext, weight)[0][:, kernel - 1:])
         n, width = x.size(1) // 2, kernel - 1                     # the halo's own document starts
         before = F.pad(self.full_resets, (width, 0))               # [b, K-1 + S]
         halo_resets = torch.stack([before[:, c * n:c * n + width] for c in self.cp.chunk_ids()], 1)
@@ -116,25 +136,31 @@ class SequenceView:
         q, k, v, g, beta = (_chunks(t) for t in (q, k, v, g, beta))
         v_ext = torch.cat([v, v.new_zeros(2 * b, s // 2, hv, dk)], dim=-1)        # [2b, n, hv, dv + dk]
         eye = torch.eye(dk, dtype=torch.float32, device=v.device)
-        h0 = F.pad(eye, (dv, 0)).expand(2 * b, hv, dk, dv + dk)                     # [0 | I]
+        h0 = F.pad(eye, (dv, 0)).expand(2 * b, hv, dk, dv + dk).contiguous()        # [0 | I] (kernels want it dense)
         o_ext, final = op.chunked(q, k, v_ext, g, beta, scale=scale, initial_state=h0, chunk_size=chunk_size,
                                   recompute=recompute)
         o0, qm = o_ext.split([dv, dk], dim=-1)                                    # o(0), M_t^T q_t
-        h_in = self._incoming(final.view(b, 2, hv, dk, dv + dk), dv).flatten(0, 1)  # [2b, hv, dk, dv]
+        h_in = self._incoming(final.view(b, 2, hv, dk, dv + dk), dv, key="recurrent").flatten(0, 1)
         o = o0 + torch.einsum("bthk,bhkv->bthv", qm.to(h_in.dtype), h_in).to(o0.dtype)
         return _unchunk(o)
 
-    def _incoming(self, local: torch.Tensor, dv: int, transitions: torch.Tensor | None = None) -> torch.Tensor:
+    def _incoming(self, local: torch.Tensor, dv: int, transitions: torch.Tensor | None = None, *,
+                  key: str) -> torch.Tensor:
         """The state each local chunk starts from, [b, 2, h, dk, dv]. ``local`` [b, 2, h, dk, dv (+ dk)]:
         each local chunk's R_c (and M_c after it, unless ``transitions`` [b, 2CP, h, 1, 1] gives
-        every chunk's scalar M_c in global order). One all-gather; the scan runs on every rank."""
+        every chunk's scalar M_c in global order). One all-gather; the scan runs on every rank,
+        from the decode state ``self.state[key]`` if any (then it is left as after the sequence)."""
         cp = self.cp
         every = gather_reduce_scatter(local.contiguous(), 1, cp.group)           # [b, 2CP, ...] rank-major
-        starts, h = [], local.new_zeros(*local.shape[:1], *local.shape[2:-1], dv)
-        for c in range(max(cp.chunk_ids()) + 1):
+        h = None if self.state is None else self.state.get(key)
+        h = local.new_zeros(*local.shape[:1], *local.shape[2:-1], dv) if h is None else h.to(local.dtype)
+        starts = []
+        for c in range(2 * cp.size if self.state is not None else max(cp.chunk_ids()) + 1):
             starts.append(h)
             R, M = every[:, gathered_slot(cp, c)].split([dv, local.size(-1) - dv], dim=-1)
             h = (transitions[:, c] * h if transitions is not None else M @ h) + R
+        if self.state is not None:
+            self.state[key] = h
         return torch.stack([starts[c] for c in cp.chunk_ids()], dim=1)
 
     # ---- Lightning (L) -------------------------------------------------------------------
@@ -155,15 +181,16 @@ class SequenceView:
         if self.full_resets is not None:
             M = M * (~self.full_resets.view(b, 2 * cp.size, n).any(-1)).view(b, -1, 1, 1, 1)
             q_decay = q_decay * (resets.long().cumsum(1) == 0).unsqueeze(-1)     # [2b, n, h]
-        h_in = self._incoming(R.view(b, 2, *R.shape[1:]), dv, M.to(R.dtype)).flatten(0, 1)  # [2b, h, dk, dv]
+        h_in = self._incoming(R.view(b, 2, *R.shape[1:]), dv, M.to(R.dtype), key="lightning_state").flatten(0, 1)
         qd = _chunks(q).to(h_in.dtype) * q_decay.to(h_in.dtype).unsqueeze(-1)    # exp(-s t) q_t
         o = o0 + torch.einsum("bthk,bhkv->bthv", qd, h_in).to(o0.dtype)
         return _unchunk(o)
 
 
-def conv_halo(x: torch.Tensor, width: int, cp) -> torch.Tensor:
-    """x [b, 2n, C] (local order) -> [b, 2, width, C]: for each local chunk the last ``width``
-    inputs of the chunk before it in the global order (zeros before chunk 0), all-gathered."""
+def conv_halo(x: torch.Tensor, width: int, cp, start: torch.Tensor | None = None):
+    """x [b, 2n, C] (local order) -> (halo [b, 2, width, C]: for each local chunk the last ``width``
+    inputs of the chunk before it in the global order, all-gathered; before chunk 0 ``start``
+    [b, width, C] or zeros; last [b, width, C]: the sequence's last ``width`` inputs)."""
     b, s, c = x.shape
     n = s // 2
     if width > n:
@@ -174,8 +201,9 @@ def conv_halo(x: torch.Tensor, width: int, cp) -> torch.Tensor:
     front, back = cp.chunk_ids()
     halo = every[:, [gathered_slot(cp, max(front - 1, 0)), gathered_slot(cp, back - 1)]]
     if front == 0:
-        halo = torch.cat([torch.zeros_like(halo[:, :1]), halo[:, 1:]], dim=1)
-    return halo
+        first = torch.zeros_like(halo[:, :1]) if start is None else start.to(halo.dtype).unsqueeze(1)
+        halo = torch.cat([first, halo[:, 1:]], dim=1)
+    return halo, every[:, gathered_slot(cp, 2 * cp.size - 1)]
 
 
 def masked_conv(x: torch.Tensor, weight: torch.Tensor, resets: torch.Tensor | None,

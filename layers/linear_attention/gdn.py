@@ -64,7 +64,7 @@ class GatedDeltaNet(nn.Module):
         # decays there do not depend on what the padding computed
         proj = zero_pads(self.in_proj(x), info.cache)          # [b, s, sum(local parts)]
         bsz, s = proj.shape[:2]
-        view = SequenceView.of(info, "G", s)                    # CP and packed documents; None: plain
+        view = SequenceView.of(info, "G", s, self.layer_number)  # CP, packed documents; None: plain
         qkv_width = sum(self.local_parts[:3])
         qkv, z, b_in, a = proj.split([qkv_width, *self.local_parts[3:]], dim=-1)
         if view is None:

@@ -95,7 +95,7 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
         proj = zero_pads(self.in_proj(x), info.cache)  # padded slots: zero keys, state unchanged (as GDN)
         bsz, s = proj.shape[:2]
-        view = SequenceView.of(info, "K", s)  # CP and packed documents; None: plain
+        view = SequenceView.of(info, "K", s, self.layer_number)  # CP, packed documents; None: plain
         qkv, b_in = proj.split([sum(self.local_parts[:3]), self.h], dim=-1)
         if view is None:
             qkv, state, h0 = conv_and_state(self, qkv, info)

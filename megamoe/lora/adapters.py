@@ -11,9 +11,11 @@ points, calling the backend's own version inside:
   ``effective_weight()`` (the local weight as it multiplies; MLA's absorbed decode reads it)
   gains ``s * B A``. The role's own communication and GEMM (plain, FP8, Transformer Engine)
   stay as they are around and inside it;
-- a routed-experts role (``gate_up_weight``, ``down_weight``, ``swiglu_limit``, ``forward(x, idx,
-  counts, probs, out_rows)``, ``resolved_kernel()``): ``forward`` runs the adapters' form of the
-  role's kernel (``megamoe.lora.experts``); merged, the role's own kernel again.
+- a routed-experts role (``gate_up_weight``, ``down_weight``, ``swiglu_limit``, ``compute(x, idx,
+  counts, probs, w1, w2, out_rows, experts)``: the kernel on given weights, ``resolved_kernel()``):
+  ``compute`` runs the adapters' form of the role's kernel (``megamoe.lora.experts``) on the
+  weights the role's forward brings (its own, or a tiered role's experts read from the store);
+  merged, the role's own kernel again. Tiered experts (weights ``stored``) cannot be merged.
 
 Which kind a role is comes from the role's interface and its weights' ``ParamRecord`` (shard
 rules over the group), never from its class: any backend's roles get LoRA.
@@ -50,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megamoe.errors import ConfigError
 from megamoe.lora.config import LoRAConfig
 from megamoe.lora.experts import ExpertLoRA, lora_swiglu_experts
 from megamoe.params import mark_active_fraction
@@ -141,10 +144,10 @@ class LinearAdapter(Adapter):
 
     def __init__(self, role: nn.Module, cfg: LoRAConfig):
         super().__init__(role, cfg)
-        self.product, self.weight = role.local_linear, role.effective_weight  # the backend's own
+        self.base_product, self.base_weight = role.local_linear, role.effective_weight  # the backend's own
 
     def local_linear(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.product(x)
+        y = self.base_product(x)
         if self.merged:
             return y
         role = self.role
@@ -160,7 +163,7 @@ class LinearAdapter(Adapter):
         return [(self.role.weight, self.delta())]
 
     def effective_weight(self) -> torch.Tensor:
-        w = self.weight()
+        w = self.base_weight()
         return w if self.merged else w + self.delta().to(w.dtype)
 
 
@@ -171,7 +174,7 @@ class ExpertAdapter(Adapter):
 
     def __init__(self, role: nn.Module, cfg: LoRAConfig, groups: ParallelGroups):
         super().__init__(role, cfg)
-        self.groups, self.base_forward = groups, role.forward
+        self.groups, self.base_compute = groups, role.compute
 
     def factors(self) -> ExpertLoRA:
         """This rank's factors; a shared adapter contributes the ETP slice of its f dim."""
@@ -183,12 +186,20 @@ class ExpertAdapter(Adapter):
             a2 = split_full(a2, (Shard(1, "etp"),), self.groups)
         return ExpertLoRA(a1, b1, a2, b2, self.scale, self.dropout, role.training)
 
-    def forward(self, x, idx, counts, probs, out_rows):
+    def compute(self, x, idx, counts, probs, w1, w2, out_rows, experts=None):
+        """The role's kernel with the adapters of local ``experts`` (None: all) on weights
+        w1 [n, 2f/etp, h], w2 [n, h, f/etp]."""
         if self.merged:
-            return self.base_forward(x, idx, counts, probs, out_rows)
+            return self.base_compute(x, idx, counts, probs, w1, w2, out_rows, experts)
         role = self.role
-        return lora_swiglu_experts(role.resolved_kernel(), x, idx, counts, probs, role.gate_up_weight,
-                                   role.down_weight, self.factors(), out_rows, role.swiglu_limit)
+        return lora_swiglu_experts(role.resolved_kernel(), x, idx, counts, probs, w1, w2,
+                                   self.factors().select(experts), out_rows, role.swiglu_limit)
+
+    def merge(self) -> None:
+        if record(self.role.gate_up_weight).stored:  # the store's files are never written to
+            raise ConfigError("lora: adapters cannot be merged into tiered experts (model.moe.expert_store); "
+                              "merge on a model with resident experts")
+        super().merge()
 
     def deltas(self):
         f = self.factors()
@@ -217,7 +228,9 @@ def _attach_linear(m: nn.Module, cfg: LoRAConfig, groups: ParallelGroups) -> Non
 def _attach_experts(m: nn.Module, cfg: LoRAConfig, groups: ParallelGroups) -> None:
     e, _, h = m.gate_up_weight.shape
     f_local = m.down_weight.size(2)
-    f, r, w = f_local * groups.size("etp"), cfg.rank, m.gate_up_weight
+    # adapters live where the weights compute (a tiered role's weights are meta placeholders)
+    like = getattr(m, "weight_like", None)
+    f, r, w = f_local * groups.size("etp"), cfg.rank, like() if like is not None else m.gate_up_weight
     if cfg.expert_adapters == "per_expert":
         params = {"gate_up_lora_A": (_param(w, e, r, h), [Shard(0, "ep")], h),
                   "gate_up_lora_B": (_param(w, e, 2 * f_local, r), [Shard(0, "ep"), Shard(1, "etp", (f, f))], None),
@@ -228,7 +241,7 @@ def _attach_experts(m: nn.Module, cfg: LoRAConfig, groups: ParallelGroups) -> No
     else:  # one pair for every expert, whole on every rank
         params = {"gate_up_lora_A": (_param(w, r, h), [], h), "gate_up_lora_B": (_param(w, 2 * f, r), [], None),
                   "down_lora_A": (_param(w, r, f), [], f), "down_lora_B": (_param(w, h, r), [], None)}
-    fraction = record(w).active_fraction
+    fraction = record(m.gate_up_weight).active_fraction
     for name, (p, rules, fan_in) in params.items():
         set_sharding(p, *rules)
         mark_init(p, kaiming_uniform_init(fan_in) if fan_in else const_init(0.0))
@@ -246,7 +259,7 @@ def attach(module: nn.Module, cfg: LoRAConfig, groups: ParallelGroups) -> Adapte
     if role_kind(module) == "experts":
         _attach_experts(module, cfg, groups)
         adapter = ExpertAdapter(module, cfg, groups)
-        module.forward = adapter.forward
+        module.compute = adapter.compute
     else:
         _attach_linear(module, cfg, groups)
         adapter = LinearAdapter(module, cfg)

@@ -43,6 +43,15 @@ class ExpertLoRA:
     dropout: float = 0.0
     training: bool = False
 
+    def select(self, experts: Sequence[int] | None) -> "ExpertLoRA":
+        """The factors of some local experts (per-expert factors gathered, differentiably; a
+        shared pair as it is): the adapters of one kernel call over those experts."""
+        if experts is None or self.a1.dim() == 2:
+            return self
+        at = torch.as_tensor(list(experts), device=self.a1.device)
+        a1, b1, a2, b2 = (t.index_select(0, at) for t in (self.a1, self.b1, self.a2, self.b2))
+        return ExpertLoRA(a1, b1, a2, b2, self.scale, self.dropout, self.training)
+
     def low_rank(self, rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor, counts, grouped: bool = False):
         """s * B (A drop(rows)): [S, in] -> [S, out]."""
         if self.dropout > 0:

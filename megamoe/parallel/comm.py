@@ -28,7 +28,7 @@ from contextvars import ContextVar
 import torch
 import torch.distributed as dist
 
-from megamoe.parallel.groups import group_rank, group_size
+from megamoe.parallel.groups import group_name, group_rank, group_size
 
 # ---- latency recording (for the training monitor) ----------------------------------------
 
@@ -36,22 +36,50 @@ _RECORDER: ContextVar = ContextVar("megamoe_comm_recorder", default=None)
 _TAG: ContextVar = ContextVar("megamoe_comm_tag", default="model")
 
 
-class LatencyRecorder:
-    """Collects seconds of all-gather / all-to-all calls by ``kind/tag`` while active.
+def size_bucket(nbytes: int) -> str:
+    """The message-size bucket of ``nbytes``: the power of 4 at or above it, at least 1KiB
+    (``"1KiB"``, ``"4KiB"``, ..., ``"16MiB"``; a bucket holds sizes above the one below it)."""
+    top = 1024
+    while top < nbytes:
+        top *= 4
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if top >= size:
+            return f"{top // size}{unit}"
+    return f"{top // 1024}KiB"
 
-    Tags come from ``tag_scope`` (the model sets one per layer); a collective issued in
-    backward carries the tag of its forward. The trainer activates a recorder on sampled
-    steps only; when none is active a collective runs no timing code at all.
+
+def sample_key(kind: str, group, nbytes: int, tag: str | None = None) -> str:
+    """``kind/group/bucket/tag`` (e.g. ``all_reduce/dp_cp/4MiB/grad_sync``): how samples are keyed."""
+    return f"{kind}/{group_name(group)}/{size_bucket(nbytes)}/{tag or current_tag()}"
+
+
+def split_key(key: str) -> tuple[str, str, str, str]:
+    """``sample_key``'s parts: kind, group, bucket, tag."""
+    kind, group, bucket, tag = key.split("/", 3)
+    return kind, group, bucket, tag
+
+
+class LatencyRecorder:
+    """Collects (seconds, bytes) of every collective megamoe issues while active, keyed by
+    ``sample_key``: operation kind, group name (``group_name``), message-size bucket and tag.
+
+    Tags come from ``tag_scope`` (the model sets one per layer, the trainer one per phase such
+    as ``grad_sync``); a collective issued in backward carries the tag of its forward. The
+    trainer activates a recorder on sampled steps only; when none is active a collective runs
+    no timing code at all.
 
     A CUDA collective is bracketed by two timing events on the current stream and read back
     in ``drain`` (at log time, when the step's work is long done): timing never waits for the
     device, so it does not serialise communication with compute. On CPU, where gloo
-    collectives return when complete, host clocks are exact.
+    collectives return when complete, host clocks are exact. Message sizes are the whole
+    buffer: the gathered output of an all-gather, the input of a reduce-scatter, the sent
+    tokens of an all-to-all, the tensor of an all-reduce or broadcast, the sum of a batch of
+    pipeline sends and receives.
     """
 
     def __init__(self):
-        self.samples: dict[str, list[float]] = defaultdict(list)
-        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.samples: dict[str, list[tuple[float, int]]] = defaultdict(list)
+        self._pending: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextmanager
     def active(self):
@@ -61,30 +89,81 @@ class LatencyRecorder:
         finally:
             _RECORDER.reset(token)
 
-    def time(self, kind: str, tag: str | None, fn, x: torch.Tensor, *args) -> torch.Tensor:
-        """``fn(x, *args)``, recording its latency under ``kind/tag``."""
-        key = f"{kind}/{tag or current_tag()}"
+    def time(self, kind: str, group, nbytes: int, tag: str | None, fn, x: torch.Tensor, *args):
+        """``fn(x, *args)``, recording its latency under ``sample_key(kind, group, nbytes, tag)``."""
+        key = sample_key(kind, group, nbytes, tag)
         if x.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start = self.start_event()
             out = fn(x, *args)
-            end.record()
-            self._pending.append((key, start, end))
+            self.add_events(key, nbytes, start, self.start_event())
             return out
         t0 = time.perf_counter()
         out = fn(x, *args)
-        self.samples[key].append(time.perf_counter() - t0)
+        self.add(key, nbytes, time.perf_counter() - t0)
         return out
 
-    def drain(self) -> dict[str, list[float]]:
-        """Samples since the last drain, in seconds. Reads the CUDA events back (waiting for
-        the last of them, which the finished step has normally passed already)."""
-        for key, start, end in self._pending:
+    @staticmethod
+    def start_event() -> torch.cuda.Event:
+        """A timing event recorded now on the current stream."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, key: str, nbytes: int, seconds: float) -> None:
+        self.samples[key].append((seconds, nbytes))
+
+    def add_events(self, key: str, nbytes: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        """A CUDA sample, read back at the next ``drain``."""
+        self._pending.append((key, nbytes, start, end))
+
+    def drain(self) -> dict[str, list[tuple[float, int]]]:
+        """``{key: [(seconds, bytes), ...]}`` since the last drain. Reads the CUDA events back
+        (waiting for the last of them, which the finished step has normally passed already)."""
+        for key, nbytes, start, end in self._pending:
             end.synchronize()
-            self.samples[key].append(start.elapsed_time(end) / 1e3)
+            self.samples[key].append((start.elapsed_time(end) / 1e3, nbytes))
         self._pending = []
         out, self.samples = dict(self.samples), defaultdict(list)
         return out
+
+
+class P2PTimer:
+    """One batch of point-to-point transfers on a sampled step, recorded as ``send_recv`` when
+    ``finish`` is called: the host time between construction and ``pause`` (issuing) plus
+    between ``resume`` and ``finish`` (waiting) on CPU; on CUDA, events from construction to
+    ``finish`` on the current stream. Made by ``p2p_timer``."""
+
+    def __init__(self, rec: LatencyRecorder, key: str, nbytes: int, cuda: bool):
+        self.rec, self.key, self.nbytes, self.seconds = rec, key, nbytes, 0.0
+        self.start = rec.start_event() if cuda else None
+        self._t = time.perf_counter()
+
+    def pause(self) -> None:
+        self.seconds += time.perf_counter() - self._t
+
+    def resume(self) -> None:
+        self._t = time.perf_counter()
+
+    def finish(self) -> None:
+        if self.start is not None:
+            self.rec.add_events(self.key, self.nbytes, self.start, self.rec.start_event())
+        else:
+            self.rec.add(self.key, self.nbytes, self.seconds + time.perf_counter() - self._t)
+
+
+def p2p_timer(group, tensors: list[torch.Tensor], tag: str | None = None) -> P2PTimer | None:
+    """A ``P2PTimer`` for sending/receiving ``tensors`` over ``group`` on a sampled step, else
+    None (no timing code at all)."""
+    rec = _RECORDER.get()
+    if rec is None:
+        return None
+    nbytes = sum(_nbytes(t) for t in tensors)
+    return P2PTimer(rec, sample_key("send_recv", group, nbytes, tag), nbytes, any(t.is_cuda for t in tensors))
+
+
+def active_recorder() -> LatencyRecorder | None:
+    """The recorder of a sampled step, else None."""
+    return _RECORDER.get()
 
 
 @contextmanager
@@ -100,21 +179,29 @@ def current_tag() -> str:
     return _TAG.get()
 
 
-def _timed(kind: str, tag: str | None, fn, *args):
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def _timed(kind: str, group, nbytes: int, tag: str | None, fn, *args):
     rec = _RECORDER.get()
-    return fn(*args) if rec is None else rec.time(kind, tag, fn, *args)
+    return fn(*args) if rec is None else rec.time(kind, group, nbytes, tag, fn, *args)
 
 
 # ---- raw collectives (no autograd) -------------------------------------------------------
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group, tag: str | None = None) -> torch.Tensor:
     x = x.contiguous().clone()
-    dist.all_reduce(x, group=group)
+    _timed("all_reduce", group, _nbytes(x), tag, _all_reduce_impl, x, group)
     return x
 
 
+def _all_reduce_impl(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    dist.all_reduce(x, op=op, group=group)
+
+
 def _all_gather(x: torch.Tensor, dim: int, group, tag: str | None = None) -> torch.Tensor:
-    return _timed("all_gather", tag, _all_gather_impl, x, dim, group)
+    return _timed("all_gather", group, _nbytes(x) * group_size(group), tag, _all_gather_impl, x, dim, group)
 
 
 def _all_gather_impl(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -131,11 +218,15 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, group, tag: str | None = None) -> torch.Tensor:
     n = group_size(group)
     if x.size(dim) % n:
         raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.size(dim)} over {n} ranks")
-    parts = [p.contiguous() for p in x.chunk(n, dim=dim)]
+    return _timed("reduce_scatter", group, _nbytes(x), tag, _reduce_scatter_impl, x, dim, group)
+
+
+def _reduce_scatter_impl(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    parts = [p.contiguous() for p in x.chunk(group_size(group), dim=dim)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group)
     return out
@@ -144,7 +235,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
                 tag: str | None = None) -> torch.Tensor:
     """x: [sum(in_splits), ...] -> [sum(out_splits), ...] along dim 0."""
-    return _timed("all_to_all", tag, _all_to_all_impl, x, out_splits, in_splits, group)
+    return _timed("all_to_all", group, _nbytes(x), tag, _all_to_all_impl, x, out_splits, in_splits, group)
 
 
 def _all_to_all_impl(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -159,12 +250,12 @@ def _all_to_all_impl(x: torch.Tensor, out_splits: list[int], in_splits: list[int
 class _CopyTo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
+        ctx.group, ctx.tag = group, current_tag()
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g, ctx.group), None
+        return _all_reduce(g, ctx.group, ctx.tag), None
 
 
 class _ReduceFrom(torch.autograd.Function):
@@ -202,12 +293,12 @@ class _ScatterTo(torch.autograd.Function):
 class _GatherReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
+        ctx.dim, ctx.group, ctx.tag = dim, group, current_tag()
         return _all_gather(x, dim, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _reduce_scatter(g, ctx.dim, ctx.group), None, None
+        return _reduce_scatter(g, ctx.dim, ctx.group, ctx.tag), None, None
 
 
 class _ReduceScatterTo(torch.autograd.Function):
@@ -271,5 +362,16 @@ def all_gather_tensor(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 def all_reduce_tensor(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce outside autograd (gradients, metrics)."""
     if group_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
+        _timed("all_reduce", group, _nbytes(x), None, _all_reduce_impl, x, group, op)
     return x
+
+
+def broadcast_tensor(x: torch.Tensor, src: int, group) -> torch.Tensor:
+    """In-place broadcast from the group's rank ``src`` outside autograd (optimizer updates)."""
+    if group_size(group) > 1:
+        _timed("broadcast", group, _nbytes(x), None, _broadcast_impl, x, src, group)
+    return x
+
+
+def _broadcast_impl(x: torch.Tensor, src: int, group) -> None:
+    dist.broadcast(x, src=dist.get_global_rank(group, src), group=group)

@@ -18,6 +18,31 @@ import torch.distributed as dist
 from megamoe.config import ParallelConfig
 from megamoe.errors import ConfigError
 
+# process group -> its names in the grid ("dp_cp", or "dp+dp_cp" when two fields share one
+# group), for the communication monitor; groups are never destroyed (see _GRIDS), so ids stay valid
+_NAMES: dict[int, str] = {}
+
+
+def group_name(group) -> str:
+    """The grid name of ``group`` (``tp``, ``ep``, ``dp_cp``, ...), ``world``, or ``group<size>``
+    for a group megamoe's grid did not create."""
+    name = _NAMES.get(id(group))
+    if name is not None:
+        return name
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    return f"group{group_size(group)}"
+
+
+def _name_groups(groups: ParallelGroups) -> None:
+    names: dict[int, list[str]] = {}
+    for f in fields(groups):
+        group = getattr(groups, f.name)
+        if group is not None:
+            names.setdefault(id(group), []).append(f.name)
+    _NAMES.update({k: "+".join(v) for k, v in names.items()})
+
+
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -140,6 +165,7 @@ def build_groups(parallel: ParallelConfig, timeout_s: float | None = None) -> Pa
     key = (id(dist.group.WORLD), world, parallel.tp, parallel.pp, parallel.vpp, parallel.cp, parallel.ep, parallel.etp)
     if key not in _GRIDS:
         _GRIDS[key] = _build(parallel, timeout_s)
+        _name_groups(_GRIDS[key])
     return _GRIDS[key]
 
 

@@ -9,6 +9,8 @@ field               meaning (who reads it)
                     (``megamoe.weights.finalize_grads`` sums it over them, in order)
 ``init``            the init rule, a function of a ``Draw`` (``megamoe.weights.initialize``)
 ``active_fraction`` share of the tokens that use it: routed experts top_k / E (the budget)
+``stored``          its values live in the expert store (``megamoe.tiers``): a meta-device
+                    placeholder that is never initialised, loaded, saved or moved
 ==================  ==========================================================================
 
 The record is a frozen dataclass stored as ``param._megamoe``; ``update_record`` stores a new
@@ -30,6 +32,7 @@ class ParamRecord:
     partial_grad: tuple[str, ...] = ()
     init: Callable | None = None
     active_fraction: float = 1.0
+    stored: bool = False
 
 
 _NONE = ParamRecord()

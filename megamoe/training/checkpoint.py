@@ -30,6 +30,7 @@ from megamoe.errors import CheckpointError
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.pieces import (all_pieces, assemble, layout_sizes, my_ranks, piece_key,
                                      stored_rules, unchanged)
+from megamoe.parallel.record import record
 from megamoe.parallel.sharding import sharding, split_full
 from megamoe.training.safe_dcp import SafeFileSystemReader, checkpoint_error, dcp_load, quiet  # noqa: F401
 
@@ -53,8 +54,9 @@ def model_tensors(parts) -> dict[str, torch.Tensor]:
 def _targets(model_parts, optimizer, create: bool = False, select=None) -> list[tuple]:
     """(tensor, kind, name, shard rules) for everything a checkpoint holds of this rank;
     ``select(name)`` limits the model tensors (adapter-only checkpoints of a LoRA fine-tune)."""
+    # tiered experts' placeholders: the expert store holds their values (megamoe.tiers)
     out = [(t.detach(), "model", name, sharding(t)) for name, t in model_tensors(model_parts).items()
-           if select is None or select(name)]
+           if (select is None or select(name)) and not record(t).stored]
     if optimizer is not None:
         for name, (param, state) in optimizer.owned_states(create=create).items():
             for field, value in state.items():

@@ -99,7 +99,7 @@ class LoggingConfig:
     dir: Optional[str] = None  # TensorBoard log dir; None: <checkpoint.dir>/tb or runs/<time>
     interval: int = 1  # steps between scalar logs
     heatmap_interval: int = 10  # steps between expert-load heatmaps
-    latency_interval: int = 10  # time all-to-all / all-gather calls per layer on every N-th step; 0: never
+    latency_interval: int = 10  # time every collective (per group, size, layer) on every N-th step; 0: never
     peak_tflops: Optional[float] = None  # for MFU; None: known GPUs, or a measured matmul peak on CPU
     progress: bool = True  # console progress bar
 

@@ -47,6 +47,8 @@ def adopt_checkpoint_model(recipe, overrides: Sequence[str] = ()) -> None:
     mine = OmegaConf.from_dotlist([o for o in overrides if o.startswith("model.")]).get("model", {})
     model = config_from_dict(OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(meta["model"]), mine)))
     differs = [f for f, _, _ in changed_fields(config_to_dict(recipe.model), config_to_dict(model), "model")]
+    if recipe.model.moe is not None and model.moe is not None:  # where experts are kept is the run's choice
+        model.moe.expert_store = recipe.model.moe.expert_store
     recipe.model = model
     recipe.validate()
     log.info("model from %s%s", source, f" (the recipe's model section differed in {', '.join(differs)})"

@@ -58,6 +58,11 @@ def all_reduce_bucketed(tensors: list[torch.Tensor], group) -> None:
 
 def sync_grads(parts: list[nn.Module], groups: ParallelGroups) -> None:
     """Everything that makes local grads equal the single-process grads of this rank's shards."""
+    with comm.tag_scope("grad_sync"):  # names these collectives in the communication monitor
+        _sync_grads(parts, groups)
+
+
+def _sync_grads(parts: list[nn.Module], groups: ParallelGroups) -> None:
     for part in parts:
         finalize_grads(part, groups)
     if groups.embd is not None and parts[0].config.tie_embeddings:
@@ -106,8 +111,9 @@ def global_grad_norm(parts: list[nn.Module], groups: ParallelGroups) -> float:
                 expert += sq
             else:
                 dense += sq
-    comm.all_reduce_tensor(dense, groups.mp)
-    comm.all_reduce_tensor(expert, groups.emp)
+    with comm.tag_scope("grad_norm"):
+        comm.all_reduce_tensor(dense, groups.mp)
+        comm.all_reduce_tensor(expert, groups.emp)
     return math.sqrt((dense + expert).item())
 
 

@@ -5,8 +5,8 @@ settings that change the maths of training whatever the parallel layout (data, t
 batch, seed, precision, fp8, optimizer). Resuming compares them all, loading base weights
 (``checkpoint.load``) compares the model; any difference is refused in one line naming every
 changed field, unless ``checkpoint.allow_changes`` lists it (or a section above it), and each
-allowed change is logged. The parallel layout, ``train.steps`` (extending a run) and the
-logging/checkpoint sections may change freely.
+allowed change is logged. The parallel layout, ``train.steps`` (extending a run), where frozen
+experts are kept (``model.moe.expert_store``) and the logging/checkpoint sections may change freely.
 """
 from __future__ import annotations
 
@@ -55,6 +55,10 @@ def _show(value) -> str:
     return "{...}" if isinstance(value, dict) else json.dumps(value)
 
 
+# where frozen experts are kept changes no value: free to change like the parallel layout
+FREE = ("model.moe.expert_store",)
+
+
 def _allowed(field: str, allow) -> bool:
     return any(field == a or field.startswith(a + ".") for a in allow)
 
@@ -68,7 +72,7 @@ def check_unchanged(path: Path, meta: dict, now: dict, allow=(), what: str = "re
         old = saved.get(section)
         if old is None and section != "lora":  # no lora: a full-model run
             continue  # not recorded (an older or converted checkpoint)
-        changes += changed_fields(old, _plain(value), section)
+        changes += [c for c in changed_fields(old, _plain(value), section) if not _allowed(c[0], FREE)]
     refused = [c for c in changes if not _allowed(c[0], allow)]
     for field, old, new in changes:
         if not _allowed(field, allow):

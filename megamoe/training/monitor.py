@@ -43,6 +43,36 @@ def memory_gib() -> dict[str, float]:
     return out
 
 
+def comm_series(latencies: dict[str, list[tuple[float, int]]]) -> tuple[dict, dict]:
+    """The recorder's samples (``comm.sample_key`` -> [(seconds, bytes)]) as histograms of
+    milliseconds: by ``kind/tag`` (which layer or phase) and by ``kind/group/bucket``."""
+    from megamoe.parallel.comm import split_key
+
+    by_tag: dict[str, list[float]] = {}
+    by_group: dict[str, list[tuple[float, int]]] = {}
+    for key, samples in latencies.items():
+        kind, group, bucket, tag = split_key(key)
+        by_tag.setdefault(f"{kind}/{tag}", []).extend(s * 1e3 for s, _ in samples)
+        by_group.setdefault(f"{kind}/{group}/{bucket}", []).extend((s * 1e3, n) for s, n in samples)
+    return by_tag, by_group
+
+
+def comm_summary(by_group: dict[str, list[tuple[float, int]]]) -> dict[str, float]:
+    """Per ``kind/group`` (all size buckets, all ranks, the sampled steps since the last log):
+    ``comm/<kind>/<group>/{calls,mib,p50_ms,p99_ms}``."""
+    merged: dict[str, list[tuple[float, int]]] = {}
+    for key, samples in by_group.items():
+        merged.setdefault(key.rsplit("/", 1)[0], []).extend(samples)
+    out = {}
+    for key, samples in sorted(merged.items()):
+        ms = np.array([s for s, _ in samples])
+        out[f"comm/{key}/calls"] = float(len(samples))
+        out[f"comm/{key}/mib"] = sum(n for _, n in samples) / 2**20
+        out[f"comm/{key}/p50_ms"] = float(np.percentile(ms, 50))
+        out[f"comm/{key}/p99_ms"] = float(np.percentile(ms, 99))
+    return out
+
+
 _KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
@@ -108,14 +138,18 @@ class Monitor:
         """Whether step ``step`` writes TensorBoard events (the same answer on every rank)."""
         return step % self.cfg.interval == 0 or step == self.total
 
-    def log_step(self, step: int, scalars: dict[str, float], latencies: dict[str, list[float]] | None = None,
+    def log_step(self, step: int, scalars: dict[str, float],
+                 latencies: dict[str, list[tuple[float, int]]] | None = None,
                  expert_load: dict[int, torch.Tensor] | None = None,
                  layer_scalars: dict[str, float] | None = None) -> None:
         """``step`` is 1-based (the number of optimizer steps done). The JSONL line and the
-        progress bar follow every step; the events only steps where ``logs(step)``."""
+        progress bar follow every step; the events only steps where ``logs(step)``.
+        ``latencies``: the communication samples (see ``comm_series``), on logging steps."""
         if not self.enabled:
             return
-        self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+        by_tag, by_group = comm_series(latencies or {})
+        summary = comm_summary(by_group)
+        self.jsonl.write(json.dumps({"step": step, **scalars, **summary}) + "\n")
         self.jsonl.flush()
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
@@ -125,11 +159,12 @@ class Monitor:
             return
         for k, v in scalars.items():
             self.writer.add_scalar(f"train/{k}", v, step)
-        for k, v in (layer_scalars or {}).items():
+        for k, v in {**(layer_scalars or {}), **summary}.items():
             self.writer.add_scalar(k, v, step)
-        for tag, samples in (latencies or {}).items():
-            if samples:
-                self.writer.add_histogram(f"latency_ms/{tag}", np.asarray(samples) * 1e3, step)
+        for tag, ms in by_tag.items():  # which layer or phase
+            self.writer.add_histogram(f"latency_ms/{tag}", np.asarray(ms), step)
+        for tag, samples in by_group.items():  # which group and message size
+            self.writer.add_histogram(f"comm_ms/{tag}", np.asarray([s for s, _ in samples]), step)
         if expert_load and (step % self.cfg.heatmap_interval == 0 or step == self.total):
             layers = sorted(expert_load)
             grid = np.stack([expert_load[i].detach().double().cpu().numpy() for i in layers])

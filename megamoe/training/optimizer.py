@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megamoe.parallel import comm
 from megamoe.parallel.groups import ParallelGroups, group_rank, group_size
 from megamoe.training.config import OptimConfig
 from megamoe.training.grads import is_expert_param
@@ -105,7 +105,8 @@ class DistributedOptimizer:
                 if not tensors:
                     continue
                 flat = _flatten_dense_tensors(tensors)
-                dist.broadcast(flat, src=dist.get_global_rank(group, owner), group=group)
+                with comm.tag_scope("optimizer"):
+                    comm.broadcast_tensor(flat, owner, group)
                 if owner != group_rank(group):
                     for t, new in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
                         t.copy_(new)

@@ -9,6 +9,7 @@ there (the full labels, cut by the model's ``loss_sum``).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 from megamoe.config import ModelConfig, ParallelConfig, check_pipeline_support
 from megamoe.model import LanguageModel, build_model
+from megamoe.parallel import comm
 from megamoe.parallel.groups import ParallelGroups
 
 
@@ -94,3 +96,52 @@ def build_schedule(chunks: list[LanguageModel], ids: list[int], n_stages: int, g
     if len(stages) == 1:
         return Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False), modules
     return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False), modules
+
+
+@contextmanager
+def timed_p2p():
+    """On a sampled step (a ``comm`` recorder active), time the pipeline schedule's sends and
+    receives as ``send_recv`` on the ``pp`` group (tag ``pipeline``); otherwise nothing at all.
+
+    ``torch.distributed.pipelining`` issues them through its module functions ``_batch_p2p``
+    and ``_wait_batch_p2p``; they are wrapped for the step only. A batch's sample is the time
+    the schedule spends issuing it and waiting for all its works (``comm.P2PTimer``). Without
+    those functions (another torch) the pipeline is not timed.
+    """
+    from torch.distributed.pipelining import schedules
+
+    batch_fn, wait_fn = getattr(schedules, "_batch_p2p", None), getattr(schedules, "_wait_batch_p2p", None)
+    if comm.active_recorder() is None or batch_fn is None or wait_fn is None:
+        yield
+        return
+    open_: dict[int, list] = {}  # id(work) -> [its batch's timer, works of the batch not yet waited]
+
+    def batch_p2p(ops, desc=None):
+        timer = comm.p2p_timer(ops[0].group if ops else None, [op.tensor for op in ops], "pipeline")
+        works = batch_fn(ops, desc=desc)
+        timer.pause()
+        entry = [timer, len(works)]
+        for w in works:
+            open_[id(w)] = entry
+        if not works:
+            timer.finish()
+        return works
+
+    def wait_batch_p2p(works):
+        for w in works:
+            entry = open_.pop(id(w), None)
+            if entry is not None:
+                entry[0].resume()
+            w.wait()
+            if entry is not None:
+                entry[0].pause()
+                entry[1] -= 1
+                if entry[1] == 0:
+                    entry[0].resume()
+                    entry[0].finish()
+
+    schedules._batch_p2p, schedules._wait_batch_p2p = batch_p2p, wait_batch_p2p
+    try:
+        yield
+    finally:
+        schedules._batch_p2p, schedules._wait_batch_p2p = batch_fn, wait_fn

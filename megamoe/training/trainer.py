@@ -33,7 +33,7 @@ from megamoe.training.faults import describe, is_collective_failure
 from megamoe.training.guards import CheckpointMismatch, check_unchanged, run_record
 from megamoe.training.monitor import Monitor, memory_gib, peak_tflops
 from megamoe.training.optimizer import DistributedOptimizer, lr_at
-from megamoe.training.pipeline import build_chunks, build_schedule
+from megamoe.training.pipeline import build_chunks, build_schedule, timed_p2p
 from megamoe.weights import initialize
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class Trainer:
             self.hf_origin = meta.get("hf")
         if recipe.lora is not None:
             self._apply_lora()
+        self.expert_store = self._open_expert_store()
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.optimizer = DistributedOptimizer(named, self.groups, self.optim_cfg, offload=self.train.optimizer_offload)
         self._maybe_resume()
@@ -122,6 +123,19 @@ class Trainer:
             print(f"LoRA: {trainable:,} trainable parameters of {total:,} ({100.0 * trainable / max(total, 1):.3f}%), "
                   f"rank {lora.rank}, alpha {lora.alpha:g}, expert adapters {lora.expert_adapters}; "
                   f"router frozen, expert-bias update {'on' if lora.update_expert_bias else 'off'}", flush=True)
+
+    def _open_expert_store(self):
+        """Tiered experts (``model.moe.expert_store``) read from the store, by default the weights
+        being fine-tuned (``checkpoint.load``); they are frozen, so only under LoRA."""
+        moe = self.recipe.model.moe
+        if moe is None or not moe.expert_store.enabled:
+            return None
+        if self.recipe.lora is None:
+            raise ConfigError("model.moe.expert_store.budget_mib is set but lora is not: tiered experts are frozen "
+                              "(LoRA fine-tuning, inference); unset the budget to train the experts")
+        from megamoe.tiers import open_expert_store
+
+        return open_expert_store(self.chunks, self.groups, self.base_weights)
 
     def _weights_will_load(self) -> bool:
         """Every model weight comes from a checkpoint: ``checkpoint.load`` (LoRA adapters are
@@ -302,7 +316,7 @@ class Trainer:
             self._stage_modules[0].extra = [self._stage_inputs(mb)[1] for mb in micro]
         args = [(mb["input_ids"].to(self.device),) for mb in micro] if self.first else None
         targets = [mb["labels"].to(self.device) for mb in micro] if self.last else None
-        with self._autocast():
+        with self._autocast(), timed_p2p():
             self._schedule.step(arg_mbs=args, target_mbs=targets, losses=losses, return_outputs=False)
         for x in losses:
             loss_sum += x.detach().double().cpu() * total_tokens.double().cpu()
@@ -317,6 +331,10 @@ class Trainer:
 
     def train_step(self, micro: list[dict]) -> dict:
         """Forward, backward, gradient sync, clip and update on one global batch."""
+        with self._timing():  # every collective of a sampled step, the gradient sync included
+            return self._train_step(micro)
+
+    def _train_step(self, micro: list[dict]) -> dict:
         if len(micro) != self.n_micro:
             raise ConfigError(f"data gave {len(micro)} micro-batches, train.global_batch_size needs {self.n_micro}")
         start = time.perf_counter()
@@ -331,8 +349,7 @@ class Trainer:
                             f"answers data.seq_len truncates away?)")
         self.optimizer.zero_grad()
         self.phase = "forward/backward"
-        with self._timing():
-            loss_sum = self._forward_backward(micro, total_tokens.to(self.device))
+        loss_sum = self._forward_backward(micro, total_tokens.to(self.device))
         self.phase = "gradient sync"
         sync_grads(self.chunks, self.groups)
         self.phase = "gradient norm"
@@ -372,14 +389,15 @@ class Trainer:
         embed = b.parts.get("embedding", (0, 0.0))[1] if not self.recipe.model.tie_embeddings else 0.0
         return 6.0 * (b.active - embed)
 
-    def _gather_latencies(self) -> dict[str, list[float]]:
-        """The samples of every rank since the last call, on rank 0 (a collective)."""
+    def _gather_latencies(self) -> dict[str, list[tuple[float, int]]]:
+        """The (seconds, bytes) samples of every rank since the last call, by ``comm.sample_key``,
+        on rank 0 (a collective)."""
         if self.recorder is None:
             return {}
         mine = {f"rank{self.rank}/{k}": v for k, v in self.recorder.drain().items()}
         gathered = [None] * self.world if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
-        out: dict[str, list[float]] = {}
+        out: dict[str, list[tuple[float, int]]] = {}
         for part in gathered or []:
             for k, v in part.items():
                 out.setdefault(k.split("/", 1)[1], []).extend(v)

@@ -1,0 +1,13 @@
+"""Tiered expert storage: frozen routed experts stay in a store and come in when routed to.
+
+    store = open_expert_store(chunks, groups, path)     # the tiered layers of a rank's chunks
+    save_converted(model, out_dir)                       # a store (converted checkpoint) of a model
+
+See ``megamoe.tiers.store`` (the store and its budget), ``megamoe.tiers.cache`` (the LRU cache
+and the prefetch thread), ``megamoe.tiers.source`` (bounded reads of expert slices) and
+docs/memory.md.
+"""
+from megamoe.tiers.store import ExpertStore, open_expert_store, tiered_layers
+from megamoe.tiers.write import save_converted
+
+__all__ = ["ExpertStore", "open_expert_store", "save_converted", "tiered_layers"]

@@ -1,0 +1,216 @@
+"""A rank's expert store: the tiered layers of its model chunks, one cache, one source.
+
+    store = open_expert_store(chunks, groups, path)   # after building, before the first forward
+    ... forward/backward as usual; store.stats() ...
+    store.close()
+
+What the tiered experts layer (``megamoe.layers.tiered_experts``) asks of it:
+
+- ``stack(layer, experts)``: the routed experts' weights stacked for one kernel call,
+  w1 [n, 2f/etp, h] and w2 [n, h, f/etp], copied from the cache's slots;
+- ``saving(layer, experts, w1, w2)``: a context under which autograd saves, instead of any
+  tensor that shares the stacks' memory, a note of where it came from, and reads it back
+  from the store when the backward needs it (``torch.autograd.graph.saved_tensors_hooks``).
+  So the weights are held for one kernel call, not from forward to backward;
+- ``prefetch_after(layer, experts)``: queue what comes next: the layer's next kernel call
+  while this one computes, and the next tiered layer's experts (those it was routed to
+  last time: the routing is only known once that layer's router has run). In the backward,
+  every read-back queues the read-back that the backward meets next (the forward's order,
+  reversed).
+
+Budget: ``model.moe.expert_store.budget_mib`` covers the cache (three quarters) and the
+stacks of one kernel call (a quarter: ``experts_per_call``). A layer whose routed experts do
+not fit one call runs several calls and sums their outputs (the kernel's output is a sum
+over experts, so this is exact up to the order of float additions).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from megamoe.config import ExpertStoreConfig
+from megamoe.errors import ConfigError
+from megamoe.parallel.groups import ParallelGroups
+from megamoe.tiers.cache import ExpertCache
+from megamoe.tiers.source import DiskSource, ExpertTensors, HostSource
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class _SavedWeight:
+    """What autograd keeps of a tensor sharing a stack's memory: which stack, and the view."""
+
+    layer: str
+    experts: tuple[int, ...]
+    which: int  # 0: w1, 1: w2
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    step: int  # position in the forward's order of kernel calls (for the backward's prefetch)
+
+
+class ExpertStore:
+    def __init__(self, cfg: ExpertStoreConfig, layers: dict[str, nn.Module], sources: dict, device: torch.device,
+                 dtype: torch.dtype, disk: DiskSource | None = None):
+        self.cfg, self.layers, self.sources, self.disk = cfg, layers, sources, disk
+        self.order = list(layers)  # forward order of the tiered layers
+        budget = int(cfg.budget_mib * MIB)
+        self.expert_bytes = max(m.expert_bytes() for m in layers.values())
+        # a quarter of the budget for one call's stacks (at least one expert), the rest cached
+        self.per_call = max(1, budget // 4 // self.expert_bytes)
+        capacity = max(0, budget - self.per_call * self.expert_bytes)
+        shapes = {m.expert_shapes() for m in layers.values()}
+        if len(shapes) != 1:
+            raise ConfigError(f"model.moe.expert_store: the tiered layers' experts differ in shape ({sorted(shapes)})")
+        self.shapes = shapes.pop()
+        self.cache = ExpertCache(capacity, device, dtype, self.shapes, self._load, prefetch=cfg.prefetch)
+        self.device, self.dtype = torch.device(device), dtype
+        self.last_routed: dict[str, list[int]] = {}
+        self.calls: list[tuple[str, tuple[int, ...]]] = []  # this step's kernel calls, in forward order
+        self.in_backward = False
+        self._forward_buffer = None
+        self._spare = None  # (call, which, stack): the other weight of the call read back last
+        for name, m in layers.items():
+            m.store, m.store_name = self, name
+
+    # ---- the cache's callbacks ------------------------------------------------------------
+
+    def _load(self, key, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        layer, expert = key
+        self.sources[layer].read(self.layers[layer].local_start + expert, w1, w2)
+
+    # ---- what the layer calls -------------------------------------------------------------
+
+    def calls_for(self, experts: list[int]) -> list[list[int]]:
+        """The routed (local) experts split into kernel calls of at most ``per_call``."""
+        return [experts[i:i + self.per_call] for i in range(0, len(experts), self.per_call)]
+
+    def stack(self, layer: str, experts, reuse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """w1 [n, 2f/etp, h], w2 [n, h, f/etp] of local ``experts`` (on the cache's device).
+        ``reuse``: into the store's one forward buffer (the forward's kernel call consumes its
+        stacks before the next call fills it: autograd keeps notes, not the stacks); else
+        fresh tensors (the backward's read-backs, which autograd holds while a node runs)."""
+        if reuse:
+            if self._forward_buffer is None:
+                self._forward_buffer = self._empty()
+            w1, w2 = self._forward_buffer
+        else:
+            w1, w2 = self._empty()
+        for i, e in enumerate(experts):
+            self.cache.copy((layer, e), w1[i], w2[i])
+        return w1[:len(experts)], w2[:len(experts)]
+
+    def _empty(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # always per_call experts long (sliced): one size of buffer, which the allocator reuses
+        return tuple(torch.empty(self.per_call, *s, dtype=self.dtype, device=self.device) for s in self.shapes)
+
+    def routed(self, layer: str, experts: list[int]) -> None:
+        """A forward of ``layer`` routes to ``experts``: starts a new step's record after a backward."""
+        if self.in_backward:
+            self.calls.clear()
+            self.in_backward = False
+        self.last_routed[layer] = list(experts)
+
+    def prefetch_after(self, layer: str, calls: list[list[int]], index: int) -> None:
+        """While call ``index`` of ``layer`` computes: queue the layer's next call, else the
+        next tiered layer's experts as last routed."""
+        if index + 1 < len(calls):
+            self.cache.prefetch([(layer, e) for e in calls[index + 1]])
+            return
+        at = self.order.index(layer)
+        if at + 1 < len(self.order):
+            nxt = self.order[at + 1]
+            self.cache.prefetch([(nxt, e) for e in self.last_routed.get(nxt, [])])
+
+    def saving(self, layer: str, experts, w1: torch.Tensor, w2: torch.Tensor):
+        """Saved-tensor hooks for one kernel call (see the module docstring)."""
+        self.calls.append((layer, tuple(experts)))
+        step = len(self.calls) - 1
+        # plain numbers only: autograd keeps the pack hook until the backward, and a reference
+        # to the stacks here would keep every call's weights alive until then
+        ptrs = {w.untyped_storage().data_ptr(): (which, w.storage_offset()) for which, w in enumerate((w1, w2))}
+        device = w1.device
+
+        def pack(t: torch.Tensor):
+            hit = ptrs.get(t.untyped_storage().data_ptr()) if t.device == device else None
+            if hit is None:
+                return t
+            which, offset = hit
+            return _SavedWeight(layer, tuple(experts), which, t.storage_offset() - offset, tuple(t.shape),
+                                tuple(t.stride()), step)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedWeight):
+            return saved
+        self.in_backward = True
+        if 0 < saved.step <= len(self.calls):  # what the backward meets next
+            layer, experts = self.calls[saved.step - 1]
+            self.cache.prefetch([(layer, e) for e in experts])
+        spare, self._spare = self._spare, None
+        if spare is not None and spare[0] == saved.step and spare[1] == saved.which:
+            stack = spare[2]  # read with the other weight of the same call a moment ago
+        else:
+            stacks = self.stack(saved.layer, saved.experts)
+            stack, self._spare = stacks[saved.which], (saved.step, 1 - saved.which, stacks[1 - saved.which])
+        return stack.as_strided(saved.size, saved.stride, stack.storage_offset() + saved.offset)
+
+    # ---- inspection -----------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return {**self.cache.stats, "cached_bytes": self.cache.used, "capacity_bytes": self.cache.capacity,
+                "experts_per_call": self.per_call}
+
+    def close(self) -> None:
+        self.cache.close()
+        if self.disk is not None:
+            self.disk.close()
+
+
+def tiered_layers(parts) -> dict[str, nn.Module]:
+    """The tiered experts modules of ``parts`` (model chunks) by full name, in model order."""
+    from megamoe.layers.tiered_experts import TieredExperts
+
+    out = {}
+    for part in parts:
+        for name, m in part.named_modules():
+            if isinstance(m, TieredExperts):
+                out.setdefault(name, m)
+    return out
+
+
+def open_expert_store(parts, groups: ParallelGroups, path: str | Path | None = None) -> ExpertStore | None:
+    """Bind the tiered layers of ``parts`` to one store read from ``path`` (their config's
+    ``path`` wins); None when no layer is tiered. Checks every tensor the layers will read
+    (one-line ``CheckpointError`` naming the file) before returning."""
+    layers = tiered_layers(parts if isinstance(parts, (list, tuple)) else [parts])
+    if not layers:
+        return None
+    first = next(iter(layers.values()))
+    cfg = first.store_cfg
+    root = cfg.path or path
+    if root is None:
+        raise ConfigError("model.moe.expert_store.path is not set and there is no checkpoint to read the experts "
+                          "from (set checkpoint.load or model.moe.expert_store.path)")
+    disk = DiskSource(root)
+    device, dtype = first.anchor.device, first.anchor.dtype
+    etp = (groups.rank("etp"), groups.size("etp"))
+    sources = {}
+    for name, m in layers.items():
+        tensors = ExpertTensors(disk, name, m.num_experts, m.ffn_hidden_size, m.hidden_size, etp)
+        if cfg.tier == "host":
+            local = range(m.local_start, m.local_start + m.num_local)
+            tensors = HostSource(tensors, local, m.expert_shapes(), dtype, pin=device.type == "cuda")
+        sources[name] = tensors
+    store = ExpertStore(cfg, layers, sources, device, dtype, disk)
+    log.info("expert store %s (%s tier): %d layers, %.1f MiB budget, %d experts per call", root, cfg.tier,
+             len(layers), cfg.budget_mib, store.per_call)
+    return store

@@ -1,0 +1,211 @@
+"""Tiered expert storage (``model.moe.expert_store``): LoRA fine-tunes whose frozen experts stay
+in a store on disk give the loss curve of the all-resident run, in one process and at EP=2
+(gloo), while the process holds a quarter of the experts; bad stores fail in one line."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import os
+
+import pytest
+import torch
+
+from megamoe.config import AttentionConfig, ExpertStoreConfig, ModelConfig, MoEConfig, ParallelConfig
+from megamoe.errors import CheckpointError, ConfigError
+
+STEPS = 4
+
+
+def moe_heavy_config(hidden: int = 256, experts: int = 16, ffn: int = 384) -> ModelConfig:
+    """Four MoE layers whose experts are most of the weights (4 x 16 x 3 x 256 x 384 fp32 = 72 MiB)."""
+    return ModelConfig(vocab_size=64, hidden_size=hidden, layout="AeAeAeAe", fusion="off",
+                       attention=AttentionConfig(num_heads=4, num_kv_heads=2),
+                       moe=MoEConfig(num_experts=experts, top_k=2, moe_ffn_hidden_size=ffn, num_shared_experts=1))
+
+
+def experts_bytes(cfg: ModelConfig) -> int:
+    m = cfg.moe
+    layers = sum(k.mlp == "e" for k in cfg.parsed_layout().layers)
+    return layers * m.num_experts * 3 * cfg.hidden_size * m.moe_ffn_hidden_size * 4
+
+
+def write_store(cfg: ModelConfig, out) -> str:
+    from megamoe.model import LanguageModel
+    from megamoe.tiers import save_converted
+    from megamoe.weights import initialize
+
+    model = LanguageModel(cfg)
+    initialize(model, model.groups, 0)
+    return str(save_converted(model, cfg, out))
+
+
+def peak_rss() -> int:
+    """This process's peak resident set (VmHWM: anonymous and mapped file pages), bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
+
+
+def finetune(store: str, log_dir: str, budget_mib: float | None, parallel: dict | None = None,
+             steps: int = STEPS) -> dict:
+    """LoRA steps from the converted checkpoint ``store`` (its own model), experts tiered under
+    ``budget_mib`` (None: resident): losses, peak RSS and the store's counters."""
+    from megamoe.data import DataConfig
+    from megamoe.data.synthetic import SyntheticDataset
+    from megamoe.lora import LoRAConfig
+    from megamoe.recipe import config_from_dict
+    from megamoe.training.checkpoint import read_meta
+    from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
+    from megamoe.training.trainer import Trainer, TrainRecipe
+
+    model = config_from_dict(read_meta(store)["model"])
+    model.moe.expert_store = ExpertStoreConfig(budget_mib=budget_mib, prefetch=os.environ.get("PF", "1") == "1")
+    recipe = TrainRecipe(model=model, parallel=ParallelConfig(**(parallel or {})),
+                         data=DataConfig(kind="synthetic", seq_len=32, seed=3),
+                         train=TrainConfig(steps=steps, micro_batch_size=2, global_batch_size=4, seed=7),
+                         optim=OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, weight_decay=0.0),
+                         checkpoint=CheckpointConfig(load=store),
+                         logging=LoggingConfig(progress=False, latency_interval=0),
+                         lora=LoRAConfig(rank=4, alpha=8.0))
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer = Trainer(recipe, SyntheticDataset(model.vocab_size, 32, seed=5))
+        history = trainer.fit(log_dir)
+    stats = trainer.expert_store.stats() if trainer.expert_store is not None else None
+    return {"losses": [h["loss"] for h in history], "peak_rss": peak_rss(), "stats": stats}
+
+
+def in_fresh_process(fn, *args):
+    """``fn(*args)`` in a new process (its peak RSS is its own, not this test process's)."""
+    from tests.dist import DistPool
+
+    pool = DistPool(1)
+    try:
+        return pool.run(fn, *args)[0]
+    finally:
+        pool.close()
+
+
+def test_tiered_lora_finetune_matches_resident_in_a_quarter_of_the_experts(tmp_path):
+    """budget = a quarter of the experts' bytes: the same losses (<= 1e-6, fp32), and the peak
+    RSS at least three quarters of the experts' bytes below the resident run's, less a margin
+    of 1/16 of the experts' bytes + 16 MiB (host allocator slack, the prefetch thread)."""
+    cfg = moe_heavy_config()
+    store = write_store(cfg, tmp_path / "store")
+    e_bytes = experts_bytes(cfg)
+    resident = in_fresh_process(finetune, store, str(tmp_path / "resident"), None)
+    tiered = in_fresh_process(finetune, store, str(tmp_path / "tiered"), e_bytes / 4 / 2**20)
+    diff = max(abs(a - b) for a, b in zip(resident["losses"], tiered["losses"]))
+    assert len(tiered["losses"]) == STEPS and diff <= 1e-6, (resident["losses"], tiered["losses"])
+    margin = e_bytes // 16 + (16 << 20)
+    saved = resident["peak_rss"] - tiered["peak_rss"]
+    assert tiered["peak_rss"] <= resident["peak_rss"] - 0.75 * e_bytes + margin, (saved / 2**20, e_bytes / 2**20)
+    stats = tiered["stats"]
+    assert 0 < stats["cached_bytes"] <= stats["capacity_bytes"] < e_bytes / 4, stats
+    assert stats["misses"] > 0 and stats["read_bytes"] > e_bytes, stats  # experts really came from the files
+
+
+def ep_curve(store: str, log_dir: str, budget_mib: float | None) -> list[float]:
+    return finetune(store, log_dir, budget_mib, {"ep": 2}, steps=3)["losses"]
+
+
+def test_tiered_experts_at_ep2_match_one_process(pool, tmp_path):
+    """EP=2 over gloo, each rank's store holding its own experts: the single-process resident curve."""
+    cfg = moe_heavy_config(hidden=64, experts=8, ffn=64)
+    store = write_store(cfg, tmp_path / "store")
+    one = finetune(store, str(tmp_path / "one"), None, steps=3)["losses"]
+    budget = experts_bytes(cfg) / 8 / 2**20
+    runs = pool(2).run(ep_curve, store, str(tmp_path / "ep2"), budget)
+    for losses in runs:
+        assert max(abs(a - b) for a, b in zip(one, losses)) <= 1e-6, (one, losses)
+
+
+# ---- the layer and the store directly -------------------------------------------------------
+
+def _tiered_pair(tmp_path, budget_mib: float, kernel: str = "auto", expert_adapters: str = "per_expert"):
+    from megamoe.lora import LoRAConfig, apply_lora
+    from megamoe.model import LanguageModel
+    from megamoe.tiers import open_expert_store
+    from megamoe.training.checkpoint import load_checkpoint
+    from tests.lora_utils import randomize_adapters
+
+    cfg = moe_heavy_config(hidden=32, experts=8, ffn=16)
+    cfg.moe.expert_kernel = kernel
+    store_dir = write_store(cfg, tmp_path / "store")
+    models = []
+    for budget in (None, budget_mib):
+        c = copy.deepcopy(cfg)
+        c.moe.expert_store = ExpertStoreConfig(budget_mib=budget, path=store_dir if budget else None)
+        model = LanguageModel(c)
+        load_checkpoint(store_dir, model.groups, [model], load_rng=False)
+        apply_lora(model, LoRAConfig(rank=4, alpha=8.0, expert_adapters=expert_adapters))
+        randomize_adapters(model)
+        models.append(model)
+    return models[0], models[1], open_expert_store([models[1]], models[1].groups)
+
+
+@pytest.mark.parametrize("kernel,budget,adapters", [("loop", 0.004, "per_expert"), ("reference", 0.05, "shared"),
+                                                    ("loop", 1.0, "shared")])
+def test_tiered_layer_forward_and_backward_match_resident(tmp_path, kernel, budget, adapters):
+    """One expert per call without a cache (0.004 MiB), several per call with a cache, all
+    cached: outputs and every adapter gradient as with resident experts."""
+    resident, tiered, store = _tiered_pair(tmp_path, budget, kernel, adapters)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for model in (resident, tiered):
+        out = model(ids)
+        out.float().pow(2).mean().backward()
+        outs.append(out)
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-6
+    grads = [{n: p.grad for n, p in m.named_parameters() if p.grad is not None} for m in (resident, tiered)]
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 8
+    for n, g in grads[0].items():
+        assert (g - grads[1][n]).abs().max().item() <= 1e-6 * max(1.0, g.abs().max().item()), n
+    assert store.stats()["misses"] > 0
+    assert not any(p.device.type != "meta" for n, p in tiered.named_parameters() if n.endswith("_weight")
+                   and ".experts." in n)
+    store.close()
+
+
+def test_bad_stores_fail_in_one_line_naming_the_file(tmp_path):
+    from megamoe.lora import LoRAConfig, apply_lora  # noqa: F401
+    from megamoe.model import LanguageModel
+    from megamoe.tiers import open_expert_store
+
+    cfg = moe_heavy_config(hidden=32, experts=8, ffn=16)
+    store_dir = write_store(cfg, tmp_path / "store")
+    cfg.moe.expert_store = ExpertStoreConfig(budget_mib=1.0)
+    model = LanguageModel(cfg)
+    with pytest.raises(ConfigError, match="no store is open"):
+        model(torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: missing"):
+        open_expert_store([model], model.groups, tmp_path)
+    shard = next(p for p in os.listdir(store_dir) if p.endswith(".safetensors"))
+    path = os.path.join(store_dir, shard)
+    with open(path, "r+b") as f:  # truncated: the last tensor's bytes end past the file's end
+        f.truncate(os.path.getsize(path) - 100)
+    with pytest.raises(CheckpointError, match=f"{shard}: truncated or corrupt") as e:
+        open_expert_store([model], model.groups, store_dir)
+    assert "\n" not in str(e.value)
+    with open(path, "r+b") as f:
+        f.write(b"\xff" * 16)
+    with pytest.raises(CheckpointError, match=f"{shard}: not a readable safetensors file"):
+        open_expert_store([model], model.groups, store_dir)
+    os.remove(path)
+    with pytest.raises(CheckpointError, match=f"{shard}: missing"):
+        open_expert_store([model], model.groups, store_dir)
+
+
+def test_tiered_training_needs_lora():
+    from megamoe.training.trainer import Trainer, TrainRecipe
+    from megamoe.data import DataConfig
+    from megamoe.training.config import TrainConfig
+
+    cfg = moe_heavy_config(hidden=32, experts=4, ffn=16)
+    cfg.moe.expert_store = ExpertStoreConfig(budget_mib=1.0)
+    recipe = TrainRecipe(model=cfg, data=DataConfig(kind="synthetic", seq_len=8),
+                         train=TrainConfig(steps=1, micro_batch_size=1, global_batch_size=1))
+    with pytest.raises(ConfigError, match="tiered experts are frozen"):
+        Trainer(recipe)
