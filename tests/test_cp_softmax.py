@@ -116,9 +116,10 @@ def test_cp2_small_tiles_equal_single_process(pool, letter):
     check(pool(2).run(cp_case, letter, 2, docs=True, tile=3), f"{letter} cp=2 tiles of 3")
 
 
+@pytest.mark.parametrize("sp, docs", [(True, False), (False, True)], ids=["sp", "packed"])
 @pytest.mark.parametrize("letter", LETTERS)
-def test_cp2_tp2_equals_single_process(pool, letter):
-    check(pool(4).run(cp_case, letter, 2, 2, True), f"{letter} cp=2 x tp=2 (sp)")
+def test_cp2_tp2_equals_single_process(pool, letter, sp, docs):
+    check(pool(4).run(cp_case, letter, 2, 2, sp, docs), f"{letter} cp=2 x tp=2 (sp={sp}, packed={docs})")
 
 
 @pytest.mark.parametrize("cp", [2, 4])
