@@ -73,7 +73,8 @@ def document_mask(documents: torch.Tensor | None, q_pos: torch.Tensor, k_pos: to
 class _RingTransfer:
     """Send ``tensors`` (one dtype) to the next rank of the ring and receive the previous rank's
     (same shapes) without blocking; ``wait()`` returns the received tensors. Transfers in flight
-    at the same time use different tags."""
+    at the same time are posted in the same order on every rank (NCCL matches them by order,
+    gloo by tag; they use different tags)."""
 
     def __init__(self, tensors: list[torch.Tensor], group, tag: int = 0):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -82,7 +83,10 @@ class _RingTransfer:
         self.got = torch.empty_like(self.sent)
         nxt, prv = (dist.get_global_rank(group, (rank + o) % size) for o in (1, -1))
         self.timer = comm.p2p_timer(group, [self.sent, self.got], "ring")  # sampled training steps only
-        self.reqs = [dist.isend(self.sent, nxt, group=group, tag=tag), dist.irecv(self.got, prv, group=group, tag=tag)]
+        # one batch: NCCL posts the send and the receive together (a lone isend waiting for its
+        # peer's irecv, queued behind the peer's own isend, would deadlock the ring)
+        self.reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, self.sent, nxt, group, tag),
+                                            dist.P2POp(dist.irecv, self.got, prv, group, tag)])
         if self.timer is not None:
             self.timer.pause()
 
