@@ -17,6 +17,9 @@ after CP hops. Why a ring and not an all-gather of K/V: a rank never holds more 
 blocks (memory stays O(S/CP)), and the next block's transfer overlaps the current block's
 compute.
 
+A sliding window that reaches at most one chunk back (``halo_fits``) needs no ring: each rank
+all-gathers only the last window-1 K/V rows of its chunks (``halo_window_attention``).
+
 MLA (M, D, I) all-gathers its latents instead (``tiled_latent_attention`` for M): see
 docs/mixers.md "Context parallelism: softmax attention" for the choice per mixer.
 
@@ -206,6 +209,43 @@ def ring_attention(q, k, v, scale: float, window: int, cp, documents: torch.Tens
     out = RingAttention.apply(qg.contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
                               scale, window, cp, documents, tile or TILE)
     return out.permute(0, 3, 1, 2, 4).reshape(b, s, hq, v.size(-1))
+
+
+# ---- sliding window: a halo instead of the ring ----------------------------------------------------
+
+def halo_fits(window: int, cp) -> bool:
+    """Whether each chunk's window reaches only into the chunk before it (the halo exchange works)."""
+    return 0 < window - 1 <= cp.chunk_len
+
+
+def halo_window_attention(core, q, k, v, window: int, cp, documents: torch.Tensor | None = None):
+    """``S`` under CP when ``halo_fits``: a chunk's queries see at most the ``window - 1`` keys
+    before the chunk, so every rank all-gathers only the last ``window - 1`` K/V rows of each of
+    its chunks (bytes independent of the sequence length) and attends each local chunk over
+    [halo | chunk] with ``core`` (the ``core_attention`` role, masks from global positions).
+    The all-gather's backward reduce-scatters the halo gradients to their owners.
+    q [b, s, Hq, d], k [b, s, Hk, d], v [b, s, Hk, dv] -> [b, s, Hq, dv]."""
+    n, h, dk = cp.chunk_len, window - 1, k.size(-1)
+    kv = torch.cat([k, v], dim=-1)  # [b, s, Hk, d + dv]
+    tails = torch.cat([kv[:, n - h:n], kv[:, 2 * n - h:]], dim=1)  # [b, 2h, ...]: front tail | back tail
+    tails = comm.gather_reduce_scatter(tails, 1, cp.group)  # [b, P * 2h, ...] rank-major
+
+    def tail_of(chunk: int) -> torch.Tensor:
+        owner, back = (chunk, 0) if chunk < cp.size else (2 * cp.size - 1 - chunk, 1)
+        start = (2 * owner + back) * h
+        return tails[:, start:start + h]
+
+    outs = []
+    for i, (a, b) in enumerate(cp.chunk_bounds()):
+        chunk = a // n
+        keys = kv[:, i * n:(i + 1) * n]
+        k_pos = torch.arange(a, b, device=q.device)
+        if chunk > 0:
+            keys = torch.cat([tail_of(chunk - 1), keys], dim=1)
+            k_pos = torch.cat([torch.arange(a - h, a, device=q.device), k_pos])
+        mask = document_mask(documents, torch.arange(a, b, device=q.device), k_pos, window)  # [1|b, n, tk]
+        outs.append(core(q[:, i * n:(i + 1) * n], keys[..., :dk], keys[..., dk:], mask=mask.unsqueeze(1)))
+    return torch.cat(outs, dim=1)
 
 
 # ---- MLA's absorbed attention over all-gathered latents -----------------------------------------

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamoe.layers.context_attention import ring_attention
+from megamoe.layers.context_attention import halo_fits, halo_window_attention, ring_attention
 
 
 def causal_mask(t_q: int, t_k: int, window: int = 0, device=None) -> torch.Tensor:
@@ -32,9 +32,12 @@ class CoreAttention(nn.Module):
 
     def forward(self, q, k, v, mask: torch.Tensor | None = None, *, cp=None, documents=None):
         """``cp`` (a ``ContextShard`` of more than one rank): q, k, v hold this rank's two chunks and
-        the keys of the whole sequence are reached by ring attention. ``documents`` [b, S] (global
+        the keys of the whole sequence are reached by ring attention (or, for a sliding window
+        that reaches at most one chunk back, by a halo exchange). ``documents`` [b, S] (global
         order): packed documents, no query sees another document's keys."""
         if cp is not None and cp.size > 1:
+            if halo_fits(self.window, cp):  # 'S' whose window stays within one chunk back
+                return halo_window_attention(self, q, k, v, self.window, cp, documents)
             return ring_attention(q, k, v, self.scale, self.window, cp, documents)
         if documents is not None and mask is None and q.size(1) == k.size(1):
             return self.packed(q, k, v, documents)
