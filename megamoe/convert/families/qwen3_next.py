@@ -38,7 +38,7 @@ def mixer_letters(hf: dict, model_type: str) -> list[str]:
     return [MIXER_TYPES[t] for t in types]
 
 
-def gated_attention_from_hf(hf: dict, model_type: str) -> AttentionConfig:
+def gated_attention_from_hf(hf: dict) -> AttentionConfig:
     """Gated GQA with QK-norm and partial rotary (HF's default factor for these families: 0.25)."""
     rope = hf.get("rope_parameters") or {}
     attention = attention_from_hf(hf, output_gate=True)  # RoPE type default or yarn
@@ -67,7 +67,7 @@ def hybrid_config(hf: dict, model_type: str, mlps: list[str], **kw) -> ModelConf
     ffn = hf_get(hf, "intermediate_size") if "d" in mlps else hf.get("intermediate_size")
     mlp = MLPConfig(ffn_hidden_size=ffn) if ffn else MLPConfig()  # kept for the export when all MLPs are MoE
     return ModelConfig(vocab_size=hf_get(hf, "vocab_size"), hidden_size=hf_get(hf, "hidden_size"), layout=layout,
-                       attention=gated_attention_from_hf(hf, model_type), mlp=mlp, gdn=gdn_from_hf(hf),
+                       attention=gated_attention_from_hf(hf), mlp=mlp, gdn=gdn_from_hf(hf),
                        moe=shared_moe_from_hf(hf) if "e" in mlps else None, norm_zero_centered=True,
                        norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings")),
                        max_seq_len=hf.get("max_position_embeddings", 4096), params_dtype=dtype_name(hf), **kw)
