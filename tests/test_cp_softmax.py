@@ -30,15 +30,15 @@ def packed_documents(seq: int) -> torch.Tensor:
     return torch.stack([row0, row1])
 
 
-def model_for(letter: str, model: dict | None):
+def model_for(letter: str, model: dict | None, window: int = 7):
     cfg = tiny_model(**(model or {}))
-    if letter == "S":  # a window longer than a CP=4 chunk (5 tokens): it reaches two chunks back
-        cfg.attention = dataclasses.replace(cfg.attention, sliding_window=7)
+    if letter == "S":  # 7: longer than a CP=4 chunk (5 tokens), it reaches two chunks back
+        cfg.attention = dataclasses.replace(cfg.attention, sliding_window=window)
     return cfg
 
 
 def cp_case(letter: str, cp: int, tp: int = 1, sp: bool = False, docs: bool = False, seed: int = 0,
-            model: dict | None = None, tile: int | None = None) -> dict:
+            model: dict | None = None, tile: int | None = None, window: int = 7) -> dict:
     """Relative errors of a CP (x TP) mixer against the single-process one, on this rank.
     ``tile``: ring attention's score tile for this run (default: its own)."""
     from megamoe.layers import context_attention
@@ -46,12 +46,12 @@ def cp_case(letter: str, cp: int, tp: int = 1, sp: bool = False, docs: bool = Fa
     default_tile = context_attention.TILE
     context_attention.TILE = tile or default_tile
     try:
-        return _cp_case(letter, cp, tp, sp, docs, seed, model)
+        return _cp_case(letter, cp, tp, sp, docs, seed, model, window)
     finally:
         context_attention.TILE = default_tile
 
 
-def _cp_case(letter, cp, tp, sp, docs, seed, model) -> dict:
+def _cp_case(letter, cp, tp, sp, docs, seed, model, window) -> dict:
     import torch.distributed as dist
 
     from megamoe.parallel.context import ContextShard
@@ -59,7 +59,7 @@ def _cp_case(letter, cp, tp, sp, docs, seed, model) -> dict:
     from megamoe.parallel.sharding import gather_full
     from megamoe.weights import finalize_grads
 
-    cfg = model_for(letter, model)
+    cfg = model_for(letter, model, window)
     groups = build_groups(ParallelConfig(tp=tp, cp=cp, sequence_parallel=sp))
     ref = build_mixer(letter, cfg, seed=seed)
     state = {name: p.detach().clone() for name, p in ref.named_parameters()}
@@ -106,6 +106,13 @@ def test_cp2_equals_single_process(pool, letter):
 @pytest.mark.parametrize("letter", LETTERS)
 def test_cp4_equals_single_process(pool, letter):
     check(pool(4).run(cp_case, letter, 4), f"{letter} cp=4")
+
+
+@pytest.mark.parametrize("window", [11, 12])
+def test_cp2_sliding_window_at_the_halo_limit(pool, window):
+    """CP=2, chunks of 10: window 11 reaches exactly the whole previous chunk (halo of 10), 12
+    one token further (the ring)."""
+    check(pool(2).run(cp_case, "S", 2, docs=True, window=window), f"S cp=2 window {window}")
 
 
 @pytest.mark.parametrize("letter", LETTERS)
