@@ -215,3 +215,86 @@ def test_planner_long_context_rows_divide_activations_by_cp():
     assert list(rows) == ["128K", "256K", "512K", "1M"] and len(LONG_CONTEXT) == 4
     for cells in rows.values():
         assert all(a > b for a, b in zip(cells, cells[1:]))  # each CP doubling lowers the busiest rank
+
+
+# ---- packed SFT samples ------------------------------------------------------------------------------
+
+CHATS = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"}],
+         [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+         [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue, like the sky."}],
+         [{"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye"}]]
+PACK_LEN = 128
+
+
+def write_chats(folder) -> str:
+    import json
+
+    path = folder / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS))
+    return str(path)
+
+
+def test_packed_sft_samples_keep_conversations_apart(tmp_path):
+    from megamoe.data import ByteTokenizer, PackedSFTDataset, SFTDataset, build_dataset
+
+    tok, path = ByteTokenizer(), write_chats(tmp_path)
+    packed = build_dataset(DataConfig(kind="sft", paths=[path], seq_len=PACK_LEN, pack=True), tok)
+    one = SFTDataset([path], tok, seq_len=PACK_LEN)
+    assert isinstance(packed, PackedSFTDataset) and len(packed) < len(one)
+    seen = 0
+    for i in range(len(packed)):
+        sample = packed[i]
+        docs, pos = sample["documents"], sample["positions"]
+        assert docs.shape == pos.shape == sample["input_ids"].shape == (PACK_LEN,)
+        assert (docs.diff() >= 0).all()
+        for d in docs.unique().tolist():
+            where = (docs == d).nonzero().flatten()
+            assert pos[where].tolist() == list(range(len(where)))  # positions restart at each document
+            if seen < len(CHATS) and d < docs.max():  # a conversation: exactly its own unpacked sample
+                n = len(one.tokenize(seen)[0])
+                ref = one[seen]
+                assert len(where) == n and sample["input_ids"][where].tolist() == ref["input_ids"][:n].tolist()
+                assert sample["labels"][where].tolist() == ref["labels"][:n].tolist()
+                assert sample["labels"][where[-1]] == -100  # no target crosses into the next one
+                seen += 1
+    assert seen == len(CHATS)
+    with pytest.raises(ConfigError, match="^data.pack=True is invalid: only for kind=sft"):
+        DataConfig(kind="synthetic", pack=True).validate()
+
+
+def packed_step_case(path: str, cp: int, log_dir: str) -> dict:
+    """The first step's loss of a trainer on packed samples (before any update), and the same
+    weights' mean loss over the conversations run one by one as their own sequences."""
+    from megamoe.data import build_dataset, collate
+    from megamoe.model import LanguageModel
+    from megamoe.parallel.groups import ParallelGroups
+    from megamoe.training.trainer import Trainer
+    from megamoe.weights import initialize
+
+    model_cfg = dataclasses.replace(tiny_model("GdSdAd"), vocab_size=256)
+    data = DataConfig(kind="sft", paths=[path], seq_len=PACK_LEN, pack=True, shuffle=False)
+    recipe = dataclasses.replace(tiny_recipe(ParallelConfig(cp=cp), steps=1), model=model_cfg, data=data)
+    recipe.train.global_batch_size, recipe.train.micro_batch_size = 2, 1
+    dataset = build_dataset(data)
+    trainer = Trainer(recipe, dataset)
+    loss = trainer.fit(log_dir)[0]["loss"]
+    ref = LanguageModel(model_cfg, ParallelGroups())
+    initialize(ref, ParallelGroups(), recipe.train.seed)
+    total, count = 0.0, 0
+    for i in range(2):
+        sample = collate([dataset[i]])
+        for d in sample["documents"].unique().tolist():
+            keep = sample["documents"][0] == d
+            labels = sample["labels"][:, keep]
+            n = int((labels != -100).sum())
+            if n:
+                with torch.no_grad():
+                    total += ref(sample["input_ids"][:, keep], labels=labels).item() * n
+                count += n
+    return {"trainer": loss, "one_by_one": total / count}
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_trainer_on_packed_samples_equals_conversations_one_by_one(pool, cp, tmp_path):
+    for got in pool(cp).run(packed_step_case, write_chats(tmp_path), cp, str(tmp_path / "tb")):
+        assert abs(got["trainer"] - got["one_by_one"]) <= 1e-5 * got["one_by_one"], got

@@ -146,13 +146,16 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     from megamoe.config import ParallelConfig
     from megamoe.parallel.groups import ParallelGroups, build_groups
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from datetime import timedelta
+
+    # rank 1 waits at the barrier while rank 0 runs CP=1 alone (long at 32K tokens on a busy CPU)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(hours=3))
     try:
         result = {}
         if rank == 0:  # CP=1 first, alone, so the two CP=2 ranks do not share the cores with it
             result["cp1"] = stack_run(args, ParallelGroups())
         dist.barrier()
-        groups = build_groups(ParallelConfig(cp=2))
+        groups = build_groups(ParallelConfig(cp=2), timeout_s=3 * 3600)
         result["cp2"] = stack_run(args, groups)
         linear = next((c for c in args.layout if c in "GKL"), None)
         soft = next((c for c in args.layout if c in "ASMDI"), None)

@@ -12,13 +12,13 @@ from megamoe.data.loader import (TrainData, build_dataset, build_tokenizer, buil
 from megamoe.data.pretrain import PackedDataset
 from megamoe.data.samples import collate
 from megamoe.data.sampling import BatchLayout, global_order, permute
-from megamoe.data.sft import SFTDataset
+from megamoe.data.sft import PackedSFTDataset, SFTDataset
 from megamoe.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from megamoe.data.tokfile import TokenFile, write_token_file
 
 __all__ = [
     "BUILTIN_TEMPLATE", "BatchLayout", "ByteTokenizer", "CaptionRecord", "ChatTemplate", "DataConfig",
-    "ImageCaptionDataset", "PackedDataset", "SFTDataset", "TokenFile", "Tokenizer", "TrainData", "build_dataset",
+    "ImageCaptionDataset", "PackedDataset", "PackedSFTDataset", "SFTDataset", "TokenFile", "Tokenizer", "TrainData", "build_dataset",
     "build_tokenizer", "build_train_data", "check_vocab", "collate", "concat_micro_batches", "global_order",
     "load_tokenizer", "permute", "resolve_template", "tokenize_chat", "write_token_file",
 ]

@@ -25,6 +25,7 @@ class DataConfig:
     num_workers: int = 0  # DataLoader worker processes per rank
     chat_template: Optional[str] = None  # sft: None = the tokenizer's, else built-in; "builtin"; or a .jinja path
     truncation: str = "right"  # sft, image_caption: records longer than seq_len are cut (right) or rejected (error)
+    pack: bool = False  # sft: several whole conversations per sample, kept apart as documents
     image_token: str = "<image>"  # image_caption: the placeholder token (must exist in the tokenizer)
     image_tokens: int = 1  # image_caption: placeholders per image (the trainer may pass a callable instead)
     generator: Optional[str] = None  # image_caption: "module:function" returning (image, caption) pairs
@@ -50,6 +51,7 @@ class DataConfig:
                   "only for kind=image_caption")
             check(":" in self.generator, f"{path}.generator", self.generator, "must be 'module:function'")
             check_positive(f"{path}.generator_samples", self.generator_samples)
+        check(not self.pack or self.kind == "sft", f"{path}.pack", self.pack, "only for kind=sft")
         if self.kind == "image_caption":
             check_positive(f"{path}.image_tokens", self.image_tokens)
             check(self.image_tokens < self.seq_len, f"{path}.image_tokens", self.image_tokens,

@@ -23,9 +23,9 @@ from megamoe.data.captions import ImageCaptionDataset, ImageTokens
 from megamoe.data.chat import resolve_template
 from megamoe.data.config import DataConfig
 from megamoe.data.pretrain import PackedDataset
-from megamoe.data.samples import collate
+from megamoe.data.samples import SEQUENCE_KEYS, collate
 from megamoe.data.sampling import BatchLayout, global_order
-from megamoe.data.sft import SFTDataset
+from megamoe.data.sft import PackedSFTDataset, SFTDataset
 from megamoe.data.tokenizer import Tokenizer, load_tokenizer
 from megamoe.errors import ConfigError
 
@@ -70,7 +70,8 @@ def build_dataset(cfg: DataConfig, tokenizer: Optional[Tokenizer] = None,
         return PackedDataset(cfg.paths, cfg.seq_len, tokenizer)
     if cfg.kind == "sft":
         template = resolve_template(cfg.chat_template, tokenizer)
-        return SFTDataset(cfg.paths, tokenizer, cfg.seq_len, template, cfg.truncation)
+        kind = PackedSFTDataset if cfg.pack else SFTDataset
+        return kind(cfg.paths, tokenizer, cfg.seq_len, template, cfg.truncation)
     kwargs = dict(image_token=cfg.image_token, image_tokens=image_tokens or cfg.image_tokens,
                   truncation=cfg.truncation)
     if cfg.generator is not None:
@@ -149,7 +150,7 @@ def concat_micro_batches(batches: list[dict]) -> dict:
     which splits it again into the same micro-batches, in order)."""
     import torch
 
-    out = {k: torch.cat([b[k] for b in batches]) for k in ("input_ids", "labels")}
+    out = {k: torch.cat([b[k] for b in batches]) for k in SEQUENCE_KEYS if k in batches[0]}
     if "images" in batches[0]:
         out["images"] = [img for b in batches for img in b["images"]]
     return out

@@ -56,9 +56,29 @@ def make_sample(ids: Sequence[int], trainable: Sequence[bool], seq_len: int, pad
     return {"input_ids": input_ids, "labels": labels}
 
 
+def pack_samples(parts: list[dict], seq_len: int, pad_id: int) -> dict:
+    """Unpadded samples (each ending with label -100, so no target crosses into the next) -> one
+    sample of ``seq_len`` with ``documents`` (the part number of every token; the padding is
+    one more) and ``positions`` (0 at each part's first token)."""
+    ids, labels, documents, positions = [], [], [], []
+    for d, part in enumerate(parts + [None]):
+        n = seq_len - sum(len(x) for x in ids) if part is None else len(part["input_ids"])
+        if n == 0:
+            continue
+        ids.append(torch.full((n,), pad_id, dtype=torch.long) if part is None else part["input_ids"])
+        labels.append(torch.full((n,), IGNORE_INDEX, dtype=torch.long) if part is None else part["labels"])
+        documents.append(torch.full((n,), d, dtype=torch.long))
+        positions.append(torch.arange(n))
+    return {"input_ids": torch.cat(ids), "labels": torch.cat(labels), "documents": torch.cat(documents),
+            "positions": torch.cat(positions)}
+
+
+SEQUENCE_KEYS = ("input_ids", "labels", "documents", "positions")  # [s] per sample, [b, s] batched
+
+
 def collate(samples: list[dict]) -> dict:
     """Stack tensors into [b, s]; ``image`` entries become the list ``images`` (one per sample)."""
-    batch = {key: torch.stack([s[key] for s in samples]) for key in ("input_ids", "labels")}
+    batch = {key: torch.stack([s[key] for s in samples]) for key in SEQUENCE_KEYS if key in samples[0]}
     if "image" in samples[0]:
         batch["images"] = [s["image"] for s in samples]
     return batch

@@ -8,7 +8,9 @@ contents and at least one assistant message. All records are checked when the da
 Each record is rendered with the chat template (``megamoe.data.chat``); labels are -100
 everywhere except the targets that are assistant tokens (reply plus end-of-turn marker), then
 the sample is padded/truncated to ``seq_len`` (``megamoe.data.samples``). One conversation per
-sample (no packing of several conversations).
+sample, or with ``data.pack`` (``PackedSFTDataset``) several whole conversations per sample,
+each its own document: ``documents`` numbers them, ``positions`` restart at 0 at each one and
+no label crosses a boundary, so every mixer keeps them apart (``ForwardInfo.documents``).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from torch.utils.data import Dataset
 
 from megamoe.data.chat import ROLES, ChatTemplate, ChatTemplateError, resolve_template, tokenize_chat
 from megamoe.data.records import data_error, iter_jsonl, require_text
-from megamoe.data.samples import Truncations, make_sample
+from megamoe.data.samples import Truncations, make_sample, pack_samples
 from megamoe.data.tokenizer import Tokenizer
 
 
@@ -75,3 +77,36 @@ class SFTDataset(Dataset):
         path, line, _ = self.records[index]
         return make_sample(ids, trainable, self.seq_len, self.tokenizer.pad_id, self.truncation, (path, line),
                            self.truncated)
+
+
+class PackedSFTDataset(SFTDataset):
+    """SFT samples packed several conversations to a sequence: ``item -> {"input_ids", "labels",
+    "documents", "positions"}`` (each LongTensor[s]). Conversations are taken in file order and a
+    sample is closed when the next one does not fit (first fit in order, so the sample order
+    stays deterministic); a conversation longer than ``seq_len`` is alone in its sample and
+    truncated by the policy. Padding is one more document of its own (labels -100)."""
+
+    def __init__(self, paths: Sequence[str | Path], tokenizer: Tokenizer, seq_len: int,
+                 template: Optional[ChatTemplate] = None, truncation: str = "right"):
+        super().__init__(paths, tokenizer, seq_len, template, truncation)
+        self.bins: list[list[int]] = []
+        used = seq_len
+        for i in range(len(self.records)):
+            n = len(self.tokenize(i)[0])
+            if used + n > seq_len:
+                self.bins.append([])
+                used = 0
+            self.bins[-1].append(i)
+            used += n
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def __getitem__(self, index: int) -> dict:
+        parts = []
+        for i in self.bins[index]:
+            ids, trainable = self.tokenize(i)
+            path, line, _ = self.records[i]
+            parts.append(make_sample(ids, trainable, min(len(ids), self.seq_len), self.tokenizer.pad_id,
+                                     self.truncation, (path, line), self.truncated))
+        return pack_samples(parts, self.seq_len, self.tokenizer.pad_id)

@@ -43,8 +43,9 @@ def build_chunks(cfg: ModelConfig, parallel: ParallelConfig, groups: ParallelGro
 class StageModule(nn.Module):
     """The callable a PipelineStage runs: ids or hidden states in, hidden states or logits out.
 
-    ``extra`` holds the first stage's keyword inputs per micro-batch (a multimodal model's
-    preprocessed images, a list per sample, which the schedule cannot split as tensors): each
+    ``extra`` holds the stage's keyword inputs per micro-batch (a multimodal model's preprocessed
+    images on the first stage, a list per sample, which the schedule cannot split as tensors;
+    packed samples' ``documents`` and ``positions`` on every stage): each
     forward takes the next, in micro-batch order (the order every schedule runs a stage's
     forwards in), so the tower runs inside the stage and its backward with the stage's."""
 

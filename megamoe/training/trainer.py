@@ -275,14 +275,19 @@ class Trainer:
                 self._meta_tower = VisionTower(cfg.vision, cfg.hidden_size, device="meta")
         return (self.vision or self._meta_tower).image_tokens(image)
 
+    def _sequence_inputs(self, mb: dict) -> dict:
+        """Packed samples' ``documents`` and ``positions`` [b, S]: every stage's mixers read them."""
+        return {key: mb[key].to(self.device) for key in ("documents", "positions") if key in mb}
+
     def _stage_inputs(self, mb: dict) -> tuple[torch.Tensor, dict]:
-        """The first stage's input ids and, for a multimodal model, its preprocessed images."""
-        ids = mb["input_ids"].to(self.device)
+        """The first stage's input ids and keyword inputs: packed documents, and for a multimodal
+        model its preprocessed images."""
+        ids, extra = mb["input_ids"].to(self.device), self._sequence_inputs(mb)
         if "images" not in mb:
-            return ids, {}
+            return ids, extra
         if self._preprocess is None:
             raise ConfigError("data gives images but model.vision is not set")
-        return ids, {"images": [self._preprocess(img).to(self.device) for img in mb["images"]]}
+        return ids, {**extra, "images": [self._preprocess(img).to(self.device) for img in mb["images"]]}
 
     def _loss_sum(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """This rank's tokens' loss sum (labels are the full sequence; the last chunk cuts them)."""
@@ -312,8 +317,10 @@ class Trainer:
                 self.chunks, self.stage_ids, self.n_stages, self.groups, self.n_micro, loss_fn, self.device,
                 self.train.micro_batch_size, self.recipe.data.seq_len, torch.bfloat16 if bf16 else torch.float32)
         self._schedule._loss_fn = loss_fn  # the token count differs per step
-        if self.first:  # the vision tower runs inside the first stage: its images ride along per micro-batch
-            self._stage_modules[0].extra = [self._stage_inputs(mb)[1] for mb in micro]
+        # keyword inputs ride along per micro-batch: the first stage's images (the vision tower runs
+        # inside it) and, on every stage, packed documents and their positions
+        for sid, module in zip(self.stage_ids, self._stage_modules):
+            module.extra = [self._stage_inputs(mb)[1] if sid == 0 else self._sequence_inputs(mb) for mb in micro]
         args = [(mb["input_ids"].to(self.device),) for mb in micro] if self.first else None
         targets = [mb["labels"].to(self.device) for mb in micro] if self.last else None
         with self._autocast(), timed_p2p():
