@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from megamoe.parallel import comm
-from megamoe.errors import ConfigError
+from megamoe.errors import ConfigError, DataError
 
 TILE = 1024  # tokens per side of a score tile
 
@@ -47,6 +47,13 @@ def context_shard(info):
     if info.cache is not None:
         raise ConfigError("decoding with context parallelism is not supported (parallel.cp must be 1)")
     return cp
+
+
+def check_documents(documents: torch.Tensor | None, batch: int, seq_len: int) -> None:
+    """One line when packed-document ids do not cover the batch's full sequences."""
+    if documents is not None and tuple(documents.shape) != (batch, seq_len):
+        raise DataError(f"documents has shape {list(documents.shape)}, expected [{batch}, {seq_len}] "
+                        "(one document id per token of the full sequence)")
 
 
 def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0,
@@ -268,6 +275,7 @@ def tiled_latent_attention(core, q_lat, q_rope, c, k_rope, scale: float, q_pos: 
     the whole sequence's latents c [b, S, r], k_rope [b, S, dr], in query tiles of about
     ``TILE^2 / S`` rows, each recomputed in the backward (activation checkpointing): neither
     the [s, S] mask nor the [b, s, H, S] scores are ever held whole. -> [b, s, H, r]."""
+    check_documents(documents, q_lat.size(0), c.size(1))
     rows = tile_rows(c.size(1))
     outs = [checkpoint(_latent_tile, core, q_lat[:, a:a + rows], q_rope[:, a:a + rows], c, k_rope, scale,
                        q_pos[a:a + rows], documents, use_reentrant=False)

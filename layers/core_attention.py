@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamoe.layers.context_attention import halo_fits, halo_window_attention, ring_attention
+from megamoe.layers.context_attention import check_documents, halo_fits, halo_window_attention, ring_attention
 
 
 def causal_mask(t_q: int, t_k: int, window: int = 0, device=None) -> torch.Tensor:
@@ -35,6 +35,7 @@ class CoreAttention(nn.Module):
         the keys of the whole sequence are reached by ring attention (or, for a sliding window
         that reaches at most one chunk back, by a halo exchange). ``documents`` [b, S] (global
         order): packed documents, no query sees another document's keys."""
+        check_documents(documents, q.size(0), cp.seq_len if cp is not None else k.size(1))
         if cp is not None and cp.size > 1:
             if halo_fits(self.window, cp):  # 'S' whose window stays within one chunk back
                 return halo_window_attention(self, q, k, v, self.window, cp, documents)

@@ -46,7 +46,7 @@ from torch import nn
 from megamoe.cache import append_time
 from megamoe.config import DSAConfig, MLAConfig
 from megamoe.errors import ConfigError
-from megamoe.layers.context_attention import (context_shard, document_mask, tile_rows,
+from megamoe.layers.context_attention import (check_documents, context_shard, document_mask, tile_rows,
                                                tiled_sparse_latent_attention)
 from megamoe.layers.mla import MultiLatentAttention
 from megamoe.layers.rotary import apply_rotary, cached_yarn_cos_sin
@@ -168,6 +168,7 @@ class Indexer(nn.Module):
             gate = append_time(state, "index_gate", gate) if self.pooled else None
         if cp is not None:  # the whole sequence's keys (and pool gates), global order
             k, gate = cp.gather(k), (cp.gather(gate) if self.pooled else None)
+        check_documents(documents, bsz, k.size(1))
         weights = self.linear_weights(x).float() * self.heads ** -0.5  # [b, s, Hi]
         qpos = query_positions(s, k.size(1), k.device) if cp is None else cp.local_index(k.device)
         pad = None if cache is None else cache.pad

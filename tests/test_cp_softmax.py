@@ -220,3 +220,13 @@ def test_ring_bytes_match_the_documented_formula(pool, cp):
     block = b * (SEQ // cp) * hk * (d + d)
     want = (cp - 1) * block * 4 + (cp - 1) * block * 4 + cp * block * 4
     assert pool(cp).run(ring_bytes_case, cp) == [want] * cp
+
+
+@pytest.mark.parametrize("letter", LETTERS)
+def test_documents_of_the_wrong_shape_are_one_line(letter):
+    from megamoe.errors import DataError
+
+    mixer = build_mixer(letter, model_for(letter, None))
+    info = ForwardInfo(positions=torch.arange(8).unsqueeze(0), documents=torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(DataError, match=r"documents has shape \[1, 9\], expected \[1, 8\]"):
+        mixer(torch.randn(1, 8, 32), info)
