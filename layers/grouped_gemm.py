@@ -232,6 +232,17 @@ def expert_blocks(counts: Sequence[int], block_rows: int):
         yield slice(start, start + block[-1][1].stop), block
 
 
+def _expert_mms(a: torch.Tensor, w_t: Sequence[torch.Tensor], experts, out: torch.Tensor) -> None:
+    """out[sl] = a[sl] @ w_t[e] for the (expert, slice) pairs of one block (consecutive slices
+    covering its rows). The row slices come from one split, the weights are transposed views
+    made once per call (one unbind): at decode a block holds a few rows per expert, and a
+    slice, select and transpose per GEMM were 40% of a step's dispatcher calls
+    (docs/performance.md, "Batched decoding")."""
+    sizes = [sl.stop - sl.start for _, sl in experts]
+    for (e, _), a_e, out_e in zip(experts, a.split(sizes), out.split(sizes)):
+        torch.mm(a_e, w_t[e], out=out_e)
+
+
 # rows per block of the loop kernel: enough that the per-op cost of the SwiGLU passes is paid
 # for many experts at once, few enough that a block's buffers stay cached and come back from
 # the heap instead of being mapped afresh (whole-batch buffers at 64 experts x 4096 tokens
@@ -253,14 +264,13 @@ class _LoopExperts(torch.autograd.Function):
         ctx.fuse = fuse
         out = x.new_zeros(out_rows, x.size(-1))
         pre = x.new_empty(idx.numel(), w1.size(1))    # gate|up pre-activations [S, 2f]
+        w1t, w2t = w1.transpose(1, 2).unbind(0), w2.transpose(1, 2).unbind(0)  # E x [h, 2f], E x [f, h] views
         for blk, experts in expert_blocks(counts, BLOCK_ROWS):
             rows, pre_b = x.index_select(0, idx[blk]), pre[blk]
-            for e, sl in experts:
-                torch.mm(rows[sl], w1[e].t(), out=pre_b[sl])
+            _expert_mms(rows, w1t, experts, pre_b)
             act = swiglu_forward(pre_b, None if probs is None else probs[blk, None], limit, ctx.fuse)
             y = torch.empty_like(rows)
-            for e, sl in experts:
-                torch.mm(act[sl], w2[e].t(), out=y[sl])
+            _expert_mms(act, w2t, experts, y)
             out.index_add_(0, idx[blk], y)
         ctx.counts, ctx.limit = counts, limit
         ctx.save_for_backward(x, idx, probs, w1, w2, pre)

@@ -121,7 +121,7 @@ def ring_step_sampled() -> dict:
     once outside and once inside a sampled step."""
     import torch
 
-    from layers.context_attention import _RingTransfer
+    from megamoe.layers.context_attention import _RingTransfer
     from megamoe.parallel import comm
     from megamoe.parallel.groups import build_groups
 
