@@ -87,11 +87,13 @@ def recurrent_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None):
     dtype = v.dtype
     q, k, v, g, beta, state = prepare(q, k, v, g, beta, scale, initial_state)
     outs = []
+    # the state [b, h, dk, dv] is the big operand at decode: each line reads it once (matmuls
+    # for S^T k and S^T q, one addcmul for the update) instead of materialising products of it
     for q_t, k_t, v_t, g_t, b_t in zip(*(x.unbind(2) for x in (q, k, v, g, beta))):
         state = state * g_t.exp().unsqueeze(-1)
-        predicted = (state * k_t.unsqueeze(-1)).sum(-2)                    # S^T k   [b, h, dv]
+        predicted = (k_t.unsqueeze(-2) @ state).squeeze(-2)                # S^T k   [b, h, dv]
         delta = (v_t - predicted) * b_t.unsqueeze(-1)
-        state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
-        outs.append((state * q_t.unsqueeze(-1)).sum(-2))
+        state = torch.addcmul(state, k_t.unsqueeze(-1), delta.unsqueeze(-2))
+        outs.append((q_t.unsqueeze(-2) @ state).squeeze(-2))
     o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.size(0), 0, v.size(1), v.size(3))
     return o.to(dtype), state
