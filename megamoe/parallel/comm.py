@@ -93,9 +93,9 @@ class LatencyRecorder:
         """``fn(x, *args)``, recording its latency under ``sample_key(kind, group, nbytes, tag)``."""
         key = sample_key(kind, group, nbytes, tag)
         if x.is_cuda:
-            start = self.start_event()
+            start = self.event_now()
             out = fn(x, *args)
-            self.add_events(key, nbytes, start, self.start_event())
+            self.add_events(key, nbytes, start, self.event_now())
             return out
         t0 = time.perf_counter()
         out = fn(x, *args)
@@ -103,7 +103,7 @@ class LatencyRecorder:
         return out
 
     @staticmethod
-    def start_event() -> torch.cuda.Event:
+    def event_now() -> torch.cuda.Event:
         """A timing event recorded now on the current stream."""
         event = torch.cuda.Event(enable_timing=True)
         event.record()
@@ -135,7 +135,7 @@ class P2PTimer:
 
     def __init__(self, rec: LatencyRecorder, key: str, nbytes: int, cuda: bool):
         self.rec, self.key, self.nbytes, self.seconds = rec, key, nbytes, 0.0
-        self.start = rec.start_event() if cuda else None
+        self.start = rec.event_now() if cuda else None
         self._t = time.perf_counter()
 
     def pause(self) -> None:
@@ -146,7 +146,7 @@ class P2PTimer:
 
     def finish(self) -> None:
         if self.start is not None:
-            self.rec.add_events(self.key, self.nbytes, self.start, self.rec.start_event())
+            self.rec.add_events(self.key, self.nbytes, self.start, self.rec.event_now())
         else:
             self.rec.add(self.key, self.nbytes, self.seconds + time.perf_counter() - self._t)
 
