@@ -1,0 +1,164 @@
+"""Tiered expert storage against all-resident experts: LoRA steps of a MoE model whose routed
+experts are most of its weights, kept on disk (``model.moe.expert_store``) under a budget
+of 1/8 of their bytes.
+
+    python tools/bench_tiered.py                         # 8 MoE layers x 16 experts, 3.2 GB fp32 experts
+    python tools/bench_tiered.py --layers 4 --ffn 1024   # smaller
+
+The store is a converted megamoe checkpoint (``megamoe.tiers.save_converted``) written first.
+Each run is a fresh process (its RSS is its own): build the model, load the non-expert
+weights (the resident run: all of them), add LoRA adapters, one warm-up step, then ``--steps``
+timed steps (forward, backward, AdamW on the adapters). Peak memory is the peak RSS over the
+timed steps (``VmHWM`` reset after the warm-up: the resident run's load-time transients do not
+count; the tiered run's cache fills during them and counts), which includes file pages mapped
+into the process: the store reads expert slices with positioned reads and maps nothing.
+
+Last line: ``tiered_mem_ratio=X tiered_time_ratio=Y`` (tiered / resident peak RSS and median
+step time; targets X <= 0.35, Y <= 1.5). The two runs' losses are printed: they agree to
+float rounding.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megamoe.bench import matmul_rate  # noqa: E402
+
+
+def model_config(args):
+    from megamoe.config import AttentionConfig, ModelConfig, MoEConfig
+
+    return ModelConfig(vocab_size=1000, hidden_size=args.hidden, layout="Ae" * args.layers, fusion="off",
+                       attention=AttentionConfig(num_heads=8, num_kv_heads=2, head_dim=64),
+                       moe=MoEConfig(num_experts=args.experts, top_k=args.top_k, moe_ffn_hidden_size=args.ffn))
+
+
+def experts_bytes(cfg) -> int:
+    m = cfg.moe
+    return len(cfg.parsed_layout().layers) * m.num_experts * 3 * cfg.hidden_size * m.moe_ffn_hidden_size * 4
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def write_store(args, out, queue) -> None:
+    from megamoe.model import LanguageModel
+    from megamoe.tiers import save_converted
+    from megamoe.weights import initialize
+
+    cfg = model_config(args)
+    model = LanguageModel(cfg)
+    initialize(model, model.groups, 0)
+    save_converted(model, cfg, out)
+    queue.put(sum(p.numel() * p.element_size() for p in model.parameters()))
+
+
+def run(args, store: str, budget_mib: float | None, queue) -> None:
+    import torch.nn.functional as F
+
+    from megamoe.config import ExpertStoreConfig
+    from megamoe.lora import LoRAConfig, apply_lora, lora_parameters
+    from megamoe.model import LanguageModel
+    from megamoe.tiers import open_expert_store
+    from megamoe.training.checkpoint import load_checkpoint
+
+    cfg = model_config(args)
+    cfg.moe.expert_store = ExpertStoreConfig(budget_mib=budget_mib, path=store, prefetch=args.prefetch)
+    model = LanguageModel(cfg)
+    load_checkpoint(store, model.groups, [model], load_rng=False)
+    apply_lora(model, LoRAConfig(rank=8, alpha=16.0))
+    expert_store = open_expert_store([model], model.groups)
+    optim = torch.optim.AdamW([p for _, p in lora_parameters(model)], lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 1000, (args.batch, args.seq + 1), generator=gen) for _ in range(args.steps + 1)]
+    losses, times, reset = [], [], False
+    for i, ids in enumerate(batches):
+        start = time.perf_counter()
+        logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if i == 0:
+            reset = _reset_peak()  # the timed steps' peak from here
+        else:
+            times.append(time.perf_counter() - start)
+    stats = expert_store.stats() if expert_store is not None else {}
+    queue.put({"peak": _status("VmHWM"), "reset": reset, "time": statistics.median(times), "losses": losses,
+               "stats": stats})
+
+
+def in_child(target, *args):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, queue))
+    proc.start()
+    out = queue.get(timeout=7200)
+    proc.join()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--ffn", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--budget-fraction", type=float, default=1 / 8, help="budget / the experts' bytes (<= 1/8)")
+    p.add_argument("--no-prefetch", dest="prefetch", action="store_false", help="no background reads")
+    p.add_argument("--dir", help="where the store is written (default: a temporary folder, removed after)")
+    args = p.parse_args()
+    cfg = model_config(args)
+    e_bytes = experts_bytes(cfg)
+    budget = e_bytes * args.budget_fraction / 2 ** 20
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        store = os.path.join(tmp, "store")
+        total = in_child(write_store, args, store)
+        resident = in_child(run, args, store, None)
+        tiered = in_child(run, args, store, budget)
+    print(f"machine: fp32 matmul {matmul_rate():.0f} GFLOP/s on {torch.get_num_threads()} threads (after the run)")
+    print(f"model: {total / 2 ** 30:.2f} GiB fp32 weights, routed experts {e_bytes / 2 ** 30:.2f} GiB "
+          f"({100 * e_bytes / total:.1f}%), {args.layers} MoE layers x {args.experts} experts top-{args.top_k}; "
+          f"LoRA rank 8; batch {args.batch} x {args.seq} tokens")
+    print(f"budget: {budget:.0f} MiB (experts / {e_bytes / 2 ** 20 / budget:.1f}); store counters: {tiered['stats']}")
+    print(f"{'run':>9} {'peak RSS GiB':>13} {'step s':>8}  losses")
+    for name, r in (("resident", resident), ("tiered", tiered)):
+        print(f"{name:>9} {r['peak'] / 2 ** 30:>13.2f} {r['time']:>8.2f}  {[round(x, 6) for x in r['losses']]}")
+    if not (resident["reset"] and tiered["reset"]):
+        print("note: /proc/self/clear_refs was not writable: peaks include the setup")
+    diff = max(abs(a - b) for a, b in zip(resident["losses"], tiered["losses"]))
+    print(f"max |loss difference| = {diff:.2e}")
+    print(f"tiered_mem_ratio={tiered['peak'] / resident['peak']:.3f} "
+          f"tiered_time_ratio={tiered['time'] / resident['time']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
