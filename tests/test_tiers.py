@@ -124,7 +124,8 @@ def test_tiered_experts_at_ep2_match_one_process(pool, tmp_path):
 
 # ---- the layer and the store directly -------------------------------------------------------
 
-def _tiered_pair(tmp_path, budget_mib: float, kernel: str = "auto", expert_adapters: str = "per_expert"):
+def _tiered_pair(tmp_path, budget_mib: float, kernel: str = "auto", expert_adapters: str = "per_expert",
+                 tier: str = "disk"):
     from megamoe.lora import LoRAConfig, apply_lora
     from megamoe.model import LanguageModel
     from megamoe.tiers import open_expert_store
@@ -137,7 +138,7 @@ def _tiered_pair(tmp_path, budget_mib: float, kernel: str = "auto", expert_adapt
     models = []
     for budget in (None, budget_mib):
         c = copy.deepcopy(cfg)
-        c.moe.expert_store = ExpertStoreConfig(budget_mib=budget, path=store_dir if budget else None)
+        c.moe.expert_store = ExpertStoreConfig(budget_mib=budget, path=store_dir if budget else None, tier=tier)
         model = LanguageModel(c)
         load_checkpoint(store_dir, model.groups, [model], load_rng=False)
         apply_lora(model, LoRAConfig(rank=4, alpha=8.0, expert_adapters=expert_adapters))
@@ -146,12 +147,14 @@ def _tiered_pair(tmp_path, budget_mib: float, kernel: str = "auto", expert_adapt
     return models[0], models[1], open_expert_store([models[1]], models[1].groups)
 
 
-@pytest.mark.parametrize("kernel,budget,adapters", [("loop", 0.004, "per_expert"), ("reference", 0.05, "shared"),
-                                                    ("loop", 1.0, "shared")])
-def test_tiered_layer_forward_and_backward_match_resident(tmp_path, kernel, budget, adapters):
+@pytest.mark.parametrize("kernel,budget,adapters,tier", [("loop", 0.004, "per_expert", "disk"),
+                                                         ("reference", 0.05, "shared", "disk"),
+                                                         ("loop", 1.0, "shared", "disk"),
+                                                         ("loop", 0.05, "per_expert", "host")])
+def test_tiered_layer_forward_and_backward_match_resident(tmp_path, kernel, budget, adapters, tier):
     """One expert per call without a cache (0.004 MiB), several per call with a cache, all
-    cached: outputs and every adapter gradient as with resident experts."""
-    resident, tiered, store = _tiered_pair(tmp_path, budget, kernel, adapters)
+    cached, the host tier: outputs and every adapter gradient as with resident experts."""
+    resident, tiered, store = _tiered_pair(tmp_path, budget, kernel, adapters, tier)
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     outs = []
     for model in (resident, tiered):
@@ -209,3 +212,34 @@ def test_tiered_training_needs_lora():
                          train=TrainConfig(steps=1, micro_batch_size=1, global_batch_size=1))
     with pytest.raises(ConfigError, match="tiered experts are frozen"):
         Trainer(recipe)
+
+
+# ---- the command-line entries ----------------------------------------------------------------
+
+def test_generate_with_an_expert_budget_gives_the_same_tokens(tmp_path, capsys):
+    from megamoe.commands.generate import main
+
+    cfg = moe_heavy_config(hidden=32, experts=8, ffn=16)
+    store = write_store(cfg, tmp_path / "store")
+    outs = []
+    for extra in ([], ["--expert-budget", "0.02"]):
+        main([store, "--ids", "1,2,3", "--max-new-tokens", "5", *extra])
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].strip()
+
+
+def test_finetune_takes_the_store_settings_from_the_recipe(tmp_path):
+    """The fine-tune entry adopts the checkpoint's model but keeps the run's expert_store."""
+    from megamoe.training.config import CheckpointConfig
+    from megamoe.training.entry import adopt_checkpoint_model
+    from megamoe.training.trainer import TrainRecipe
+    from megamoe.data import DataConfig
+
+    cfg = moe_heavy_config(hidden=32, experts=8, ffn=16)
+    store = write_store(cfg, tmp_path / "store")
+    mine = copy.deepcopy(cfg)
+    mine.moe.expert_store = ExpertStoreConfig(budget_mib=3.0, tier="host")
+    recipe = TrainRecipe(model=mine, data=DataConfig(kind="synthetic", seq_len=8),
+                         checkpoint=CheckpointConfig(load=store))
+    adopt_checkpoint_model(recipe, ["model.moe.expert_store.budget_mib=3.0"])
+    assert recipe.model.moe.expert_store == ExpertStoreConfig(budget_mib=3.0, tier="host")

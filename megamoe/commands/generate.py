@@ -5,6 +5,7 @@ fine-tune's checkpoint too: its base comes from its meta.json, the adapters are 
     megamoe-generate MODEL_DIR --ids 1,2,3 --sample --temperature 0.8 --top-p 0.9 --seed 0
     megamoe-generate MODEL_DIR --prompt "Hi" --prompt "Once upon a time" --stream   # one batch
     megamoe-generate VLM_DIR --image shapes.png --tokenizer byte     # caption an image
+    megamoe-generate CKPT --ids 1,2,3 --expert-budget 4096           # routed experts read from disk as routed
     torchrun --nproc-per-node 4 -m megamoe.commands.generate HF_DIR --tp 2 --pp 2 --ids 1,2,3   # at a layout
 """
 from __future__ import annotations
@@ -73,6 +74,11 @@ def parser():
                    help="decode cache: contiguous tensors, paged blocks, or paged int8 / fp8 (e4m3) blocks "
                         "with per-block, per-head scales")
     p.add_argument("--block-size", type=number_in(int, 1), default=16, help="tokens per block of a paged cache")
+    p.add_argument("--expert-budget", type=number_in(float, 1e-6), metavar="MIB",
+                   help="tiered experts: keep at most this many MiB of routed experts in memory, reading the "
+                        "others from the converted checkpoint when routed to (model.moe.expert_store; one process)")
+    p.add_argument("--expert-tier", choices=("disk", "host"), default="disk",
+                   help="with --expert-budget: read experts from disk when routed to, or once into host memory")
     parallel_flags(p)
     return p
 
@@ -119,8 +125,15 @@ def load_for_layout(args):
     from megamoe.parallel_inference import StageForward, inference_groups, load_model as load_stage
 
     parallel = parallel_from_args(args)
+    store = None
+    if args.expert_budget is not None:
+        from megamoe.config import ExpertStoreConfig
+
+        store = ExpertStoreConfig(budget_mib=args.expert_budget, tier=args.expert_tier)
     if parallel is None:
-        return load_model(args.model_dir, base=args.base), None, True
+        return load_model(args.model_dir, base=args.base, expert_store=store), None, True
+    if store is not None:
+        raise ConfigError("--expert-budget runs in one process (drop --tp/--pp/--ep/--etp)")
     if args.image and parallel.pp > 1:
         raise ConfigError("--image with --pp > 1: the vision tower sits on the first stage only; use --pp 1")
     groups = inference_groups(parallel)

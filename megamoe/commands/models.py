@@ -51,33 +51,48 @@ def hf_origin_of(path: str | Path, base: str | Path | None = None) -> dict | Non
     return read_meta(lora_base(path, meta, base)).get("hf")
 
 
-def load_model(path: str | Path, merge: bool = True, base: str | Path | None = None):
+def load_model(path: str | Path, merge: bool = True, base: str | Path | None = None, expert_store=None):
     """The model in ``path`` on CPU, in eval mode, with ``hf_origin`` set when known. A LoRA
     checkpoint gives its base (``base``, else the one its meta.json records) with the adapters
-    applied, merged into the weights unless ``merge=False``."""
+    applied, merged into the weights unless ``merge=False``. ``expert_store`` (an enabled
+    ``ExpertStoreConfig``): the routed experts stay in the weights' converted checkpoint and
+    come in when routed to (``megamoe.tiers``; adapters then stay unmerged)."""
     from megamoe.convert import build_model, from_hf
     from megamoe.recipe import config_from_dict
     from megamoe.training.checkpoint import load_checkpoint, read_meta
 
+    tiered = expert_store is not None and expert_store.enabled
     if (Path(path) / "config.json").is_file():
+        if tiered:
+            raise CheckpointError(f"{path}: tiered experts read a converted checkpoint: megamoe-convert import-hf "
+                                  f"{path} OUT first")
         return from_hf(path)
     path = checkpoint_path(path)
     meta = read_meta(path)
     if "model" not in meta:
         raise CheckpointError(f"{path}/meta.json: no model config (written by an older megamoe?)")
-    model = build_model(config_from_dict(meta["model"]))
+    config = config_from_dict(meta["model"])
+    if tiered and config.moe is not None:
+        config.moe.expert_store = expert_store
+    model = build_model(config)
+    weights = path
     if not meta.get("lora"):
         load_checkpoint(path, model.groups, [model], load_rng=False)
     else:
         from megamoe.lora import LoRAConfig, apply_lora, is_adapter_name
         from megamoe.lora import merge as merge_lora
 
-        base_meta = load_checkpoint(lora_base(path, meta, base), model.groups, [model], load_rng=False)
+        weights = lora_base(path, meta, base)
+        base_meta = load_checkpoint(weights, model.groups, [model], load_rng=False)
         meta["hf"] = meta.get("hf") or base_meta.get("hf")
         apply_lora(model, config_from_dict(meta["lora"], LoRAConfig))
         load_checkpoint(path, model.groups, [model], load_rng=False, select=is_adapter_name)
-        if merge:
+        if merge and not tiered:
             merge_lora(model)
+    if tiered:
+        from megamoe.tiers import open_expert_store
+
+        model.expert_store = open_expert_store([model], model.groups, weights)
     if meta.get("hf"):
         model.hf_origin = meta["hf"]
     return model.eval()
