@@ -83,22 +83,28 @@ def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, 
     parallelism and by CP (each rank keeps its 2 of the 2·CP chunks: its share of the K/V and
     linear-attention inputs too); ``recompute`` with ``layer`` keeps only each layer's input (2
     bytes per hidden element). The static part is what the trainer allocates, exactly (tests/test_plan.py).
-    ``model``: the meta model (``planned_model``) when planning many layouts of one."""
+    ``model``: the meta model (``planned_model``) when planning many layouts of one.
+
+    Tiered experts (``model.moe.expert_store.budget_mib``): their weights stay in the store
+    (``stored``: the bytes a rank's store holds, on disk or, with the ``host`` tier, in host
+    memory) and a stage holding any counts ``min(budget, stored)`` resident instead."""
     import math
 
+    from megamoe.parallel.record import record
     from megamoe.parallel.sharding import sharding
 
     layout = cfg.validate()
     stages = layout.stages(parallel.pp * parallel.vpp)
     g = _grid(parallel, world_size)
     model = model if model is not None else planned_model(cfg, lora)
-    rows = [dict(layers=ids, params=0.0, weights=0.0, grads=0.0, optim=0.0, activations=0.0) for ids in stages]
+    rows = [dict(layers=ids, params=0.0, weights=0.0, grads=0.0, optim=0.0, activations=0.0, stored=0.0)
+            for ids in stages]
     for name, p in model.named_parameters():
         rules = sharding(p)
         local = math.prod(p.shape) / math.prod(g.get(r.group, 1) for r in rules)
         row = rows[_stage_of(name, stages)]
         row["params"] += local
-        row["weights"] += local * p.element_size()
+        row["stored" if record(p).stored else "weights"] += local * p.element_size()
         if p.requires_grad:
             replicas = g["edp"] if any(r.group in ("ep", "etp") for r in rules) else g["dp_cp"]
             state = 8 + (4 if p.dtype != torch.float32 else 0)      # moments (+ fp32 master)
@@ -106,10 +112,13 @@ def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, 
             row["optim"] += local * state / (replicas if zero1 else 1)
     per_layer = 2 if "layer" in recompute else 34
     cut = (parallel.tp if parallel.sequence_parallel else 1) * parallel.cp
+    store = cfg.moe.expert_store if cfg.moe is not None else None
     for row in rows:
+        if row["stored"]:
+            row["weights"] += min(store.budget_mib * 2 ** 20, row["stored"])
         row["activations"] = len(row["layers"]) * per_layer * micro_batch * seq_len * cfg.hidden_size / cut
         row["device"] = row["weights"] + row["grads"] + row["activations"] + (0 if offload else row["optim"])
-        row["host"] = row["optim"] if offload else 0.0
+        row["host"] = (row["optim"] if offload else 0.0) + (row["stored"] if store and store.tier == "host" else 0.0)
     return rows
 
 
@@ -121,13 +130,14 @@ def memory_plan(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, s
            f"experts: etp {parallel.etp} x ep {parallel.ep} x edp {g['edp']}; vpp {parallel.vpp}, "
            f"sequence_parallel {parallel.sequence_parallel}",
            f"{'stage':<7}{'layers':<10}{'params/rank':>12}{'weights':>10}{'grads':>9}{'optimizer':>11}"
-           f"{'activ.~':>9}{'device':>9}{'host':>8}   (GiB)"]
+           f"{'activ.~':>9}{'device':>9}{'host':>8}{'stored':>8}   (GiB)"]
     for i, r in enumerate(stage_memory(cfg, parallel, world_size, micro_batch, seq_len, **kw)):
         ids = r["layers"]
         span = f"{ids[0]}-{ids[-1]}" if ids else "-"
         out.append(f"{i:<7}{span:<10}{human(r['params']):>12}" + "".join(
             f"{r[k] / 2 ** 30:>{w}.2f}" for k, w in (("weights", 10), ("grads", 9), ("optim", 11),
-                                                       ("activations", 9), ("device", 9), ("host", 8))))
+                                                       ("activations", 9), ("device", 9), ("host", 8),
+                                                       ("stored", 8))))
     return "\n".join(out)
 
 

@@ -243,3 +243,36 @@ def test_finetune_takes_the_store_settings_from_the_recipe(tmp_path):
                          checkpoint=CheckpointConfig(load=store))
     adopt_checkpoint_model(recipe, ["model.moe.expert_store.budget_mib=3.0"])
     assert recipe.model.moe.expert_store == ExpertStoreConfig(budget_mib=3.0, tier="host")
+
+
+def test_planner_counts_the_budget_instead_of_the_experts(tmp_path):
+    """stage_memory: a tiered stage holds min(budget, its experts) resident; the experts' bytes
+    are reported as stored. What a rank really holds (its other parameters, the cache's slots
+    and one kernel call's stacks) is that figure, to within one expert's bytes (slots are whole
+    experts)."""
+    from megamoe.lora import LoRAConfig, apply_lora
+    from megamoe.model import LanguageModel
+    from megamoe.plan import stage_memory
+    from megamoe.tiers import open_expert_store
+    from megamoe.training.checkpoint import load_checkpoint
+
+    cfg = moe_heavy_config(hidden=32, experts=8, ffn=16)
+    store_dir = write_store(cfg, tmp_path / "store")
+    lora = LoRAConfig(rank=4)  # frozen experts in both plans
+    resident = stage_memory(cfg, ParallelConfig(), 1, 1, 8, lora=lora)[0]
+    tiered_cfg = copy.deepcopy(cfg)
+    tiered_cfg.moe.expert_store = ExpertStoreConfig(budget_mib=0.05, path=store_dir)
+    tiered = stage_memory(tiered_cfg, ParallelConfig(), 1, 1, 8, lora=lora)[0]
+    e_bytes, budget = experts_bytes(cfg), 0.05 * 2 ** 20
+    assert resident["stored"] == 0 and tiered["stored"] == e_bytes
+    assert tiered["weights"] == pytest.approx(resident["weights"] - e_bytes + budget)
+    assert tiered["device"] == pytest.approx(resident["device"] - e_bytes + budget)
+
+    model = LanguageModel(tiered_cfg)
+    load_checkpoint(store_dir, model.groups, [model], load_rng=False)
+    apply_lora(model, lora)
+    store = open_expert_store([model], model.groups)
+    held = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+    held += sum(t.numel() * t.element_size() for t in store.cache.pool) + store.per_call * store.expert_bytes
+    assert tiered["weights"] - store.expert_bytes <= held <= tiered["weights"], (held, tiered["weights"])
+    store.close()
