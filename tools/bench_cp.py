@@ -8,7 +8,8 @@ Activation memory is measured as the bytes autograd saves for backward during th
 (``torch.autograd.graph.saved_tensors_hooks``; each storage counted once, parameters and their
 views left out): what a rank holds between forward and backward, the peak of a layer stack's
 activations. Exchanged bytes are what one rank hands to ``torch.distributed`` collectives and
-sends (the input of all_gather / all_reduce / reduce_scatter / all_to_all / send) during one
+sends (the input of all_gather / all_reduce / reduce_scatter / all_to_all; the tensors of
+send and of the isend operations in batch_isend_irecv, the ring's transfers) during one
 mixer layer's forward and backward at CP=2, measured for one linear-attention layer at two
 lengths (it must not grow with the sequence: the states passed do not depend on it) and one
 softmax layer.
@@ -33,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megamoe.bench import matmul_rate  # noqa: E402
 
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter", "reduce_scatter_tensor",
-               "all_to_all", "all_to_all_single", "send", "isend", "broadcast")
+               "all_to_all", "all_to_all_single", "send", "broadcast", "batch_isend_irecv")
 
 
 def model_config(args):
@@ -91,8 +92,11 @@ class ByteCounter:
             index = 1 if name in ("all_gather", "all_gather_into_tensor", "reduce_scatter",
                                   "reduce_scatter_tensor", "all_to_all", "all_to_all_single") else 0
 
-            def counted(*a, _fn=fn, _i=index, **kw):
-                self.bytes += self._size(a[_i] if len(a) > _i else next(iter(kw.values()), None))
+            def counted(*a, _fn=fn, _i=index, _name=name, **kw):
+                if _name == "batch_isend_irecv":  # P2POps: the isend ones leave this rank
+                    self.bytes += sum(self._size(op.tensor) for op in a[0] if op.op is self.dist.isend)
+                else:
+                    self.bytes += self._size(a[_i] if len(a) > _i else next(iter(kw.values()), None))
                 return _fn(*a, **kw)
 
             setattr(self.dist, name, counted)
