@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 from torch.utils.checkpoint import checkpoint
 
 from megamoe.parallel import comm
@@ -93,10 +94,14 @@ class _RingTransfer:
         self.got = torch.empty_like(self.sent)
         nxt, prv = (dist.get_global_rank(group, (rank + o) % size) for o in (1, -1))
         self.timer = comm.p2p_timer(group, [self.sent, self.got], "ring")  # sampled training steps only
-        # one batch: NCCL posts the send and the receive together (a lone isend waiting for its
-        # peer's irecv, queued behind the peer's own isend, would deadlock the ring)
-        self.reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, self.sent, nxt, group, tag),
-                                            dist.P2POp(dist.irecv, self.got, prv, group, tag)])
+        if "nccl" in str(dist.get_backend(group)):
+            # one batch: NCCL posts the send and the receive together (a lone isend waiting for its
+            # peer's irecv, queued behind the peer's own isend, would deadlock the ring)
+            self.reqs = dist.batch_isend_irecv([dist.P2POp(c10d.isend, self.sent, nxt, group, tag),
+                                                dist.P2POp(c10d.irecv, self.got, prv, group, tag)])
+        else:  # gloo: plain non-blocking pairs (what batch_isend_irecv would issue anyway)
+            self.reqs = [dist.isend(self.sent, nxt, group=group, tag=tag),
+                         dist.irecv(self.got, prv, group=group, tag=tag)]
         if self.timer is not None:
             self.timer.pause()
 
