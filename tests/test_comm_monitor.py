@@ -93,6 +93,11 @@ LAYOUTS = {
     "dp2_ep2_pp2": (ParallelConfig(ep=2, pp=2), True,
                     {("all_to_all", "ep"), ("all_reduce", "dp_cp"), ("broadcast", "dp_cp"), ("send_recv", "pp"),
                      ("all_reduce", "world")}),
+    # context parallelism: ring attention passes K/V blocks around cp, linear attention
+    # gathers and reduce-scatters over it; dense gradients over dp_cp, expert ones over edp
+    "cp2_dp2": (ParallelConfig(cp=2), False,
+                {("send_recv", "cp"), ("all_gather", "cp"), ("reduce_scatter", "cp"), ("all_reduce", "dp_cp"),
+                 ("all_reduce", "edp"), ("all_reduce", "world")}),
 }
 
 
