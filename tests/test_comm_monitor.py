@@ -19,8 +19,8 @@ _SPIED = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatte
 
 
 class _Spy:
-    """Wraps the ``torch.distributed`` collectives and ``P2POp`` to note (kind, group name) of
-    every call made while a recorder is active (sampled steps)."""
+    """Wraps the ``torch.distributed`` collectives, ``isend``/``irecv`` and ``P2POp`` to note
+    (kind, group name) of every call made while a recorder is active (sampled steps)."""
 
     def __init__(self):
         from megamoe.parallel import comm
@@ -38,6 +38,22 @@ class _Spy:
 
             setattr(dist, fn, wrapper)
             self.undo.append((dist, fn, orig))
+        # point-to-point sends and receives: the ring's plain isend/irecv, and those a batch of
+        # P2POps issues; c10d's names too, which P2POp checks its op against
+        from torch.distributed import distributed_c10d as c10d
+
+        for fn in ("isend", "irecv"):
+            orig = getattr(dist, fn)
+
+            def p2p(*args, _orig=orig, **kwargs):
+                if comm.active_recorder() is not None:
+                    group = kwargs.get("group", args[2] if len(args) > 2 else None)
+                    self.seen.add(("send_recv", group_name(group)))
+                return _orig(*args, **kwargs)
+
+            for owner in (dist, c10d):
+                self.undo.append((owner, fn, getattr(owner, fn)))
+                setattr(owner, fn, p2p)
         init = dist.P2POp.__init__
 
         def p2p_init(op, *args, _init=init, **kwargs):
