@@ -129,9 +129,15 @@ def reference(pool, tmp_path_factory):
 @pytest.mark.parametrize("n,parallel", [
     (2, ParallelConfig(cp=2)),
     (4, ParallelConfig(cp=2, tp=2, ep=2, sequence_parallel=True)),
-], ids=["cp2", "cp2-tp2-sp-ep2"])
+    (4, ParallelConfig(cp=2, pp=2)),
+], ids=["cp2", "cp2-tp2-sp-ep2", "cp2-pp2"])
 def test_trainer_loss_curve_matches_single(pool, reference, n, parallel, tmp_path):
-    losses = pool(n).run(run_recipe, tiny_recipe(parallel), str(tmp_path))
+    """At PP=2 the layout is cut after the first layer ("Ge|Ad": the same model, stage 1 gets
+    the local hidden states of both CP chunks)."""
+    recipe = tiny_recipe(parallel)
+    if parallel.pp > 1:
+        recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, layout="Ge|Ad"))
+    losses = pool(n).run(run_recipe, recipe, str(tmp_path))
     assert all(curve == losses[0] for curve in losses)  # every rank reports the same global loss
     assert len(losses[0]) == len(reference) == STEPS
     diff = max(abs(a - b) for a, b in zip(losses[0], reference))
