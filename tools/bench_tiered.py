@@ -4,6 +4,7 @@ of 1/8 of their bytes.
 
     python tools/bench_tiered.py                         # 8 MoE layers x 16 experts, 3.2 GB fp32 experts
     python tools/bench_tiered.py --layers 4 --ffn 1024   # smaller
+    python tools/bench_tiered.py --store DIR --batch 2   # an existing store of the same model
 
 The store is a converted megamoe checkpoint (``megamoe.tiers.save_converted``) written first.
 Each run is a fresh process (its RSS is its own): build the model, load the non-expert
@@ -73,7 +74,7 @@ def write_store(args, out, queue) -> None:
     model = LanguageModel(cfg)
     initialize(model, model.groups, 0)
     save_converted(model, cfg, out)
-    queue.put(sum(p.numel() * p.element_size() for p in model.parameters()))
+    queue.put(None)
 
 
 def run(args, store: str, budget_mib: float | None, queue) -> None:
@@ -89,6 +90,7 @@ def run(args, store: str, budget_mib: float | None, queue) -> None:
     cfg.moe.expert_store = ExpertStoreConfig(budget_mib=budget_mib, path=store, prefetch=args.prefetch)
     model = LanguageModel(cfg)
     load_checkpoint(store, model.groups, [model], load_rng=False)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)  # the base's
     apply_lora(model, LoRAConfig(rank=8, alpha=16.0))
     expert_store = open_expert_store([model], model.groups)
     optim = torch.optim.AdamW([p for _, p in lora_parameters(model)], lr=1e-3)
@@ -108,8 +110,8 @@ def run(args, store: str, budget_mib: float | None, queue) -> None:
         else:
             times.append(time.perf_counter() - start)
     stats = expert_store.stats() if expert_store is not None else {}
-    queue.put({"peak": _status("VmHWM"), "reset": reset, "time": statistics.median(times), "losses": losses,
-               "stats": stats})
+    queue.put({"peak": _status("VmHWM"), "reset": reset, "weights": weights, "time": statistics.median(times),
+               "losses": losses, "stats": stats})
 
 
 def in_child(target, *args):
@@ -135,15 +137,18 @@ def main() -> None:
     p.add_argument("--budget-fraction", type=float, default=1 / 8, help="budget / the experts' bytes (<= 1/8)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false", help="no background reads")
     p.add_argument("--dir", help="where the store is written (default: a temporary folder, removed after)")
+    p.add_argument("--store", help="an existing store of this model (written by an earlier run): no writing")
     args = p.parse_args()
     cfg = model_config(args)
     e_bytes = experts_bytes(cfg)
     budget = e_bytes * args.budget_fraction / 2 ** 20
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        store = os.path.join(tmp, "store")
-        total = in_child(write_store, args, store)
+        store = args.store or os.path.join(tmp, "store")
+        if not args.store:
+            in_child(write_store, args, store)
         resident = in_child(run, args, store, None)
         tiered = in_child(run, args, store, budget)
+    total = resident["weights"]
     print(f"machine: fp32 matmul {matmul_rate():.0f} GFLOP/s on {torch.get_num_threads()} threads (after the run)")
     print(f"model: {total / 2 ** 30:.2f} GiB fp32 weights, routed experts {e_bytes / 2 ** 30:.2f} GiB "
           f"({100 * e_bytes / total:.1f}%), {args.layers} MoE layers x {args.experts} experts top-{args.top_k}; "
