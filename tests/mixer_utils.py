@@ -84,7 +84,6 @@ def mixer_tp_case(letter: str, sp: bool, seed: int = 0, mla: dict | None = None,
     """Outputs, input gradients and every parameter gradient of a TP=2 mixer against TP=1.
     ``mla``: overrides of the MLA section; ``model``: sections replacing tiny_model's."""
     from megamoe.parallel.groups import build_groups
-    from megamoe.parallel.sharding import gather_full
     from megamoe.weights import finalize_grads
 
     cfg = tiny_model(**(model or {}))
@@ -104,12 +103,24 @@ def mixer_tp_case(letter: str, sp: bool, seed: int = 0, mla: dict | None = None,
     (yp * local(g)).sum().backward()
     finalize_grads(par, groups)
     errs = {"out": rel_err(yp, local(yr)), "grad x": rel_err(xp.grad, local(xr.grad))}
+    return param_grad_errors(ref, par, groups, errs)
+
+
+def param_grad_errors(ref, par, groups, errs: dict, cp_group=None) -> dict:
+    """``errs`` plus the relative error of every parameter gradient of ``par`` (sharded over
+    ``groups``; with ``cp_group``, each CP rank's share is summed first) against ``ref``'s."""
+    import torch.distributed as dist
+
+    from megamoe.parallel.sharding import gather_full
+
     ref_params = dict(ref.named_parameters())
     for name, p in par.named_parameters():
         want = ref_params[name].grad
         if want is None:  # the DSA indexer: selection only, no gradient (as in HF)
             errs[f"no grad {name}"] = 0.0 if p.grad is None else 1.0
             continue
+        if cp_group is not None:
+            dist.all_reduce(p.grad, group=cp_group)  # each CP rank holds its tokens' share
         errs[f"grad {name}"] = rel_err(gather_full(p, groups, p.grad), want)
     return errs
 

@@ -153,7 +153,7 @@ CASES = {
     "convert no command": ("convert", [], ["command"]),
     "convert unknown command": ("convert", ["import"], ["'import'"]),
     # plan: what the trainer refuses
-    "plan cp 2": ("plan", ["--config", "tiny_dense", "parallel.cp=2"], ["parallel.cp"]),
+    "plan cp 2": ("plan", ["--config", "tiny_dense", "parallel.cp=2"], ["parallel.tp*pp*cp", "world size 1"]),
     "plan world-size 0": ("plan", ["--config", "tiny_dense", "--world-size", "0"], ["--world-size", "0"]),
     "plan world-size 3 tp 2": ("plan", ["--config", "tiny_dense", "--world-size", "3", "parallel.tp=2"],
                                ["parallel.tp*pp*cp", "world size 3"]),
@@ -172,7 +172,7 @@ CASES = {
     "plan no config": ("plan", [], ["--config"]),
     "plan lora rank 0": ("plan", ["--config", "tiny_moe_lora", "lora.rank=0"], ["lora.rank"]),
     # pretrain / finetune: refused before any process group or data loading
-    "pretrain cp 2": ("pretrain", ["--config", "tiny_train", "parallel.cp=2"], ["parallel.cp"]),
+    "pretrain cp 2": ("pretrain", ["--config", "tiny_train", "parallel.cp=2"], ["parallel.tp*pp*cp", "world size 1"]),
     "pretrain steps 0": ("pretrain", ["--config", "tiny_train", "train.steps=0"], ["train.steps"]),
     "pretrain huge repeat": ("pretrain", ["--config", "tiny_train", "model.layout=(GeAd)*20000000"], ["model.layout"]),
     "pretrain one-id tokenizer": ("pretrain", ["--config", "tiny_train", "data.tokenizer={hf}"], ["tokenizer", "1 id"]),
@@ -269,13 +269,13 @@ def test_overwrite_replaces_only_megamoe_output(hf_dir, ckpt, tmp_path, capsys):
 def test_debug_flag_and_env_show_the_traceback(monkeypatch, capsys):
     from megamoe.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="parallel.cp"):
+    with pytest.raises(ConfigError, match=r"parallel\.tp\*pp\*cp"):
         run_main(plan.main, ["--config", "tiny_dense", "parallel.cp=2", "--debug"])
     monkeypatch.setenv("MEGAMOE_DEBUG", "1")
-    with pytest.raises(ConfigError, match="parallel.cp"):
+    with pytest.raises(ConfigError, match=r"parallel\.tp\*pp\*cp"):
         run_main(plan.main, ["--config", "tiny_dense", "parallel.cp=2"])
     monkeypatch.setenv("MEGAMOE_DEBUG", "0")
-    assert_one_line(invoke(plan.main, ["--config", "tiny_dense", "parallel.cp=2"], capsys), "parallel.cp")
+    assert_one_line(invoke(plan.main, ["--config", "tiny_dense", "parallel.cp=2"], capsys), "parallel.tp*pp*cp")
 
 
 def test_prepare_data_replaces_its_own_output(tmp_path):

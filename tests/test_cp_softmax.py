@@ -14,7 +14,7 @@ import torch
 from megamoe.config import ParallelConfig
 from megamoe.layers.dsa import position_in_document
 from megamoe.spec import ForwardInfo
-from tests.mixer_utils import build_mixer, tiny_model
+from tests.mixer_utils import build_mixer, param_grad_errors, tiny_model
 from tests.numerics import rel_err
 
 REL = 1e-5
@@ -52,11 +52,8 @@ def cp_case(letter: str, cp: int, tp: int = 1, sp: bool = False, docs: bool = Fa
 
 
 def _cp_case(letter, cp, tp, sp, docs, seed, model, window) -> dict:
-    import torch.distributed as dist
-
     from megamoe.parallel.context import ContextShard
     from megamoe.parallel.groups import build_groups
-    from megamoe.parallel.sharding import gather_full
     from megamoe.weights import finalize_grads
 
     cfg = model_for(letter, model, window)
@@ -80,15 +77,7 @@ def _cp_case(letter, cp, tp, sp, docs, seed, model, window) -> dict:
     (yp * local(g)).sum().backward()
     finalize_grads(par, groups)
     errs = {"out": rel_err(yp, local(yr)), "grad x": rel_err(xp.grad, local(xr.grad))}
-    ref_params = dict(ref.named_parameters())
-    for name, p in par.named_parameters():
-        want = ref_params[name].grad
-        if want is None:  # the DSA indexer: selection only, no gradient
-            errs[f"no grad {name}"] = 0.0 if p.grad is None else 1.0
-            continue
-        dist.all_reduce(p.grad, group=groups.cp)  # each CP rank holds its tokens' share
-        errs[f"grad {name}"] = rel_err(gather_full(p, groups, p.grad), want)
-    return errs
+    return param_grad_errors(ref, par, groups, errs, cp_group=groups.cp)
 
 
 def check(results: list[dict], what: str) -> None:

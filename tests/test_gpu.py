@@ -120,18 +120,23 @@ def test_grouped_gemm_experts_match_the_reference():
         assert rel_err(a, b) <= 1e-2
 
 
+def _check_against_bf16(linear, x, w, tol=6e-2):
+    """An FP8 GEMM ``linear(x, w)``: output and both input gradients within ``tol`` of bf16's."""
+    got = [linear(x, w)]
+    got += torch.autograd.grad(got[0], (x, w), torch.ones_like(got[0]))
+    want = [F.linear(x, w)]
+    want += torch.autograd.grad(want[0], (x, w), torch.ones_like(want[0]))
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= tol
+
+
 def test_fp8_linear_on_cuda_against_bf16():
     from megamoe.layers.fp8 import fp8_linear
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(512, 1024, generator=g).cuda().bfloat16().requires_grad_()
     w = (torch.randn(2048, 1024, generator=g) * 0.03).cuda().bfloat16().requires_grad_()
-    got = [fp8_linear(x, w)]
-    got += torch.autograd.grad(got[0], (x, w), torch.ones_like(got[0]))
-    want = [F.linear(x, w)]
-    want += torch.autograd.grad(want[0], (x, w), torch.ones_like(want[0]))
-    for a, b in zip(got, want):
-        assert rel_err(a, b) <= 6e-2
+    _check_against_bf16(fp8_linear, x, w)
 
 
 def test_lora_on_the_cuda_backend_matches_local_on_the_cpu():
@@ -183,13 +188,7 @@ def test_te_fp8_gemm_against_bf16(recipe):
     g = torch.Generator().manual_seed(6)
     x = torch.randn(500, 1024, generator=g).cuda().bfloat16().requires_grad_()  # 500 rows: padded to 16
     w = (torch.randn(2048, 1024, generator=g) * 0.03).cuda().bfloat16().requires_grad_()
-    gemm = TEGemm(make_recipe(recipe))
-    got = [gemm(x, w)]
-    got += torch.autograd.grad(got[0], (x, w), torch.ones_like(got[0]))
-    want = [F.linear(x, w)]
-    want += torch.autograd.grad(want[0], (x, w), torch.ones_like(want[0]))
-    for a, b in zip(got, want):
-        assert rel_err(a, b) <= 6e-2
+    _check_against_bf16(TEGemm(make_recipe(recipe)), x, w)
 
 
 @te_only
