@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Quickstart, the README's main job (about 3-4 minutes on a quiet 2-core CPU after set-up, estimated):
+# Quickstart, the README's main job (about 4 minutes on a quiet 2-core CPU after set-up):
 #   1. set up .venv (first run only: torch, megamoe with the hf and dev extras)
 #   2. train a tiny hybrid-attention MoE vision-language model (Gated DeltaNet + gated attention,
 #      8 experts top-2 + a shared expert, timm qwen3_vit tower) on procedurally drawn shapes and
