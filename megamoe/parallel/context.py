@@ -19,6 +19,7 @@ documents of a packed sequence (non-decreasing); a mixer must not let one docume
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -74,18 +75,11 @@ class ContextShard:
 
     def local_index(self, device=None) -> torch.Tensor:
         """[local_len] long: the global position of each local token."""
-        if self.size == 1:
-            return torch.arange(self.seq_len, device=device)
-        return torch.cat([torch.arange(a, b, device=device) for a, b in self.chunk_bounds()])
+        return _local_index(self.size, self.rank, self.seq_len, _device(device))
 
     def gather_order(self, device=None) -> torch.Tensor:
         """[seq_len] long: for each global position, its index in the rank-major all-gather."""
-        n, order = self.chunk_len, torch.empty(self.seq_len, dtype=torch.long)
-        for r in range(self.size):
-            for j, (a, b) in enumerate(self.chunk_bounds(r)):
-                start = r * 2 * n + j * n
-                order[a:b] = torch.arange(start, start + n)
-        return order.to(device)
+        return _gather_order(self.size, self.seq_len, _device(device))
 
     def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Full-sequence tensor (global order along ``dim``) -> this rank's two chunks (local order).
@@ -105,6 +99,30 @@ class ContextShard:
             raise ValueError(f"ContextShard.gather: dim {dim} has {x.size(dim)} entries, expected {self.local_len}")
         full = gather_reduce_scatter(x, dim, self.group)  # rank-major: [r0 front | r0 back | r1 front | ...]
         return full.index_select(dim, self.gather_order(x.device))
+
+
+def _device(device) -> torch.device:
+    return torch.device("cpu") if device is None else torch.device(device)
+
+
+# Every gather of every layer asks for the same index tensors: built once per layout and device
+# (no per-call host loop or host-to-device copy on the training step's path). They are tiny.
+@functools.lru_cache(maxsize=64)
+def _local_index(size: int, rank: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    if size == 1:
+        return torch.arange(seq_len, device=device)
+    n = seq_len // (2 * size)
+    return torch.cat([torch.arange(c * n, (c + 1) * n, device=device) for c in (rank, 2 * size - 1 - rank)])
+
+
+@functools.lru_cache(maxsize=64)
+def _gather_order(size: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    n, order = seq_len // (2 * size), torch.empty(seq_len, dtype=torch.long)
+    for r in range(size):
+        for j, c in enumerate((r, 2 * size - 1 - r)):
+            start = r * 2 * n + j * n
+            order[c * n:(c + 1) * n] = torch.arange(start, start + n)
+    return order.to(device)
 
 
 def split_for_cp(cp: ContextShard | None, *tensors: torch.Tensor, dim: int = 1):
