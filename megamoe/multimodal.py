@@ -64,6 +64,26 @@ def image_spans(input_ids: torch.Tensor, token_id: int, counts: Sequence[int]) -
     return spans
 
 
+def local_images(spans, shard=None) -> list[int]:
+    """Indices of the images with a placeholder token in this rank's CP chunks (all without CP)."""
+    if shard is None or shard.size == 1:
+        return list(range(len(spans)))
+    bounds = shard.chunk_bounds()
+    return [i for i, (_, start, n) in enumerate(spans)
+            if any(start < end and lo < start + n for lo, end in bounds)]
+
+
+def token_slots(shape, spans, device=None) -> torch.Tensor:
+    """[b, S] long: for each placeholder of the given image spans, its row in those images' tokens
+    concatenated in order; -1 elsewhere."""
+    slot = torch.full(shape, -1, dtype=torch.long, device=device)
+    offset = 0
+    for b, start, n in spans:
+        slot[b, start:start + n] = torch.arange(offset, offset + n, device=device)
+        offset += n
+    return slot
+
+
 def mrope_positions(input_ids: torch.Tensor, spans, grids) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [3, b, s] (t, h, w) and delta [b] = max position + 1 - s.
 
@@ -117,19 +137,26 @@ class MultimodalModel(LanguageModel):
 
     # ---- pieces -------------------------------------------------------------------------
 
-    def merge_images(self, hidden: torch.Tensor, input_ids: torch.Tensor, tokens: torch.Tensor,
+    def merge_images(self, hidden: torch.Tensor, input_ids: torch.Tensor, images: list, spans,
                      shard=None) -> torch.Tensor:
-        """Replace placeholder embeddings by image tokens [N, h]; input_ids [b, S] (full sequence),
-        hidden [b, s(/tp), h] (this rank's CP chunks, ``shard``, cut over TP under SP): the images
-        are placed on the full sequence, then cut like the text (every CP rank runs the tower)."""
-        mask = input_ids == self.image_token_id
-        full = hidden.new_zeros(*input_ids.shape, hidden.size(-1))
-        full = full.masked_scatter(mask.unsqueeze(-1), tokens.to(hidden.dtype))
-        full, mask = split_for_cp(shard, full, mask)
+        """Replace placeholder embeddings by image tokens. input_ids [b, S] (full sequence), ``spans``
+        (``image_spans``), hidden [b, s(/tp), h] (this rank's CP chunks, ``shard``, cut over TP
+        under SP). Under CP a rank encodes only the images with a placeholder in its chunks (an
+        image across a chunk border is encoded by both ranks, each keeping its tokens): the others'
+        tokens would not reach its hidden states, and their gradient here would be zero."""
+        needed = local_images(spans, shard)
+        tokens = self.vision([images[i] for i in needed])                    # [sum of their n_i, h]
+        slot = token_slots(input_ids.shape, [spans[i] for i in needed], input_ids.device)  # [b, S]
+        slot = split_for_cp(shard, slot)                                     # [b, s]: this rank's chunks
+        mask = slot >= 0
+        # one zero row after the tokens for the text positions (never selected by the mask): an image-free
+        # rank still reads the tower's (empty, graph-keeping) output
+        tokens = torch.cat([tokens.to(hidden.dtype), tokens.new_zeros(1, tokens.size(-1)).to(hidden.dtype)])
+        img = tokens.index_select(0, slot.masked_fill(~mask, tokens.size(0) - 1).flatten()).view(*slot.shape, -1)
         if self.ctx.sp:  # keep this rank's sequence shard; backward gathers the full gradient
-            full = comm.scatter_to(full, 1, self.groups.tp)
+            img = comm.scatter_to(img, 1, self.groups.tp)
             mask = mask.chunk(self.groups.tp_size, dim=1)[self.groups.tp_rank]
-        return torch.where(mask.unsqueeze(-1), full, hidden)
+        return torch.where(mask.unsqueeze(-1), img, hidden)
 
     def positions_for(self, input_ids: torch.Tensor, spans, grids, cache=None) -> torch.Tensor:
         """[3, b, s] M-RoPE positions (first forward) or [b, s] (text, or decode steps)."""
@@ -153,7 +180,7 @@ class MultimodalModel(LanguageModel):
         images = [] if images is None else list(images)
         sizes = [tuple(img.shape[-2:]) for img in images]
         spans = image_spans(input_ids, self.image_token_id, [self.vision.num_tokens(*hw) for hw in sizes])
-        hidden = self.merge_images(self.embed(split_for_cp(shard, input_ids)), input_ids, self.vision(images), shard)
+        hidden = self.merge_images(self.embed(split_for_cp(shard, input_ids)), input_ids, images, spans, shard)
         if positions is None:
             positions = self.positions_for(input_ids, spans, [self.vision.lm_grid(*hw) for hw in sizes], cache)
         return hidden, positions

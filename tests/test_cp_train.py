@@ -340,10 +340,22 @@ def test_pretrain_script_trains_with_the_cp_knob(tmp_path):
 
 # ---- a vision-language model -------------------------------------------------------------------------
 
-def multimodal_case(parallel: dict, sp: bool) -> dict:
+def straddling_batch():
+    """Two images across chunk borders at CP=2 (chunks of 6 tokens: rank 0 holds [0, 6) and
+    [18, 24), rank 1 [6, 18)): 6 tokens at [3, 9) in sample 0, 4 tokens at [16, 20) in sample 1."""
+    from tests.test_multimodal import IMG
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, 60, (3, 24), generator=gen)
+    ids[0, 3:9] = IMG
+    ids[1, 16:20] = IMG
+    return ids, [torch.randn(3, h, w, generator=gen) for h, w in ((48, 32), (32, 32))]
+
+
+def multimodal_case(parallel: dict, sp: bool, straddle: bool = False) -> tuple[dict, int, int]:
     """Relative errors of logits, loss and every gradient (vision tower included) of a tiny VLM with
-    M-RoPE at ``parallel`` against one process: the image tokens are merged into the full sequence,
-    then each CP rank keeps its chunks."""
+    M-RoPE at ``parallel`` against one process, how many images this rank's tower encoded in one
+    forward (only those with a token in its chunks) and its CP rank."""
     from megamoe.model import shift_labels
     from megamoe.parallel.groups import build_groups
     from megamoe.parallel.sharding import gather_full
@@ -352,7 +364,9 @@ def multimodal_case(parallel: dict, sp: bool) -> dict:
 
     groups = build_groups(ParallelConfig(**parallel))
     ref, model = build(tiny_mm("GdAd", gdn=GDN), 0), build(tiny_mm("GdAd", gdn=GDN), 0, groups, sequence_parallel=sp)
-    ids, images = batch(0)
+    ids, images = straddling_batch() if straddle else batch(0)
+    encoded = []
+    model.vision.register_forward_pre_hook(lambda mod, args: encoded.append(len(args[0])))
     labels = shift_labels(ids)
     with torch.no_grad():
         logits = model.context_shard(ids.size(1)).gather(model(ids, images), 1)
@@ -365,17 +379,23 @@ def multimodal_case(parallel: dict, sp: bool) -> dict:
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         errs[f"grad {name}"] = rel_err(gather_full(p, groups, p.grad), ref_params[name].grad)
-    return errs
+    return errs, encoded[0], groups.rank("cp")
 
 
 GDN = GDNConfig(num_key_heads=2, num_value_heads=2, key_head_dim=8, value_head_dim=8, chunk_size=8)
 
 
-@pytest.mark.parametrize("n,parallel,sp", [(2, dict(cp=2), False), (4, dict(cp=2, tp=2), True)],
-                         ids=["cp2", "cp2-tp2-sp"])
-def test_multimodal_model_matches_single(pool, n, parallel, sp):
-    results = pool(n).run(multimodal_case, parallel, sp)
-    for rank, errs in enumerate(results):
+@pytest.mark.parametrize("n,parallel,sp,straddle", [(2, dict(cp=2), False, False), (4, dict(cp=2, tp=2), True, False),
+                                                    (2, dict(cp=2), False, True)],
+                         ids=["cp2", "cp2-tp2-sp", "cp2-images-across-chunks"])
+def test_multimodal_model_matches_single(pool, n, parallel, sp, straddle):
+    results = pool(n).run(multimodal_case, parallel, sp, straddle)
+    for rank, (errs, _, _) in enumerate(results):
         bad = {k: v for k, v in errs.items() if v > 1e-5}
         assert not bad, f"rank {rank}: relative errors over 1e-5: {bad}"
+    # batch(0)'s images sit at [2, 6) and [8, 14) of sample 0 and [0, 4) of sample 1: CP rank 0 (tokens
+    # [0, 6) and [18, 24)) encodes two, rank 1 ([6, 18)) one; an image across a border: both ranks
+    expected = [2, 2] if straddle else [2, 1]
+    assert [enc for _, enc, _ in results] == [expected[cp] for _, _, cp in results]
+    results = [errs for errs, _, _ in results]
     assert sum(k.startswith("grad vision.") for k in results[0]) > 20  # every vision gradient compared
