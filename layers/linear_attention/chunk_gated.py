@@ -79,7 +79,7 @@ class Heads:
         xv = x.view(Nk // self.n, 1, self.n, *x.shape[1:])
         if factor is None:
             return xv.expand(-1, self.rep, -1, *x.shape[1:]).reshape(-1, *x.shape[1:])
-        return (xv * factor.view(Nk // self.n, self.rep, self.n, *factor.shape[1:])).view(-1, *x.shape[1:])
+        return (xv * factor.view(Nk // self.n, self.rep, self.n, *factor.shape[1:])).reshape(-1, *x.shape[1:])
 
     def dot_per_value(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """sum over the last dim of x [N, ..., d] times ``per_value(y)`` for y [Nk, ..., d],
