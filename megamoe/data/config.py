@@ -26,6 +26,10 @@ class DataConfig:
     chat_template: Optional[str] = None  # sft: None = the tokenizer's, else built-in; "builtin"; or a .jinja path
     truncation: str = "right"  # sft, image_caption: records longer than seq_len are cut (right) or rejected (error)
     pack: bool = False  # sft: several whole conversations per sample, kept apart as documents
+    # pretrain: a new document starts after every EOS of a window (positions restart at 0, no mixer
+    # looks across); Megatron's --reset-position-ids --reset-attention-mask
+    reset_at_eos: bool = False
+    eos_mask_loss: bool = False  # pretrain: no loss where the input token is EOS (Megatron's --eod-mask-loss)
     image_token: str = "<image>"  # image_caption: the placeholder token (must exist in the tokenizer)
     image_tokens: int = 1  # image_caption: placeholders per image (the trainer may pass a callable instead)
     generator: Optional[str] = None  # image_caption: "module:function" returning (image, caption) pairs
@@ -51,7 +55,14 @@ class DataConfig:
                   "only for kind=image_caption")
             check(":" in self.generator, f"{path}.generator", self.generator, "must be 'module:function'")
             check_positive(f"{path}.generator_samples", self.generator_samples)
-        check(not self.pack or self.kind == "sft", f"{path}.pack", self.pack, "only for kind=sft")
+        check(not self.pack or self.kind == "sft", f"{path}.pack", self.pack, "only for kind=sft" + (
+            f" (pretraining windows: {path}.reset_at_eos=true keeps their documents apart)"
+            if self.kind == "pretrain" else ""))
+        for name in ("reset_at_eos", "eos_mask_loss"):
+            value = getattr(self, name)
+            check(isinstance(value, bool), f"{path}.{name}", value, "must be true or false")
+            check(not value or self.kind == "pretrain", f"{path}.{name}", value, "only for kind=pretrain" + (
+                f" (sft: {path}.pack=true packs conversations as documents)" if self.kind == "sft" else ""))
         if self.kind == "image_caption":
             check_positive(f"{path}.image_tokens", self.image_tokens)
             check(self.image_tokens < self.seq_len, f"{path}.image_tokens", self.image_tokens,

@@ -67,7 +67,8 @@ def build_dataset(cfg: DataConfig, tokenizer: Optional[Tokenizer] = None,
 
         return SyntheticDataset(tokenizer.vocab_size, cfg.seq_len, seed=cfg.seed)
     if cfg.kind == "pretrain":
-        return PackedDataset(cfg.paths, cfg.seq_len, tokenizer)
+        return PackedDataset(cfg.paths, cfg.seq_len, tokenizer, reset_at_eos=cfg.reset_at_eos,
+                             eos_mask_loss=cfg.eos_mask_loss)
     if cfg.kind == "sft":
         template = resolve_template(cfg.chat_template, tokenizer)
         kind = PackedSFTDataset if cfg.pack else SFTDataset

@@ -3,9 +3,21 @@
 The token stream of a token file is its documents back to back, each ending with EOS. Sample j
 is the window ``stream[j*s : j*s + s + 1]`` (s = seq_len): ``input_ids = window[:-1]``,
 ``labels = window[1:]``. Consecutive windows share one token, so every token after the first is
-a target exactly once; a window may span document boundaries (EOS separates them; attention is
-not reset at the boundary). Windows never span two token files; a file's last partial window
-is not used. Samples are a pure function of (files, seq_len): deterministic.
+a target exactly once; a window may span document boundaries. Windows never span two token
+files; a file's last partial window is not used. Samples are a pure function of (files,
+seq_len, options): deterministic.
+
+By default attention runs across the EOS that separates two documents of a window (Megatron's
+default). Options, as Megatron's flags of the same meaning:
+
+- ``reset_at_eos`` (``--reset-position-ids --reset-attention-mask``): a new document starts
+  after every EOS input token; the sample also carries ``documents`` (document number of every
+  token, 0 for the window's first) and ``positions`` (0 at each document's first token), which
+  every mixer reads to keep the documents apart (``ForwardInfo.documents``). The EOS belongs to
+  the document it ends, so its target (the next document's first token) is predicted from that
+  document alone.
+- ``eos_mask_loss`` (``--eod-mask-loss``): no loss at EOS input positions, i.e. the label of
+  every position whose input token is EOS is -100 (Megatron's ``loss_mask[tokens == eod] = 0``).
 """
 from __future__ import annotations
 
@@ -19,18 +31,48 @@ from torch.utils.data import Dataset
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.data.tokfile import TokenFile
 from megamoe.errors import DataError
+from megamoe.parallel.cross_entropy import IGNORE_INDEX
+
+
+def stream_eos_id(files: Sequence[TokenFile]) -> int:
+    """The EOS id that ends every document of ``files``, from their headers (which
+    ``check_tokenizer`` matches against the run's tokenizer)."""
+    ids = {}
+    for f in files:
+        ids[str(f.path)] = f.header.get("tokenizer", {}).get("eos_id")
+        if not isinstance(ids[str(f.path)], int) or f.header.get("append_eos") is not True:
+            raise DataError(f"{f.path}: header does not say which EOS ends each document (tokenizer.eos_id, "
+                            "append_eos); data.reset_at_eos and data.eos_mask_loss need it")
+    if len(set(ids.values())) > 1:
+        raise DataError(f"{', '.join(ids)}: documents end with different EOS ids {sorted(set(ids.values()))}")
+    return next(iter(ids.values()))
+
+
+def document_layout(input_ids: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``documents`` and ``positions`` (both LongTensor[s]) of input ids [s] whose documents end
+    with ``eos_id``: a new document starts after every EOS (the first token is document 0)."""
+    eos = (input_ids == eos_id).long()
+    documents = torch.cumsum(eos, 0) - eos  # EOS tokens before t, not counting t itself
+    index = torch.arange(len(input_ids))
+    starts = torch.ones_like(eos, dtype=torch.bool)
+    starts[1:] = eos[:-1].bool()
+    first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), 0).values  # its document's start
+    return documents, index - first
 
 
 class PackedDataset(Dataset):
     """Windows of ``seq_len + 1`` tokens from one or more token directories, in file order.
 
-    ``item -> {"input_ids": LongTensor[s], "labels": LongTensor[s]}``."""
+    ``item -> {"input_ids": LongTensor[s], "labels": LongTensor[s]}``, plus ``documents`` and
+    ``positions`` (LongTensor[s]) with ``reset_at_eos``."""
 
-    def __init__(self, paths: Sequence[str | Path], seq_len: int, tokenizer: Optional[Tokenizer] = None):
+    def __init__(self, paths: Sequence[str | Path], seq_len: int, tokenizer: Optional[Tokenizer] = None, *,
+                 reset_at_eos: bool = False, eos_mask_loss: bool = False):
         self.files = [TokenFile(p) for p in paths]
         for f in self.files:
             f.check_tokenizer(tokenizer)
-        self.seq_len = seq_len
+        self.seq_len, self.reset_at_eos, self.eos_mask_loss = seq_len, reset_at_eos, eos_mask_loss
+        self.eos_id = stream_eos_id(self.files) if reset_at_eos or eos_mask_loss else None
         counts = [max(0, (f.num_tokens - 1) // seq_len) for f in self.files]
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         if self.starts[-1] == 0:
@@ -50,4 +92,9 @@ class PackedDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict:
         w = torch.from_numpy(self.window(index))
-        return {"input_ids": w[:-1], "labels": w[1:]}
+        sample = {"input_ids": w[:-1], "labels": w[1:]}
+        if self.eos_mask_loss:
+            sample["labels"] = sample["labels"].masked_fill(sample["input_ids"] == self.eos_id, IGNORE_INDEX)
+        if self.reset_at_eos:
+            sample["documents"], sample["positions"] = document_layout(sample["input_ids"], self.eos_id)
+        return sample
