@@ -19,11 +19,13 @@ chunk-start states as ``o = (q Gamma - M W) S + M U0``. The scan is the only seq
 one [dk, dk] x [dk, dv] product per chunk forward and backward (``StateScan``). ``T`` has a
 matmul backward too (``UnitLowerInverse``); autograd handles the rest, which is batched.
 
-The cumulative log decay G is summed in float64 and only its differences are cast back: in
-fp32 G_t is rounded to about eps |G_t| (|G| reaches hundreds within a chunk at the mixers'
-strongest decays), which exp(G_i - G_j) turns into a relative error of ~1e-5 even between
-neighbours, and the decay parameters' gradients with it. In float64 the backward's sums over
-pairs (row minus column, then the cumsum's reverse) also cancel without losing fp32 digits.
+Every exponent is the sum of g over one segment of the chunk, and each is computed as that
+segment's own sum in q's dtype (``DecayOffsets``), never as a difference of two prefix sums
+G_i - G_j: in fp32 G_t carries an error of about eps |G_t| (|G| reaches hundreds within a
+chunk at the mixers' strongest decays), which exp(G_i - G_j) would turn into a relative error
+of ~1e-5 even between neighbours, and the decay parameters' gradients with it. Each segment is
+a block of the halving below (or its prefix / suffix), so all of them come from one tree of
+half-block sums, forward and backward, without float64.
 
 Exponents are never positive (decays are <= 0 and the reference point of every product is
 between the two positions), so nothing overflows, whatever the decay: with per-channel decay
@@ -91,37 +93,98 @@ class UnitLowerInverse(torch.autograd.Function):
         return -(Tt @ dT @ Tt).tril(-1)
 
 
-def intra_per_channel(q, k, beta, G, leaf: int = LEAF):
+class DecayOffsets(torch.autograd.Function):
+    """The sums of the log decays g that the op exponentiates, each to a few ulps of itself.
+
+    g [..., C, dk], leaf (a power of two <= C) -> (leaf, head, tail, last, *levels):
+      leaf [.., C, dk]  g over t's block of ``leaf`` tokens, from its first token to t
+      head [.., C, dk]  g from the chunk start to t (log Gamma_t)
+      tail [.., C, dk]  g after t to the chunk end (G_C - G_t)
+      last [.., 1, dk]  g over the whole chunk (G_C)
+      levels, for half = leaf, 2 leaf, .., C / 2 (blocks of 2 half tokens), two each,
+        rows [.., C / (2 half), half, dk]  second halves: g from the half's first token to t
+        cols [.., C / (2 half), half, dk]  first halves: g after t to the half's last token
+
+    Built bottom-up: at block size h, ``pre`` (from the block's first token to t) and ``suf``
+    (after t to the block's last) for 2h follow from those for h by adding a half's total to
+    the other half. Every partial sum is of one segment, all terms of one sign, so it is exact
+    to a few ulps of itself; a difference of prefix sums is exact only to ulps of the longer
+    prefix. The backward runs the same tree top-down: each position's gradient is the sum of
+    the gradients of the sums that contain it, nothing subtracted. Work and memory are a few
+    passes over g; no float64.
+    """
+
+    @staticmethod
+    def forward(ctx, g, leaf):
+        C = g.size(-2)
+        pre = g.clone(memory_format=torch.contiguous_format)  # contiguous: the halves below are views
+        suf = torch.zeros_like(pre)
+        out_leaf, levels = None, []
+        h = 1
+        while True:
+            if h == leaf:
+                out_leaf = pre.clone()
+            if h == C:
+                break
+            P, S = (x.unflatten(-2, (C // (2 * h), 2, h)) for x in (pre, suf))  # [.., C/2h, 2, h, dk]
+            if h >= leaf:
+                levels += [P[..., 1, :, :].clone(), S[..., 0, :, :].clone()]
+            S[..., 0, :, :] += P[..., 1, -1:, :]  # first half: + the second half's total
+            P[..., 1, :, :] += P[..., 0, -1:, :]  # second half: + the first half's total
+            h *= 2
+        ctx.leaf = leaf
+        return out_leaf, pre, suf, pre[..., -1:, :].clone(), *levels
+
+    @staticmethod
+    def backward(ctx, d_leaf, d_head, d_tail, d_last, *d_levels):
+        C, leaf = d_head.size(-2), ctx.leaf
+        dpre = d_head.clone(memory_format=torch.contiguous_format)
+        dsuf = d_tail.clone(memory_format=torch.contiguous_format)
+        dpre[..., -1:, :] += d_last
+        h = C
+        while True:
+            if h == leaf:
+                dpre += d_leaf
+            if h == 1:
+                return dpre, None
+            h //= 2
+            P, S = (x.unflatten(-2, (C // (2 * h), 2, h)) for x in (dpre, dsuf))
+            # the forward's two additions at this size, transposed, in reverse order
+            P[..., 0, -1:, :] += P[..., 1, :, :].sum(-2, keepdim=True)
+            P[..., 1, -1:, :] += S[..., 0, :, :].sum(-2, keepdim=True)
+            if h >= leaf:
+                i = 2 * (h.bit_length() - leaf.bit_length())
+                P[..., 1, :, :] += d_levels[i]
+                S[..., 0, :, :] += d_levels[i + 1]
+
+
+def intra_per_channel(q, k, beta, leaf_off, levels, leaf: int):
     """A (strictly lower part used) and M for one decay per key channel, by halving.
-    q, k, G [..., C, dk] (G float64; its differences across blocks are taken there, then cast to
-    q's dtype; inside a leaf, from offsets to the leaf's first token, already in q's dtype);
-    beta [..., C] -> [..., C, C] each.
+    q, k [..., C, dk]; beta [..., C]; leaf_off, levels: ``DecayOffsets``' ``leaf`` and
+    ``levels`` for this ``leaf`` -> [..., C, C] each.
 
     Every block of B tokens is [[top, 0], [quad, bottom]]: ``quad`` (rows in the second half,
-    columns in the first) factors through the first position r of the second half,
-    exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both exponents <= 0, so it is one matmul;
-    ``top`` and ``bottom`` are the blocks of the level below. Blocks of ``leaf`` tokens are
-    computed elementwise ([leaf, leaf, dk] each). Needs C / leaf to be a power of two.
+    columns in the first) factors through the last position r of the first half,
+    exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both exponents <= 0 (the level's rows and
+    cols sums), so it is one matmul; ``top`` and ``bottom`` are the blocks of the level below.
+    Blocks of ``leaf`` tokens are computed elementwise ([leaf, leaf, dk] each) from differences
+    of sums within the leaf. Needs C / leaf to be a power of two.
     """
     *lead, C, dk = q.shape
     rows = torch.stack([k * beta.unsqueeze(-1), q])                    # [2, .., C, dk]: A rows, M rows
-    leaf = min(leaf, C)
     blocks = lambda x, n: x.reshape(*x.shape[:-2], n, C // n, x.size(-1))  # noqa: E731
     n = C // leaf
-    G_l, k_l, rows_l = blocks(G, n), blocks(k, n), blocks(rows, n)
+    k_l, rows_l = blocks(k, n), blocks(rows, n)
+    off = blocks(leaf_off, n)                                          # [.., n, leaf, dk]
     upper = torch.ones(leaf, leaf, dtype=torch.bool, device=q.device).triu(1)
-    # the leaf's pairs from float64 offsets to its first token: a few tokens' decay, exact in q's
-    # dtype, so the [.., leaf, leaf, dk] differences and their backward run there, not in float64
-    off = (G_l - G_l[..., :1, :]).to(q.dtype)
     pair = (off.unsqueeze(-2) - off.unsqueeze(-3)).masked_fill(upper.unsqueeze(-1), float("-inf")).exp()
     D = (rows_l.unsqueeze(-2) * (k_l.unsqueeze(-3) * pair)).sum(-1)     # [2, .., n, leaf, leaf]
     size = 2 * leaf
-    while size <= C:
+    for rows_off, cols_off in zip(levels[::2], levels[1::2]):
         n, half = C // size, size // 2
-        G_b, k_b, rows_b = blocks(G, n), blocks(k, n), blocks(rows, n)
-        ref = G_b[..., half:half + 1, :]
-        rows_r = rows_b[..., half:, :] * (G_b[..., half:, :] - ref).to(q.dtype).exp()  # [2, .., n, half, dk]
-        cols_r = k_b[..., :half, :] * (ref - G_b[..., :half, :]).to(q.dtype).exp()     # [.., n, half, dk]
+        k_b, rows_b = blocks(k, n), blocks(rows, n)
+        rows_r = rows_b[..., half:, :] * rows_off.exp()                  # [2, .., n, half, dk]
+        cols_r = k_b[..., :half, :] * cols_off.exp()                     # [.., n, half, dk]
         quad = rows_r @ cols_r.transpose(-1, -2)                          # [2, .., n, half, half]
         D = D.reshape(*D.shape[:-3], n, 2, half, half)
         top = torch.cat([D[..., 0, :, :], torch.zeros_like(quad)], dim=-1)
@@ -166,17 +229,17 @@ def _chunk_delta_rule(q, k, v, g, beta, scale, initial_state, chunk_size, fuse=F
     n = (t + pad) // C
     q, k, v, g = (x.reshape(b, hv, n, C, x.size(-1)) for x in (q, k, v, g))
     beta = beta.reshape(b, hv, n, C)
-    G = g.to(torch.float64).cumsum(-2)  # float64 sums, differences in q's dtype: see the module docstring
-    A, M = intra_per_channel(q, k, beta, G)
+    leaf = min(LEAF, C)
+    leaf_off, head, tail, G_last, *levels = DecayOffsets.apply(g, leaf)  # sums of g: see the module docstring
+    A, M = intra_per_channel(q, k, beta, leaf_off, levels, leaf)
 
-    gamma = G.to(q.dtype).exp()
-    G_last = G[..., -1:, :]
-    k_tail = k * (G_last - G).to(q.dtype).exp()                        # decayed to the chunk end
+    gamma = head.exp()
+    k_tail = k * tail.exp()                                         # decayed to the chunk end
     T = UnitLowerInverse.apply(A)
     # W | U0 side by side: fewer, wider matmuls
     WU = T @ torch.cat([k * (gamma * beta.unsqueeze(-1)), v * beta.unsqueeze(-1)], -1)  # [.., C, dk+dv]
     KW, R = (k_tail.transpose(-1, -2) @ WU).split([dk, dv], -1)      # [b, h, n, dk, dk | dv]
-    P = torch.diag_embed(G_last.squeeze(-2).to(q.dtype).exp().expand(b, hv, n, dk)) - KW
+    P = torch.diag_embed(G_last.squeeze(-2).exp().expand(b, hv, n, dk)) - KW
     MW, o_local = (M @ WU).split([dk, dv], -1)
     q_state = q * gamma - MW                                        # reads the chunk-start state
 
