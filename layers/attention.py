@@ -80,10 +80,15 @@ class SelfAttention(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
-        cp = context_shard(info)  # (refuses decoding under CP)
+        cp = context_shard(info)  # with a cache: a prefill under CP
         q, k, v, gate = self.project(x, info)
         mask = None
-        if info.cache is not None:  # decoding: attend over everything cached so far
+        if cp is not None and info.cache is not None:  # prefill under CP: the cache gets every rank's keys
+            state = info.cache.layer(self.layer_number)
+            append_kv(state, cp.gather(k), cp.gather(v))
+            if self.window:
+                trim_kv(state, self.window - 1)
+        elif info.cache is not None:  # decoding: attend over everything cached so far
             state = info.cache.layer(self.layer_number)
             k, v = append_kv(state, k, v)
             mask = info.cache.attention_mask(q.size(1), k.size(1), self.window, x.device)  # padded rows

@@ -40,13 +40,16 @@ TILE = 1024  # tokens per side of a score tile
 
 
 def context_shard(info):
-    """The forward's ``ContextShard`` when it spans more than one rank, else None. Decoding (a
-    cache) under CP is refused: the cache holds whole sequences on one rank."""
+    """The forward's ``ContextShard`` when it spans more than one rank, else None. With a decode
+    cache this is a prefill under CP (the model sets ``cp`` only for a cache's first forward, rows
+    of equal length): the mixer attends as in training and appends the whole sequence's
+    (all-gathered) keys to the cache, so the decode steps that follow run without CP."""
     cp = info.cp
     if cp is None or cp.size == 1:
         return None
-    if info.cache is not None:
-        raise ConfigError("decoding with context parallelism is not supported (parallel.cp must be 1)")
+    if info.cache is not None and (info.cache.seen > 0 or info.cache.pad is not None):
+        raise ConfigError("context parallelism with a decode cache: only a first forward (prefill) of rows of "
+                          "equal length")
     return cp
 
 

@@ -163,11 +163,11 @@ class Indexer(nn.Module):
             cos, sin = cos_sin
             q, k = apply_rotary(q, cos, sin), apply_rotary(k.unsqueeze(2), cos, sin).squeeze(2)
         gate = self.linear_pool_gate(x) if self.pooled else None
-        if state is not None:
-            k = append_time(state, "index_k", k)
-            gate = append_time(state, "index_gate", gate) if self.pooled else None
         if cp is not None:  # the whole sequence's keys (and pool gates), global order
             k, gate = cp.gather(k), (cp.gather(gate) if self.pooled else None)
+        if state is not None:  # (under CP: a prefill, the cache gets the gathered keys)
+            k = append_time(state, "index_k", k)
+            gate = append_time(state, "index_gate", gate) if self.pooled else None
         check_documents(documents, bsz, k.size(1))
         weights = self.linear_weights(x).float() * self.heads ** -0.5  # [b, s, Hi]
         qpos = query_positions(s, k.size(1), k.device) if cp is None else cp.local_index(k.device)
@@ -269,7 +269,7 @@ class SparseMLA(MultiLatentAttention):
         self.sparse_core = ctx.backend.sparse_latent_attention(ctx)
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
-        cp = context_shard(info)  # (refuses decoding under CP before the cache is touched)
+        cp = context_shard(info)  # with a cache: a prefill under CP
         q_nope, q_rope, q_latent, c, k_rope = self.project(x, info)
         # the indexer rotates rotate-half with MLA's (YaRN) tables
         cos_sin = cached_yarn_cos_sin(info, self.dr, self.theta, self.yarn) if self.indexer.rope_dim else None

@@ -139,10 +139,11 @@ class MultiLatentAttention(nn.Module):
 
     def cached_latents(self, c, k_rope, info: ForwardInfo):
         """The latents of every key the queries may see: appended to the decode cache (decoding),
-        all-gathered over the CP group (context parallelism), or the given ones."""
+        all-gathered over the CP group (context parallelism; a prefill under CP caches them), or
+        the given ones."""
         cp = context_shard(info)
         if cp is not None:
-            return cp.gather(c), cp.gather(k_rope)
+            c, k_rope = cp.gather(c), cp.gather(k_rope)
         if info.cache is None:
             return c, k_rope
         state = info.cache.layer(self.layer_number)
@@ -152,7 +153,7 @@ class MultiLatentAttention(nn.Module):
     # ---- forward ------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
-        cp = context_shard(info)  # (refuses decoding under CP)
+        cp = context_shard(info)  # with a cache: a prefill under CP
         q_nope, q_rope, _, c, k_rope = self.project(x, info)
         if info.cache is None and cp is None:
             # training / scoring: expanded heads, fused causal attention (packed documents masked)

@@ -260,11 +260,15 @@ class LanguageModel(nn.Module):
         return full[..., : self.config.vocab_size]
 
     def context_shard(self, seq_len: int, cache=None) -> ContextShard | None:
-        """This rank's share of a sequence of ``seq_len`` tokens under CP; None without CP."""
-        if self.cp_size == 1:
+        """This rank's share of a sequence of ``seq_len`` tokens under CP; None without CP. With a
+        decode cache CP applies to its first forward only (the prefill: every mixer leaves the
+        whole sequence's state in the cache); the decode steps after it run without CP, the same
+        on every CP rank."""
+        if self.cp_size == 1 or (cache is not None and cache.seen > 0):
             return None
-        if cache is not None:
-            raise ConfigError(f"parallel.cp={self.cp_size}: decoding with a cache does not support context parallelism")
+        if cache is not None and cache.pad is not None:
+            raise ConfigError(f"parallel.cp={self.cp_size}: a prefill under context parallelism needs prompts of "
+                              f"equal length (this batch is left-padded)")
         return ContextShard(self.groups.cp, seq_len)
 
     def loss_sum(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -280,18 +284,20 @@ class LanguageModel(nn.Module):
         count = (labels != IGNORE_INDEX).sum().clamp(min=1)  # full labels: the global count
         return comm.reduce_from(self.loss_sum(local_logits, labels), self.groups.cp) / count
 
-    def full_length(self, input_ids: torch.Tensor | None, hidden: torch.Tensor | None) -> int:
-        """S, the full sequence a stage input stands for (hidden states are cut over SP and CP)."""
+    def full_length(self, input_ids: torch.Tensor | None, hidden: torch.Tensor | None, cache=None) -> int:
+        """S, the full sequence a stage input stands for (hidden states are cut over SP, and over
+        CP unless they are a decode step after a CP prefill)."""
         if input_ids is not None:
             return input_ids.size(1)
-        return hidden.size(1) * (self.groups.tp_size if self.ctx.sp else 1) * self.cp_size
+        cp = self.cp_size if cache is None or cache.seen == 0 else 1
+        return hidden.size(1) * (self.groups.tp_size if self.ctx.sp else 1) * cp
 
     def default_positions(self, input_ids: torch.Tensor | None, hidden: torch.Tensor | None,
                           cache=None) -> torch.Tensor:
         """0..S-1 for every sample, S being the full sequence (also on SP and CP shards); after the
         tokens a decode cache has already seen."""
         ref = input_ids if input_ids is not None else hidden
-        b, s, device = ref.size(0), self.full_length(input_ids, hidden), ref.device
+        b, s, device = ref.size(0), self.full_length(input_ids, hidden, cache), ref.device
         if cache is not None:  # after what it has seen; a left-padded row counts from its first token
             return cache.positions(s, device)
         return torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
@@ -317,7 +323,7 @@ class LanguageModel(nn.Module):
         or, on the last stage, vocab-parallel logits [b, s, V_pad/tp] out. ``positions`` [b, S]
         (or [3, b, S]) and ``documents`` [b, S] cover the full sequence on every stage."""
         ids, hidden = (x, None) if self.pre_process else (None, x)
-        shard = self.context_shard(self.full_length(ids, hidden), cache)
+        shard = self.context_shard(self.full_length(ids, hidden, cache), cache)
         if positions is None:
             positions = self.default_positions(ids, hidden, cache)
         if self.pre_process:

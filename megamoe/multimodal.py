@@ -204,7 +204,7 @@ class MultimodalModel(LanguageModel):
         """One pipeline stage (see ``LanguageModel.forward_stage``); the first stage also takes
         the batch's ``images``. Placeholders without images are an error, never ignored."""
         ids, hidden = (x, None) if self.pre_process else (None, x)
-        shard = self.context_shard(self.full_length(ids, hidden), cache)
+        shard = self.context_shard(self.full_length(ids, hidden, cache), cache)
         if self.pre_process:
             hidden, positions = self.embed_multimodal(x, images, positions, cache, shard)
         elif positions is None:

@@ -1,4 +1,4 @@
-"""Generation and verification at a training layout (TP, EP, ETP, PP) under ``torchrun``.
+"""Generation and verification at a training layout (TP, EP, ETP, PP, CP) under ``torchrun``.
 
 Every rank builds only its pipeline stage with its own shards (``load_model``: an HF folder is
 read tensor by tensor, each sliced to this rank's piece; a megamoe checkpoint loads its own
@@ -14,6 +14,13 @@ calls:
 so every rank picks the same token from the same logits (sampling draws from one seed on
 every rank). Each stage keeps its own decode cache. TP ranks gather logits as in training;
 EP/ETP ranks all-to-all their tokens inside MoE layers as in training.
+
+Context parallelism (``--cp``) splits the prefill: each CP rank runs its two chunks of the
+prompt as in training (ring attention, state passing, all-gathered latents), and every mixer
+leaves the whole prompt's state in each rank's cache (keys and values all-gathered, linear
+states passed on to the end), so the decode steps run without CP, the same on every CP rank.
+The prompt's last token is the last local token of CP rank 0, whose logits are broadcast over
+the CP group; stages send their local chunks' hidden states. Prompts must have equal length.
 
 Sequence parallelism is not used for decoding: a step feeds one token per row, which cannot be
 split over TP ranks. Its weights are those of TP alone, so a TP+SP checkpoint decodes at the
@@ -36,8 +43,8 @@ def inference_groups(parallel: ParallelConfig) -> ParallelGroups:
     if parallel.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel: decoding feeds one token per step, which cannot be split "
                           "over TP ranks; decode at the same tp without it (the weights are the same)")
-    if parallel.cp > 1 or parallel.vpp > 1:
-        raise ConfigError(f"parallel.cp={parallel.cp}, vpp={parallel.vpp}: decoding supports tp, pp, ep and etp")
+    if parallel.vpp > 1:
+        raise ConfigError(f"parallel.vpp={parallel.vpp}: decoding supports tp, pp, ep, etp and cp")
     init_distributed()
     return build_groups(parallel)
 
@@ -88,9 +95,11 @@ class StageForward:
     def __call__(self, ids: torch.Tensor, cache=None, last_only: bool = True, **kw) -> torch.Tensor:
         m, last = self.model, len(self.stages) - 1
         b, s = ids.shape[:2]
+        shard = m.context_shard(s, cache)  # CP: this forward runs on the local chunks (a prefill)
         x = ids
         if self.stage > 0:
-            x = torch.empty(b, s, *self.stream_shape, dtype=self.dtype, device=ids.device)
+            local = s if shard is None else shard.local_len
+            x = torch.empty(b, local, *self.stream_shape, dtype=self.dtype, device=ids.device)
             dist.recv(x, self.stages[self.stage - 1], group=self.pp)
         out = m.forward_stage(x, cache=cache, **kw)
         if self.stage < last:
@@ -98,19 +107,31 @@ class StageForward:
             logits = torch.empty(b, 1 if last_only else s, m.config.vocab_size, dtype=self.dtype, device=ids.device)
         else:
             logits = m.gather_logits(out)
+            if shard is not None:
+                logits = self.cp_logits(logits, shard, last_only)
             logits = (logits[:, -1:] if last_only else logits).contiguous()
         if last > 0:
             dist.broadcast(logits, self.stages[last], group=self.pp)
         return logits
 
+    def cp_logits(self, local: torch.Tensor, shard, last_only: bool) -> torch.Tensor:
+        """[b, s_local, V] of this CP rank's chunks -> the full sequence's [b, S, V] (all-gathered),
+        or for ``last_only`` CP rank 0's (its back chunk ends the sequence) on every CP rank."""
+        if not last_only:
+            return shard.gather(local, 1)
+        last = local[:, -1:].contiguous()
+        dist.broadcast(last, dist.get_process_group_ranks(self.model.groups.cp)[0], group=self.model.groups.cp)
+        return last
+
 
 def parallel_flags(parser) -> None:
-    """--tp/--pp/--ep/--etp for a command run under torchrun."""
+    """--tp/--pp/--ep/--etp/--cp for a command run under torchrun."""
     from megamoe.cli import number_in
 
-    group = parser.add_argument_group("parallel layout (run under torchrun; world size = tp*pp*dp, "
-                                      "dp ranks decode the same batch)")
-    for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert"), ("etp", "expert tensor")):
+    group = parser.add_argument_group("parallel layout (run under torchrun; world size = tp*pp*cp*dp, "
+                                      "dp ranks decode the same batch; cp splits the prefill)")
+    for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert"), ("etp", "expert tensor"),
+                       ("cp", "context (prefill)")):
         group.add_argument(f"--{name}", type=number_in(int, 1), default=1, help=f"{what} parallel size")
 
 
@@ -118,7 +139,7 @@ def parallel_from_args(args) -> ParallelConfig | None:
     """The layout the flags ask for; None for one process without torchrun."""
     import os
 
-    parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and (args.tp, args.pp, args.ep, args.etp) == (1, 1, 1, 1):
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, cp=args.cp)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and (args.tp, args.pp, args.ep, args.etp, args.cp) == (1,) * 5:
         return None
     return parallel

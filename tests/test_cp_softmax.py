@@ -161,16 +161,21 @@ def test_packed_documents_equal_documents_one_by_one(letter, tile, monkeypatch):
 
 
 @pytest.mark.parametrize("letter", ["A", "M", "D"])
-def test_decoding_under_cp_is_refused_before_the_cache_changes(letter):
+@pytest.mark.parametrize("case", ["decode step", "left-padded"])
+def test_cp_with_a_cache_past_its_prefill_is_refused_before_the_cache_changes(letter, case):
+    """CP with a decode cache is a prefill of equal-length rows (tests/test_cp_generate.py); a cache
+    that has already seen tokens, or a left-padded one, is one line and leaves the cache as it was."""
     from types import SimpleNamespace
 
     from megamoe.cache import InferenceCache
     from megamoe.errors import ConfigError
 
     mixer = build_mixer(letter, model_for(letter, None))
-    cache = InferenceCache(1)
+    cache = InferenceCache(1, pad=torch.tensor([1]) if case == "left-padded" else None)
+    if case == "decode step":
+        cache.advance(4)
     info = ForwardInfo(positions=cache.positions(4), cache=cache, cp=SimpleNamespace(size=2))
-    with pytest.raises(ConfigError, match=r"decoding with context parallelism is not supported"):
+    with pytest.raises(ConfigError, match=r"only a first forward \(prefill\) of rows of equal length"):
         mixer(torch.randn(1, 4, 32), info)
     assert not cache.layer(mixer.layer_number)  # nothing half-written
 

@@ -108,3 +108,18 @@ def test_commands_at_a_layout(pool, hf_dir):
     generate = pool(2).run(run_command, "generate", argv)
     want = [str(t) for t in generate_batch(from_hf(hf_dir), [[5, 9, 13], [11, 4]], 4)]
     assert generate[0] == (0, "\n".join(want) + "\n") and generate[1] == (0, "")
+
+
+def test_commands_with_a_context_parallel_prefill(pool, hf_dir):
+    """verify --cp 2 (its 12-token prompts split over two ranks; full logits all-gathered) matches
+    transformers; generate --cp 2 prints the single-process tokens of two 12-token prompts."""
+    from megamoe.convert import from_hf
+    from megamoe.generate import generate_batch
+
+    verify = pool(2).run(run_command, "verify", [hf_dir, "--cp", "2", "--tokens", "4"])
+    assert verify[0][0] == 0 and verify[0][1].strip().endswith("OK") and verify[1] == (0, "")
+    prompts = [[5, 9, 13, 2, 40, 7, 3, 8, 21, 33, 17, 4], [11, 4, 6, 50, 3, 9, 12, 30, 31, 32, 33, 34]]
+    argv = [hf_dir, "--cp", "2", *[a for p in prompts for a in ("--ids", ",".join(map(str, p)))], "--max-new-tokens", "4"]
+    generate = pool(2).run(run_command, "generate", argv)
+    want = [str(t) for t in generate_batch(from_hf(hf_dir), prompts, 4)]
+    assert generate[0] == (0, "\n".join(want) + "\n") and generate[1] == (0, "")

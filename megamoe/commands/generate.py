@@ -133,7 +133,7 @@ def load_for_layout(args):
     if parallel is None:
         return load_model(args.model_dir, base=args.base, expert_store=store), None, True
     if store is not None:
-        raise ConfigError("--expert-budget runs in one process (drop --tp/--pp/--ep/--etp)")
+        raise ConfigError("--expert-budget runs in one process (drop --tp/--pp/--ep/--etp/--cp)")
     if args.image and parallel.pp > 1:
         raise ConfigError("--image with --pp > 1: the vision tower sits on the first stage only; use --pp 1")
     groups = inference_groups(parallel)
