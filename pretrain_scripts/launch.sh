@@ -8,6 +8,12 @@
 #   TP PP VPP CP EP ETP                            parallel degrees (unset: the recipe's)
 #   SP=1                                           sequence parallelism
 #   DRY_RUN=1                                      print the plan and the command, run nothing
+# Pretraining data (pretrain_hybrid_moe.sh, slurm_pretrain.sbatch; unset: the recipe's):
+#   DATA           token directories (tools/prepare_data.py), comma-separated: data.kind=pretrain, data.paths
+#   TOKENIZER      data.tokenizer (the one the token directories were written with)
+#   RESET_AT_EOS=1 documents kept apart: positions restart and no mixer looks across an EOS
+#                  (data.reset_at_eos; Megatron's --reset-position-ids --reset-attention-mask)
+#   EOS_MASK_LOSS=1  no loss where the input token is EOS (data.eos_mask_loss; Megatron's --eod-mask-loss)
 NGPU="${NGPU:-1}"; NNODES="${NNODES:-1}"; MAX_RESTARTS="${MAX_RESTARTS:-0}"
 RDZV_ID="${RDZV_ID:-${SLURM_JOB_ID:-megamoe}}"
 if [ "$NNODES" = 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
@@ -22,6 +28,13 @@ for knob in tp:TP pp:PP vpp:VPP cp:CP ep:EP etp:ETP; do
   if [ -n "${!var:-}" ]; then PARALLEL_OVERRIDES+=("parallel.$key=${!var}"); fi
 done
 if [ -n "${SP:-}" ]; then PARALLEL_OVERRIDES+=("parallel.sequence_parallel=$([ "$SP" = 1 ] && echo true || echo false)"); fi
+PRETRAIN_DATA_OVERRIDES=()
+if [ -n "${DATA:-}" ]; then PRETRAIN_DATA_OVERRIDES+=("data.kind=pretrain" "data.paths=[$DATA]"); fi
+if [ -n "${TOKENIZER:-}" ]; then PRETRAIN_DATA_OVERRIDES+=("data.tokenizer=$TOKENIZER"); fi
+for knob in reset_at_eos:RESET_AT_EOS eos_mask_loss:EOS_MASK_LOSS; do
+  key="${knob%%:*}"; var="${knob##*:}"
+  if [ -n "${!var:-}" ]; then PRETRAIN_DATA_OVERRIDES+=("data.$key=$([ "${!var}" = 1 ] && echo true || echo false)"); fi
+done
 
 # run_torchrun TOOL CONFIG [key=value ...]: plan (DRY_RUN=1) or launch on this node
 run_torchrun() {

@@ -5,7 +5,8 @@ this data-parallel rank's micro-batches, step by step, from a saved ``consumed_s
     data = build_train_data(cfg, global_batch_size=G, micro_batch_size=m, dp_rank=r, dp_size=D,
                             consumed_samples=saved, tokenizer=tokenizer)
     for step in range(start_step, steps):
-        micro_batches = data(step * G)  # each {"input_ids": [m, s], "labels": [m, s], ("images")}
+        micro_batches = data(step * G)  # each {"input_ids": [m, s], "labels": [m, s], ("documents",
+                                        # "positions": [m, s] of packed samples), ("images")}
         ...                             # save consumed_samples = (step + 1) * G with the checkpoint
 
 Sample order and rank slices: ``megamoe.data.sampling``.
@@ -67,8 +68,11 @@ def build_dataset(cfg: DataConfig, tokenizer: Optional[Tokenizer] = None,
 
         return SyntheticDataset(tokenizer.vocab_size, cfg.seq_len, seed=cfg.seed)
     if cfg.kind == "pretrain":
-        return PackedDataset(cfg.paths, cfg.seq_len, tokenizer, reset_at_eos=cfg.reset_at_eos,
-                             eos_mask_loss=cfg.eos_mask_loss)
+        dataset = PackedDataset(cfg.paths, cfg.seq_len, tokenizer, reset_at_eos=cfg.reset_at_eos,
+                                eos_mask_loss=cfg.eos_mask_loss)
+        log.info("pretrain data: %d windows of %d tokens from %d token file(s); %s", len(dataset), cfg.seq_len,
+                 len(cfg.paths), dataset.describe())
+        return dataset
     if cfg.kind == "sft":
         template = resolve_template(cfg.chat_template, tokenizer)
         kind = PackedSFTDataset if cfg.pack else SFTDataset

@@ -82,6 +82,12 @@ class PackedDataset(Dataset):
     def __len__(self) -> int:
         return int(self.starts[-1])
 
+    def describe(self) -> str:
+        """How documents meet inside a window (for the run's log)."""
+        apart = (f"documents kept apart after every EOS (id {self.eos_id})" if self.reset_at_eos
+                 else "attention runs across EOS")
+        return apart + (", no loss at EOS inputs" if self.eos_mask_loss else "")
+
     def window(self, index: int) -> np.ndarray:
         """The ``seq_len + 1`` tokens of sample ``index``."""
         if not 0 <= index < len(self):
