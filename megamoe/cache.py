@@ -56,6 +56,7 @@ class InferenceCache:
         self.batch_size = batch_size
         self.seen = 0  # time steps already processed (padding slots included)
         self.pad = None if pad is None or not bool((pad > 0).any()) else pad.long()
+        self.max_pad = 0 if self.pad is None else int(self.pad.max())  # time steps past it are all real
         self._layers: dict = {}
 
     def layer(self, layer_number) -> LayerState:
@@ -75,8 +76,9 @@ class InferenceCache:
         return (pos - self.pad.to(pos.device)[:, None]).clamp(min=0)
 
     def valid(self, n: int, device=None) -> torch.Tensor | None:
-        """[b, n] bool, True at the real tokens of the next n time steps (None: no padding)."""
-        if self.pad is None:
+        """[b, n] bool, True at the real tokens of the next n time steps (None: no padding among
+        them, e.g. every decode step after the prompt)."""
+        if self.pad is None or self.seen >= self.max_pad:
             return None
         t = torch.arange(self.seen, self.seen + n, device=device)
         return t[None, :] >= self.pad.to(t.device)[:, None]
@@ -102,6 +104,7 @@ class InferenceCache:
             state.select_rows(index)
         if self.pad is not None:
             self.pad = self.pad.index_select(0, index.to(self.pad.device))
+            self.max_pad = int(self.pad.max()) if self.pad.numel() else 0
         self.batch_size = int(index.numel())
 
 

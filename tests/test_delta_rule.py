@@ -229,3 +229,22 @@ def test_per_head_op_with_aligned_keys(keys, decay):
     # token, the same before T was solved without decays
     dg = errs.pop("dg")
     assert max(errs.values()) <= REL and dg <= 3 * REL, (errs, dg)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_step_is_the_recurrence_bitwise(per_channel, dtype):
+    """The no-autograd one-token path (``delta_rule_step``) computes the recurrence's lines in
+    its order: bitwise its output and state, the caller's state untouched, and within REL of the
+    naive reference."""
+    q, k, v, g, beta, h0 = make_inputs(1, per_channel, seed=7, hk=2, hv=4)
+    q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
+    kept = h0.clone()
+    with torch.enable_grad():  # the loop form
+        ref = recurrent_delta_rule(q, k, v, g, beta, initial_state=h0)
+    with torch.no_grad():
+        got = recurrent_delta_rule(q, k, v, g, beta, initial_state=h0)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]) and got[0].dtype == dtype
+    assert torch.equal(h0, kept)
+    naive = naive_delta_rule(q.double(), k.double(), v.double(), g.double(), beta.double(), initial_state=h0.double())
+    assert rel_err(got[1].double(), naive[1]) < REL

@@ -35,6 +35,21 @@ def test_causal_conv_equals_torch_conv1d(t):
     assert torch.autograd.gradcheck(lambda x, w: causal_conv(x, w)[0], (x, w))
 
 
+
+def test_causal_conv_decode_step_equals_conv1d():
+    """One token after a state (the decode step): torch's conv1d over [state | x], forward and
+    gradients (the step is plain autograd ops), and the new state is the last K-1 inputs."""
+    x = torch.randn(3, 1, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    state = torch.randn(3, 3, 6, dtype=torch.float64)
+    y, new = causal_conv(x, w, state)
+    full = torch.cat([state, x], 1)
+    ref = F.silu(F.conv1d(full.transpose(1, 2), w.unsqueeze(1), groups=6).transpose(1, 2))
+    assert y.shape == (3, 1, 6) and (y - ref).abs().max() <= TOL
+    assert torch.equal(new, full[:, 1:])
+    for a, b in zip(grads(y, (x, w)), grads(ref, (x, w))):
+        assert (a - b).abs().max() <= TOL
+
 def unfused_norm(x, w, zero_centered, gate, act):
     out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (w + 1 if zero_centered else w)
     if gate is not None:

@@ -98,7 +98,18 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | Non
     if state is None and torch.is_grad_enabled():
         y = _CausalConvSiLU.apply(x, weight, fuse)
         return y, F.pad(x[:, max(0, t - (kernel - 1)):], (0, 0, max(0, kernel - 1 - t), 0))
+    if state is not None and t == 1:
+        return causal_conv_step(x, weight, state)
     return causal_conv_reference(x, weight, state)
+
+
+def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor):
+    """One decode step of ``causal_conv``: x [b, 1, c], state [b, K-1, c] -> (y [b, 1, c], new state).
+    The window times the taps, summed over K: four small ops where torch's conv1d paid a
+    convolution primitive's setup (and two transposes) for K multiply-adds per channel."""
+    full = torch.cat([state.to(x.dtype), x], dim=1)                       # [b, K, c]
+    pre = torch.linalg.vecdot(full.transpose(1, 2), weight).unsqueeze(1)  # [b, 1, c]
+    return F.silu(pre), full[:, 1:]
 
 
 def causal_conv_reference(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None):

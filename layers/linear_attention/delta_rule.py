@@ -84,6 +84,8 @@ def recurrent_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None):
     ``S <- a*S; S <- S + k (beta (v - S^T k))^T`` avoids the [dk, dk] matrices of the reference.
     Out-of-place, so it is differentiable (used for short continuations as well as one token).
     """
+    if q.size(1) == 1 and initial_state is not None and not torch.is_grad_enabled():
+        return delta_rule_step(q, k, v, g, beta, scale=scale, state=initial_state)
     dtype = v.dtype
     q, k, v, g, beta, state = prepare(q, k, v, g, beta, scale, initial_state)
     outs = []
@@ -97,3 +99,25 @@ def recurrent_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None):
         outs.append((q_t.unsqueeze(-2) @ state).squeeze(-2))
     o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.size(0), 0, v.size(1), v.size(3))
     return o.to(dtype), state
+
+
+def delta_rule_step(q, k, v, g, beta, *, scale=None, state: torch.Tensor):
+    """One decode token of ``recurrent_delta_rule`` (t = 1, a state given, no autograd): the same
+    lines in the same order, so the same values, without ``prepare``'s per-call transposes,
+    casts and the loop: with t = 1, [b, 1, h, d] is [b, h, 1, d] by a view. The state is
+    updated in place after its decay (a new tensor), so the caller's state is left unchanged."""
+    b, _, hv, dv = v.shape
+    dk, dtype = q.size(-1), v.dtype
+    acc = torch.promote_types(dtype, torch.float32)
+    q, k = expand_key_heads(q, k, hv)
+    q, k, v = (x.to(acc).view(b, hv, 1, x.size(-1)) for x in (q, k, v))  # [b, h, 1, d]
+    scale = dk ** -0.5 if scale is None else scale
+    if scale != 1.0:
+        q = q * scale
+    decay = g.to(acc).view(b, hv, -1).exp().unsqueeze(-1)                # [b, h, dk | 1, 1]
+    state = state.to(acc) * decay                                         # [b, h, dk, dv]
+    predicted = k @ state                                                 # S^T k   [b, h, 1, dv]
+    delta = (v - predicted).mul_(beta.to(acc).view(b, hv, 1, 1))
+    state.addcmul_(k.transpose(-1, -2), delta)
+    o = q @ state                                                         # [b, h, 1, dv]
+    return o.view(b, 1, hv, dv).to(dtype), state
