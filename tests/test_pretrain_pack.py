@@ -251,7 +251,7 @@ def test_bad_config_is_one_line(kw, message):
     assert str(e.value) == message
 
 
-def test_token_file_without_eos_is_one_line(tmp_path):
+def test_token_files_without_one_eos_are_one_line(tmp_path):
     import json
 
     path = token_file(tmp_path)
@@ -263,6 +263,13 @@ def test_token_file_without_eos_is_one_line(tmp_path):
         PackedDataset([path], 8, reset_at_eos=True)
     assert str(e.value) == (f"{path}: header does not say which EOS ends each document (tokenizer.eos_id, "
                             "append_eos); data.reset_at_eos and data.eos_mask_loss need it")
+    header.update(append_eos=True, tokenizer={**header["tokenizer"], "eos_id": 7})  # another tokenizer's EOS
+    (path / "header.json").write_text(json.dumps(header))
+    (tmp_path / "b").mkdir()
+    other = token_file(tmp_path / "b")
+    with pytest.raises(DataError) as e:
+        PackedDataset([path, other], 8, eos_mask_loss=True)
+    assert str(e.value) == f"{path}, {other}: documents end with different EOS ids [2, 7]"
 
 
 def test_pretrain_cli_refuses_reset_at_eos_for_synthetic_data():
