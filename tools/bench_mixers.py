@@ -5,12 +5,19 @@ chunk functions of transformers (qwen3_next's ``torch_chunk_gated_delta_rule``, 
 
     python tools/bench_mixers.py                      # T=2048, H=4, D=64, batch 1
     python tools/bench_mixers.py --t 512 --runs 3
+    git show REV:layers/linear_attention/chunk_delta.py > /tmp/op_before.py
+    python tools/bench_mixers.py --baseline-op /tmp/op_before.py   # this tree's op against REV's
 
 Each case is warmed up once, then megamoe and the peer alternate for ``--runs`` rounds; the
 medians are compared. Outputs and input gradients are checked against each other first.
 The last line is ``gdn_speedup_vs_hf=X kda_speedup_vs_hf=Y`` (peer time / megamoe time).
+``--baseline-op`` times ``chunk_delta_rule`` from another file in the same rounds (it imports
+the rest of megamoe from this tree, so the GDN case compares chunk_delta.py only, not
+chunk_gated.py) and adds ``gdn_time_vs_baseline=X kda_time_vs_baseline=Y`` (megamoe time /
+baseline time, the median of the rounds' ratios).
 """
 import argparse
+import importlib.util
 import statistics
 import time
 import warnings
@@ -51,16 +58,26 @@ def fwd_bwd(fn, inputs, grad_out):
     return time.perf_counter() - start, out.detach(), [x.grad for x in xs]
 
 
-def bench(ours, peer, inputs, runs: int):
+def load_op(path: str):
+    """``chunk_delta_rule`` from a copy of chunk_delta.py (e.g. an earlier commit's)."""
+    spec = importlib.util.spec_from_file_location("baseline_chunk_delta", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.chunk_delta_rule
+
+
+def bench(fns, inputs, runs: int):
+    """fns[0] is megamoe's; all alternate, one call each per round. Returns each one's times and
+    the largest difference of any output or input gradient from fns[0]'s."""
     grad_out = torch.randn(inputs[2].shape, generator=torch.Generator().manual_seed(1))
-    _, o_ours, g_ours = fwd_bwd(ours, inputs, grad_out)  # warm-up, and the cross-check
-    _, o_peer, g_peer = fwd_bwd(peer, inputs, grad_out)
-    diff = max((a - b).abs().max().item() for a, b in zip([o_ours, *g_ours], [o_peer, *g_peer]))
-    t_ours, t_peer = [], []
+    first = [fwd_bwd(fn, inputs, grad_out)[1:] for fn in fns]  # warm-up, and the cross-check
+    (o_ref, g_ref) = first[0]
+    diff = max((a - b).abs().max().item() for o, g in first[1:] for a, b in zip([o_ref, *g_ref], [o, *g]))
+    times = [[] for _ in fns]
     for _ in range(runs):
-        t_ours.append(fwd_bwd(ours, inputs, grad_out)[0])
-        t_peer.append(fwd_bwd(peer, inputs, grad_out)[0])
-    return statistics.median(t_ours), statistics.median(t_peer), diff
+        for fn, t in zip(fns, times):
+            t.append(fwd_bwd(fn, inputs, grad_out)[0])
+    return times, diff
 
 
 def main() -> None:
@@ -70,7 +87,11 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--baseline-op", metavar="FILE",
+                   help="a chunk_delta.py (e.g. git show REV:layers/linear_attention/chunk_delta.py) "
+                        "whose chunk_delta_rule is timed in the same rounds")
     args = p.parse_args()
+    base = load_op(args.baseline_op) if args.baseline_op else None
     torch.set_num_threads(args.threads)
     hf_gdn, hf_kda = peers()
     # the chunk lengths the mixers use for these head dims
@@ -78,22 +99,28 @@ def main() -> None:
     c_kda = KDAConfig().chunk_size
     fuse = Fusion.from_config(None).active(torch.device("cpu"))  # as a model built here would (MEGAMOE_FUSION)
     cases = {
-        "gdn": (lambda *x: chunk_delta_rule(*x, chunk_size=c_gdn, fuse=fuse)[0],
+        "gdn": (lambda op: lambda *x: op(*x, chunk_size=c_gdn, fuse=fuse)[0],
                 lambda *x: hf_gdn(*x[:3], g=x[3], beta=x[4])[0], False),
-        "kda": (lambda *x: chunk_delta_rule(*x, chunk_size=c_kda, fuse=fuse)[0],
+        "kda": (lambda op: lambda *x: op(*x, chunk_size=c_kda, fuse=fuse)[0],
                 lambda *x: hf_kda(*x[:3], g=x[3], beta=x[4])[0], True),
     }
-    speedups = {}
+    speedups, vs_base = {}, {}
     for name, (ours, peer, per_channel) in cases.items():
         inputs = make_inputs(args.t, args.heads, args.dim, per_channel)
-        t_ours, t_peer, diff = bench(ours, peer, inputs, args.runs)
+        fns = [ours(chunk_delta_rule), peer] + ([ours(base)] if base else [])
+        times, diff = bench(fns, inputs, args.runs)
+        t_ours, t_peer = statistics.median(times[0]), statistics.median(times[1])
         speedups[name] = t_peer / t_ours
         chunk = c_gdn if name == "gdn" else c_kda
-        print(f"{name}: T={args.t} H={args.heads} D={args.dim} chunk={chunk} fwd+bwd median of {args.runs}: "
-              f"megamoe {t_ours * 1e3:.1f} ms, transformers {t_peer * 1e3:.1f} ms, "
-              f"speedup {speedups[name]:.2f}x (max abs diff of output and grads {diff:.1e})")
+        line = (f"{name}: T={args.t} H={args.heads} D={args.dim} chunk={chunk} fwd+bwd median of {args.runs}: "
+                f"megamoe {t_ours * 1e3:.1f} ms, transformers {t_peer * 1e3:.1f} ms, ")
+        if base:
+            vs_base[name] = statistics.median(a / b for a, b in zip(times[0], times[2]))
+            line += f"baseline op {statistics.median(times[2]) * 1e3:.1f} ms, "
+        print(line + f"speedup {speedups[name]:.2f}x (max abs diff of output and grads {diff:.1e})")
     print(f"gdn_speedup_vs_hf={speedups['gdn']:.2f} kda_speedup_vs_hf={speedups['kda']:.2f}")
-
+    if base:
+        print(f"gdn_time_vs_baseline={vs_base['gdn']:.3f} kda_time_vs_baseline={vs_base['kda']:.3f}")
 
 if __name__ == "__main__":
     main()
