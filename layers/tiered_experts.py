@@ -84,7 +84,7 @@ class TieredExperts(GroupedExperts):
             part = [counts[e] for e in experts]
             rows = slice(start, start + sum(part))
             start = rows.stop
-            w1, w2 = store.stack(self.store_name, experts, reuse=True)
+            w1, w2 = store.stack(self.store_name, experts)
             store.prefetch_after(self.store_name, calls, i)
             with store.saving(self.store_name, experts, w1, w2):
                 y = self.compute(x, idx[rows], part, None if probs is None else probs[rows], w1, w2, out_rows,
