@@ -83,7 +83,7 @@ class ExpertStore:
         self.calls: list[tuple[str, tuple[int, ...]]] = []  # this step's kernel calls, in forward order
         self.in_backward = False
         self._buffer = None  # one kernel call's stacks (see stack)
-        self._spare = None  # (call, which, stack): the other weight of the call read back last
+        self._spare = None  # (layer, experts, which, stack): the other weight of the call read back last
         for name, m in layers.items():
             m.store, m.store_name = self, name
 
@@ -116,8 +116,9 @@ class ExpertStore:
         return w1[:len(experts)], w2[:len(experts)]
 
     def routed(self, layer: str, experts: list[int]) -> None:
-        """A forward of ``layer`` routes to ``experts``: starts a new step's record after a backward."""
-        if self.in_backward:
+        """A forward of ``layer`` routes to ``experts``: starts a new step's record after a
+        backward (a forward recomputed inside the backward, ``train.recompute``, continues it)."""
+        if self.in_backward and torch._C._current_graph_task_id() < 0:  # not a recompute inside a backward
             self.calls.clear()
             self.in_backward = False
             release_freed_heap()
@@ -161,11 +162,12 @@ class ExpertStore:
             layer, experts = self.calls[saved.step - 1]
             self.cache.prefetch([(layer, e) for e in experts])
         spare, self._spare = self._spare, None
-        if spare is not None and spare[0] == saved.step and spare[1] == saved.which:
-            stack = spare[2]  # read with the other weight of the same call a moment ago
+        if spare is not None and spare[:3] == (saved.layer, saved.experts, saved.which):
+            stack = spare[3]  # read with the other weight of the same experts a moment ago
         else:
             stacks = self.stack(saved.layer, saved.experts)
-            stack, self._spare = stacks[saved.which], (saved.step, 1 - saved.which, stacks[1 - saved.which])
+            stack = stacks[saved.which]
+            self._spare = (saved.layer, saved.experts, 1 - saved.which, stacks[1 - saved.which])
         return stack.as_strided(saved.size, saved.stride, stack.storage_offset() + saved.offset)
 
     # ---- inspection -----------------------------------------------------------------------
