@@ -50,10 +50,10 @@ def peak_rss() -> int:
 
 
 def finetune(store: str, log_dir: str, budget_mib: float | None, parallel: dict | None = None,
-             steps: int = STEPS, recompute: list[str] | None = None) -> dict:
+             steps: int = STEPS, recompute: list[str] | None = None, store_path: str | None = None) -> dict:
     """LoRA steps from the converted checkpoint ``store`` (its own model), experts tiered under
-    ``budget_mib`` (None: resident), ``train.recompute`` = ``recompute``: losses, peak RSS and
-    the store's counters."""
+    ``budget_mib`` (None: resident) and read from ``store_path`` (default ``store``),
+    ``train.recompute`` = ``recompute``: losses, peak RSS and the store's counters."""
     from megamoe.data import DataConfig
     from megamoe.data.synthetic import SyntheticDataset
     from megamoe.lora import LoRAConfig
@@ -63,7 +63,8 @@ def finetune(store: str, log_dir: str, budget_mib: float | None, parallel: dict 
     from megamoe.training.trainer import Trainer, TrainRecipe
 
     model = config_from_dict(read_meta(store)["model"])
-    model.moe.expert_store = ExpertStoreConfig(budget_mib=budget_mib, prefetch=os.environ.get("PF", "1") == "1")
+    model.moe.expert_store = ExpertStoreConfig(budget_mib=budget_mib, path=store_path,
+                                               prefetch=os.environ.get("PF", "1") == "1")
     recipe = TrainRecipe(model=model, parallel=ParallelConfig(**(parallel or {})),
                          data=DataConfig(kind="synthetic", seq_len=32, seed=3),
                          train=TrainConfig(steps=steps, micro_batch_size=2, global_batch_size=4, seed=7,

@@ -118,9 +118,14 @@ class Experts(Rule):
     ``per_expert(tensors, ctx) -> [...]`` combines one expert's HF tensors (e.g. cat gate, up),
     ``split_expert(t, ctx) -> list`` is its inverse; ``from_stacked``/``to_stacked`` likewise
     for the stacked HF tensors (default: identity on a single tensor).
+
+    ``row_blocks``: ``per_expert`` only stacks one expert's HF tensors by rows as they are (gate
+    then up; down alone) and the stacked tensors are megamoe's as they are, so a reader may take
+    an expert's slices from the HF files directly (``megamoe.tiers.hf``, tiered experts).
     """
 
     stacked: tuple[str, ...] = ()
+    row_blocks: bool = False
     per_expert: Callable = None
     split_expert: Callable = None
     from_stacked: Callable | None = None

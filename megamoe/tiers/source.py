@@ -72,8 +72,15 @@ def read_header(path: Path) -> tuple[dict, int]:
 class DiskSource:
     """Reads experts' slices from a converted checkpoint directory (see the module docstring)."""
 
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
+    def __init__(self, root: str | Path, files: dict[str, str] | None = None, prefix: str = "model/"):
+        """``files``: {tensor: file} when known (an HF directory's, ``megamoe.tiers.hf``), else
+        the converted checkpoint's index; ``prefix``: what model tensor names carry in it."""
+        self.root, self.prefix = Path(root), prefix
+        self._headers: dict[str, tuple[dict, int]] = {}
+        self._fds: dict[Path, int] = {}
+        if files is not None:
+            self.files = files
+            return
         index = self.root / _INDEX
         try:
             self.files = json.loads(index.read_text())["weight_map"]
@@ -82,8 +89,6 @@ class DiskSource:
                                   "(megamoe-convert import-hf)") from None
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a checkpoint index ({e})") from None
-        self._headers: dict[str, tuple[dict, int]] = {}
-        self._fds: dict[Path, int] = {}
 
     # ---- the index -------------------------------------------------------------------------
 
@@ -106,7 +111,7 @@ class DiskSource:
 
     def pieces(self, name: str, num_experts: int) -> list[tuple[int, _Entry]]:
         """[(first global expert, entry)] of a stacked expert tensor, whole or split over EP."""
-        whole = f"model/{name}"
+        whole = f"{self.prefix}{name}"
         if whole in self.files:
             return [(0, self._checked(self._entry(whole), name, num_experts))]
         out = []
@@ -163,20 +168,25 @@ class ExpertTensors:
     f-slice of it) at a time.
 
     name: the experts module's full name (``layers.3.mlp.experts``); num_experts: E (global);
-    f: the full ffn width; etp: (this rank's slice, slices)."""
+    f: the full ffn width; etp: (this rank's slice, slices); ``tensors``: the two stacked
+    tensors' names in the source (default the converted checkpoint's ``<name>.gate_up_weight``,
+    ``<name>.down_weight``); ``order``: the stored expert of each slot (an expert placement
+    applied to a store in logical order, e.g. an HF checkpoint; None: the same)."""
 
-    def __init__(self, source: DiskSource, name: str, num_experts: int, f: int, h: int, etp: tuple[int, int]):
-        self.source, self.name, self.f, self.h = source, name, f, h
+    def __init__(self, source: DiskSource, name: str, num_experts: int, f: int, h: int, etp: tuple[int, int],
+                 tensors: tuple[str, str] | None = None, order: list[int] | None = None):
+        self.source, self.name, self.f, self.h, self.order = source, name, f, h, order
         self.q, self.etp = etp
-        self.gate_up = source.pieces(f"{name}.gate_up_weight", num_experts)
-        self.down = source.pieces(f"{name}.down_weight", num_experts)
+        gate_up, down = tensors or (f"{name}.gate_up_weight", f"{name}.down_weight")
+        self.gate_up = source.pieces(gate_up, num_experts)
+        self.down = source.pieces(down, num_experts)
         for first, e in self.gate_up:
             if e.shape[1:] != (2 * f, h):
-                raise CheckpointError(f"{e.file}: {name}.gate_up_weight has shape {list(e.shape)}, the model "
+                raise CheckpointError(f"{e.file}: {gate_up} has shape {list(e.shape)}, the model "
                                       f"expects [{num_experts}, {2 * f}, {h}]")
         for first, e in self.down:
             if e.shape[1:] != (h, f):
-                raise CheckpointError(f"{e.file}: {name}.down_weight has shape {list(e.shape)}, the model "
+                raise CheckpointError(f"{e.file}: {down} has shape {list(e.shape)}, the model "
                                       f"expects [{num_experts}, {h}, {f}]")
 
     @staticmethod
@@ -189,6 +199,7 @@ class ExpertTensors:
     def read(self, expert: int, w1: torch.Tensor, w2: torch.Tensor) -> None:
         """Global ``expert``'s slices into w1 [2f/etp, h] and w2 [h, f/etp] (contiguous, CPU)."""
         f, h, fl = self.f, self.h, self.f // self.etp
+        expert = expert if self.order is None else self.order[expert]
         entry, local = self._find(self.gate_up, expert)
         base = local * 2 * f * h
         for part, rows in enumerate((slice(0, fl), slice(fl, 2 * fl))):  # gate, then up

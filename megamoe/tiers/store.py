@@ -37,6 +37,7 @@ from megamoe.config import ExpertStoreConfig
 from megamoe.errors import ConfigError
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.tiers.cache import ExpertCache
+from megamoe.tiers.hf import hf_expert_sources, is_hf_dir
 from megamoe.tiers.source import DiskSource, ExpertTensors, HostSource
 
 log = logging.getLogger(__name__)
@@ -203,10 +204,13 @@ def tiered_layers(parts) -> dict[str, nn.Module]:
     return out
 
 
-def open_expert_store(parts, groups: ParallelGroups, path: str | Path | None = None) -> ExpertStore | None:
+def open_expert_store(parts, groups: ParallelGroups, path: str | Path | None = None,
+                      placement: dict | None = None) -> ExpertStore | None:
     """Bind the tiered layers of ``parts`` to one store read from ``path`` (their config's
-    ``path`` wins); None when no layer is tiered. Checks every tensor the layers will read
-    (one-line ``CheckpointError`` naming the file) before returning."""
+    ``path`` wins): a converted megamoe checkpoint, or the HF directory the model was imported
+    from (``megamoe.tiers.hf``; ``placement``: the model's ``moe.placement``, applied to its
+    logical expert order). None when no layer is tiered. Checks every tensor the layers will
+    read (one-line ``CheckpointError`` naming the file) before returning."""
     layers = tiered_layers(parts if isinstance(parts, (list, tuple)) else [parts])
     if not layers:
         return None
@@ -216,12 +220,17 @@ def open_expert_store(parts, groups: ParallelGroups, path: str | Path | None = N
     if root is None:
         raise ConfigError("model.moe.expert_store.path is not set and there is no checkpoint to read the experts "
                           "from (set checkpoint.load or model.moe.expert_store.path)")
-    disk = DiskSource(root)
     device, dtype = first.anchor.device, first.anchor.dtype
     etp = (groups.rank("etp"), groups.size("etp"))
+    if is_hf_dir(root):
+        disk, readers = hf_expert_sources(root, layers, etp, placement)
+    else:
+        disk = DiskSource(root)
+        readers = {name: ExpertTensors(disk, name, m.num_experts, m.ffn_hidden_size, m.hidden_size, etp)
+                   for name, m in layers.items()}
     sources = {}
     for name, m in layers.items():
-        tensors = ExpertTensors(disk, name, m.num_experts, m.ffn_hidden_size, m.hidden_size, etp)
+        tensors = readers[name]
         if cfg.tier == "host":
             local = range(m.local_start, m.local_start + m.num_local)
             tensors = HostSource(tensors, local, m.expert_shapes(), dtype, pin=device.type == "cuda")

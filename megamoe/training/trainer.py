@@ -135,7 +135,7 @@ class Trainer:
                               "(LoRA fine-tuning, inference); unset the budget to train the experts")
         from megamoe.tiers import open_expert_store
 
-        return open_expert_store(self.chunks, self.groups, self.base_weights)
+        return open_expert_store(self.chunks, self.groups, self.base_weights, moe.placement)
 
     def _weights_will_load(self) -> bool:
         """Every model weight comes from a checkpoint: ``checkpoint.load`` (LoRA adapters are

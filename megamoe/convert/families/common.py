@@ -180,9 +180,9 @@ def moe_rules(prefix: str, letters: str = "e", *, stacked_prefix: str | None = N
     rules: list[Rule] = [
         router,
         Experts(f"{mlp}.experts.gate_up_weight", (g, u), when=letters, stacked=(f"{st}.experts.gate_up_proj",),
-                per_expert=_cat_gate_up, split_expert=_split_gate_up),
+                per_expert=_cat_gate_up, split_expert=_split_gate_up, row_blocks=True),
         Experts(f"{mlp}.experts.down_weight", (d,), when=letters, stacked=(f"{st}.experts.down_proj",),
-                per_expert=lambda t, ctx: t[0], split_expert=lambda w, ctx: [w]),
+                per_expert=lambda t, ctx: t[0], split_expert=lambda w, ctx: [w], row_blocks=True),
     ]
     if expert_bias:
         rules.append(Same(f"{mlp}.router.expert_bias", f"{prefix}.{expert_bias}", when=letters))

@@ -1,0 +1,97 @@
+"""Tiered experts read straight from the HF checkpoint a model was imported from
+(``model.moe.expert_store.path = HF_DIR``): LoRA fine-tunes give the loss curve of the resident
+model imported from the same directory (fp32, <= 1e-6), for Qwen3-MoE and Mixtral, each in
+transformers' per-expert and stacked expert layouts (different tensor names: gate/up/down
+against w1/w3/w2 under block_sparse_moe), at EP=2 too; a missing or corrupt shard is one line
+naming the file."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from megamoe.errors import CheckpointError
+from tests.test_tiers import finetune
+
+STEPS = 3
+
+
+def hf_dir(family: str, layout: str, root: Path, shard: str | None = None) -> Path:
+    """A tiny random HF model of ``family`` saved in ``layout`` (per_expert | stacked)."""
+    from tests.test_convert_mixtral import tiny_mixtral
+    from tests.test_convert_qwen import tiny_qwen3_moe
+
+    model = {"qwen3_moe": tiny_qwen3_moe, "mixtral": tiny_mixtral}[family]().float()
+    out = root / f"{family}_{layout}"
+    kw = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(out, save_original_format=layout == "per_expert", **kw)
+    return out
+
+
+def imported(hf: Path, root: Path) -> str:
+    from megamoe.convert import import_hf
+
+    return str(import_hf(hf, root / f"{hf.name}_megamoe", progress=False))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("layout", ["per_expert", "stacked"])
+def test_lora_with_experts_read_from_the_hf_checkpoint_matches_resident(tmp_path, family, layout):
+    hf = hf_dir(family, layout, tmp_path)
+    names = set()
+    for f in hf.glob("*.safetensors"):
+        from safetensors import safe_open
+        with safe_open(f, "pt") as st:
+            names |= set(st.keys())
+    assert any((".experts.0." in n) == (layout == "per_expert") for n in names if "experts" in n), sorted(names)
+    ckpt = imported(hf, tmp_path)
+    resident = finetune(ckpt, str(tmp_path / "resident"), None, steps=STEPS)
+    tiered = finetune(ckpt, str(tmp_path / "tiered"), 0.001, steps=STEPS, store_path=str(hf))
+    diff = max(abs(a - b) for a, b in zip(resident["losses"], tiered["losses"]))
+    assert len(tiered["losses"]) == STEPS and diff <= 1e-6, (resident["losses"], tiered["losses"])
+    assert tiered["stats"]["misses"] > 0 and tiered["stats"]["read_bytes"] > 0, tiered["stats"]
+
+
+def ep_run(ckpt: str, log_dir: str, hf: str) -> list[float]:
+    return finetune(ckpt, log_dir, 0.001, {"ep": 2}, steps=STEPS, store_path=hf)["losses"]
+
+
+def test_hf_expert_store_at_ep2_matches_one_process(pool, tmp_path):
+    hf = hf_dir("qwen3_moe", "per_expert", tmp_path)
+    ckpt = imported(hf, tmp_path)
+    one = finetune(ckpt, str(tmp_path / "one"), None, steps=STEPS)["losses"]
+    for losses in pool(2).run(ep_run, ckpt, str(tmp_path / "ep2"), str(hf)):
+        assert max(abs(a - b) for a, b in zip(one, losses)) <= 1e-6, (one, losses)
+
+
+def _open(hf: Path, ckpt: str):
+    from megamoe.config import ExpertStoreConfig
+    from megamoe.model import LanguageModel
+    from megamoe.recipe import config_from_dict
+    from megamoe.tiers import open_expert_store
+    from megamoe.training.checkpoint import read_meta
+
+    cfg = config_from_dict(read_meta(ckpt)["model"])
+    cfg.moe.expert_store = ExpertStoreConfig(budget_mib=0.001, path=str(hf))
+    model = LanguageModel(cfg)
+    return open_expert_store([model], model.groups)
+
+
+def test_missing_or_corrupt_hf_shard_is_one_line_naming_the_file(tmp_path):
+    hf = hf_dir("qwen3_moe", "per_expert", tmp_path, shard="40KB")
+    ckpt = imported(hf, tmp_path)
+    _open(hf, ckpt).close()
+    shards = sorted(hf.glob("*.safetensors"))
+    assert len(shards) > 2, shards
+    victim = shards[-1]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) - 100])  # truncated: a tensor ends past the file's end
+    with pytest.raises(CheckpointError) as err:
+        _open(hf, ckpt)
+    assert victim.name in str(err.value) and "\n" not in str(err.value), err.value
+    os.remove(victim)
+    with pytest.raises(CheckpointError) as err:
+        _open(hf, ckpt)
+    assert victim.name in str(err.value) and "\n" not in str(err.value), err.value
