@@ -95,3 +95,34 @@ def test_missing_or_corrupt_hf_shard_is_one_line_naming_the_file(tmp_path):
     with pytest.raises(CheckpointError) as err:
         _open(hf, ckpt)
     assert victim.name in str(err.value) and "\n" not in str(err.value), err.value
+
+
+def test_import_without_experts_then_finetune_and_generate_read_them_from_hf(tmp_path, capsys):
+    """``import-hf --experts-in-hf`` writes everything but the routed experts; a tiered fine-tune
+    and ``megamoe-generate --expert-budget`` of that checkpoint read them from the HF directory
+    (the checkpoint records it) and equal the full import's curve and transformers' tokens."""
+    from megamoe.commands.convert import main as convert
+    from megamoe.commands.generate import main as generate
+    from megamoe.errors import MegamoeError
+    from megamoe.training.checkpoint import read_meta
+
+    hf = hf_dir("qwen3_moe", "stacked", tmp_path)
+    full = imported(hf, tmp_path)
+    slim = tmp_path / "slim"
+    convert(["import-hf", str(hf), str(slim), "--experts-in-hf"])
+    assert read_meta(slim)["hf"]["experts_in_hf"]
+    index = "".join(p.read_text() for p in slim.rglob("*.index.json"))
+    assert "experts.gate_up_weight" not in index and "experts.down_weight" not in index, index
+    assert "shared" in index or "router.weight" in index, index  # the rest is there
+    resident = finetune(full, str(tmp_path / "resident"), None, steps=STEPS)["losses"]
+    tiered = finetune(str(slim), str(tmp_path / "tiered"), 0.001, steps=STEPS)["losses"]
+    assert max(abs(a - b) for a, b in zip(resident, tiered)) <= 1e-6, (resident, tiered)
+    capsys.readouterr()
+    outs = []
+    for args in ([str(hf)], [str(slim), "--expert-budget", "0.001"]):
+        generate([*args, "--ids", "1,2,3", "--max-new-tokens", "5"])
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].strip(), outs
+    with pytest.raises(MegamoeError) as err:  # all resident: the experts are not in the checkpoint
+        generate([str(slim), "--ids", "1,2,3", "--max-new-tokens", "1"])
+    assert "--experts-in-hf" in str(err.value) and "\n" not in str(err.value), err.value

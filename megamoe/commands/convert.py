@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> None:
         imp.add_argument(f"--{flag}", type=number_in(int, 1), default=1,
                          help=f"split the checkpoint for parallel.{flag}")
     imp.add_argument("--placement", help="expert placement JSON (megamoe-plan experts --out) to lay the experts out by")
+    imp.add_argument("--experts-in-hf", action="store_true",
+                     help="leave the routed experts in HF_DIR (not read, not written): runs with tiered experts "
+                          "(model.moe.expert_store.budget_mib, --expert-budget) read them from there")
     exp = sub.add_parser("export-hf", help="megamoe checkpoint -> HF directory")
     exp.add_argument("ckpt_dir")
     exp.add_argument("out_dir")
@@ -71,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
 
         placement = read_placement(args.placement) if args.placement else None
         out = import_hf(args.hf_dir, args.out_dir, tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp,
-                        overwrite=args.overwrite, shard_bytes=int(args.shard_gib * 2**30), placement=placement)
+                        overwrite=args.overwrite, shard_bytes=int(args.shard_gib * 2**30), placement=placement,
+                        experts=not args.experts_in_hf)
         print(f"wrote megamoe checkpoint {out} (load it with checkpoint.load={out})")
     else:
         out = export(args)

@@ -6,6 +6,7 @@ fine-tune's checkpoint too: its base comes from its meta.json, the adapters are 
     megamoe-generate MODEL_DIR --prompt "Hi" --prompt "Once upon a time" --stream   # one batch
     megamoe-generate VLM_DIR --image shapes.png --tokenizer byte     # caption an image
     megamoe-generate CKPT --ids 1,2,3 --expert-budget 4096           # routed experts read from disk as routed
+    megamoe-generate CKPT --ids 1,2,3 --expert-budget 4096 --expert-store HF_DIR   # ... from the HF checkpoint
     torchrun --nproc-per-node 4 -m megamoe.commands.generate HF_DIR --tp 2 --pp 2 --ids 1,2,3   # at a layout
 """
 from __future__ import annotations
@@ -79,6 +80,10 @@ def parser():
                         "others from the converted checkpoint when routed to (model.moe.expert_store; one process)")
     p.add_argument("--expert-tier", choices=("disk", "host"), default="disk",
                    help="with --expert-budget: read experts from disk when routed to, or once into host memory")
+    p.add_argument("--expert-store", metavar="DIR",
+                   help="with --expert-budget: where the experts are read from (a converted checkpoint or the HF "
+                        "directory the model was imported from; default: the checkpoint, or its HF directory "
+                        "when imported with --experts-in-hf)")
     parallel_flags(p)
     return p
 
@@ -129,7 +134,7 @@ def load_for_layout(args):
     if args.expert_budget is not None:
         from megamoe.config import ExpertStoreConfig
 
-        store = ExpertStoreConfig(budget_mib=args.expert_budget, tier=args.expert_tier)
+        store = ExpertStoreConfig(budget_mib=args.expert_budget, tier=args.expert_tier, path=args.expert_store)
     if parallel is None:
         return load_model(args.model_dir, base=args.base, expert_store=store), None, True
     if store is not None:

@@ -72,6 +72,9 @@ def load_model(path: str | Path, merge: bool = True, base: str | Path | None = N
     if "model" not in meta:
         raise CheckpointError(f"{path}/meta.json: no model config (written by an older megamoe?)")
     config = config_from_dict(meta["model"])
+    if not tiered and (meta.get("hf") or {}).get("experts_in_hf"):
+        raise CheckpointError(f"{path}: imported with --experts-in-hf, its routed experts are in {meta['hf']['path']}: "
+                              "give --expert-budget (tiered experts read them from there)")
     if tiered and config.moe is not None:
         config.moe.expert_store = expert_store
     model = build_model(config)
@@ -92,7 +95,7 @@ def load_model(path: str | Path, merge: bool = True, base: str | Path | None = N
     if tiered:
         from megamoe.tiers import open_expert_store
 
-        model.expert_store = open_expert_store([model], model.groups, weights)
+        model.expert_store = open_expert_store([model], model.groups, weights, config.moe.placement)
     if meta.get("hf"):
         model.hf_origin = meta["hf"]
     return model.eval()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -38,6 +39,10 @@ def model_tensors(model) -> dict[str, torch.Tensor]:
 
 def _plan(family: Family, cfg: ModelConfig, hf_config: dict, available: set[str] | None) -> list[Entry]:
     return expand(family.rules(cfg, hf_config), cfg, hf_config, available)
+
+
+# the routed experts' stacked weights (not the shared experts' or the router's)
+ROUTED_EXPERTS = re.compile(r"^(.*\.)?layers\.\d+\.mlp\.experts\.(gate_up_weight|down_weight)$")
 
 
 # ---- HF -> megamoe -------------------------------------------------------------------------
@@ -108,9 +113,11 @@ def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequenc
 
 def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
               shard_bytes: int = 2 << 30, overwrite: bool = False, progress: bool = True,
-              placement: dict | None = None) -> Path:
+              placement: dict | None = None, experts: bool = True) -> Path:
     """Convert an HF directory into a megamoe checkpoint (optionally split for a TP/PP/EP layout;
-    ``placement``: {layer: expert order} over the EP slots, see ``megamoe.placement``)."""
+    ``placement``: {layer: expert order} over the EP slots, see ``megamoe.placement``).
+    ``experts=False``: the routed experts stay in ``hf_dir`` only (never read here); runs with
+    tiered experts (``model.moe.expert_store``) read them from there (``megamoe.tiers.hf``)."""
     start = time.time()
     check_replaceable(Path(out_dir), overwrite, is_checkpoint_dir, "checkpoint")  # before any reading
     ck, family, cfg = _open_hf(hf_dir)
@@ -123,12 +130,16 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int =
     by_name = {e.mm: e for e in entries}
     planned = []
     for name, t in meta_tensors.items():
+        if not experts and ROUTED_EXPERTS.match(name):
+            continue
         src_dtype = TORCH_DTYPES[ck.dtypes[by_name[name].hf[0]]]
         dtype = src_dtype if src_dtype.is_floating_point and t.dtype.is_floating_point else t.dtype
         planned.append((name, dtype, tuple(t.shape), sharding(t)))
     sizes = {g: 1 for g in GROUPS} | {"tp": tp, "pp": pp, "ep": ep, "etp": etp}
     # hf.path: where the weights came from (a PEFT adapter of a fine-tune names it as its base)
     hf = {"model_type": family.model_type, "config": ck.config, "path": str(Path(hf_dir).resolve())}
+    if not experts:
+        hf["experts_in_hf"] = True  # megamoe.tiers reads the routed experts from hf["path"]
     meta = {"step": 0, "model": config_to_dict(cfg), "hf": hf,
             "trainer_state": {}}
     bar = tqdm(total=len(planned), desc=f"import {family.model_type}", unit="tensor", disable=not progress)

@@ -26,6 +26,7 @@ over experts, so this is exact up to the order of float additions).
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from megamoe.config import ExpertStoreConfig
-from megamoe.errors import ConfigError
+from megamoe.errors import CheckpointError, ConfigError
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.tiers.cache import ExpertCache
 from megamoe.tiers.hf import hf_expert_sources, is_hf_dir
@@ -204,6 +205,20 @@ def tiered_layers(parts) -> dict[str, nn.Module]:
     return out
 
 
+def experts_home(root: str | Path) -> str | Path:
+    """Where a checkpoint's routed experts are: itself, or the HF directory it was imported from
+    when imported without them (``megamoe-convert import-hf --experts-in-hf``)."""
+    meta = Path(root) / "meta.json"
+    if meta.is_file():
+        try:
+            hf = json.loads(meta.read_text()).get("hf") or {}
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{meta}: not readable ({e})") from None
+        if hf.get("experts_in_hf"):
+            return hf["path"]
+    return root
+
+
 def open_expert_store(parts, groups: ParallelGroups, path: str | Path | None = None,
                       placement: dict | None = None) -> ExpertStore | None:
     """Bind the tiered layers of ``parts`` to one store read from ``path`` (their config's
@@ -217,6 +232,8 @@ def open_expert_store(parts, groups: ParallelGroups, path: str | Path | None = N
     first = next(iter(layers.values()))
     cfg = first.store_cfg
     root = cfg.path or path
+    if root is not None and not cfg.path:
+        root = experts_home(root)
     if root is None:
         raise ConfigError("model.moe.expert_store.path is not set and there is no checkpoint to read the experts "
                           "from (set checkpoint.load or model.moe.expert_store.path)")
