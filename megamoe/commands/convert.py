@@ -1,13 +1,15 @@
 """Convert checkpoints between HF and megamoe, streaming one tensor at a time.
 
-    megamoe-convert import-hf HF_DIR OUT_DIR [--tp N --ep N --etp N --pp N] [--placement FILE]
+    megamoe-convert import-hf HF_DIR OUT_DIR [--tp N --ep N --etp N --pp N] [--placement FILE] [--experts-in-hf]
     megamoe-convert export-hf CKPT_DIR OUT_DIR [--family MODEL_TYPE]
     megamoe-convert export-hf LORA_CKPT_DIR OUT_DIR --merge      # base + adapters merged, one HF model
     megamoe-convert export-peft LORA_CKPT_DIR OUT_DIR [--family MODEL_TYPE]
     megamoe-convert families
 
 import-hf writes a megamoe checkpoint (optionally split for a TP/EP/PP layout) that
-megamoe-pretrain / megamoe-finetune load with checkpoint.load=OUT_DIR. export-hf takes such a
+megamoe-pretrain / megamoe-finetune load with checkpoint.load=OUT_DIR (with --experts-in-hf
+everything but the routed experts, which tiered runs then read from HF_DIR: docs/memory.md).
+export-hf takes such a
 checkpoint or a training checkpoint (step_XXXXXXXX) and writes safetensors shards, index and
 config.json that transformers loads with its Auto classes; with --merge it takes a LoRA
 fine-tune's checkpoint, loads its base (the path in its meta.json) and writes the merged model.
