@@ -76,7 +76,11 @@ def _dropped_to(idx: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
 
 def dispatch_local(x, weights, idx, keep, experts, num_experts: int) -> torch.Tensor:
     """Single-rank expert grid: experts read x in place and accumulate per token."""
-    order, counts = group_pairs(_dropped_to(idx, keep), num_experts)
+    if keep is None:  # dropless: every key is an expert, the same order as ``group_pairs`` in 3 ops
+        flat = idx.reshape(-1)
+        order, counts = torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts).tolist()
+    else:
+        order, counts = group_pairs(_dropped_to(idx, keep), num_experts)
     token = order // idx.size(1)
     probs = weights.reshape(-1).index_select(0, order)
     return experts(x, token, counts, probs, x.size(0))

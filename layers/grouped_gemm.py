@@ -260,18 +260,25 @@ class _LoopExperts(torch.autograd.Function):
     fused pass clamps on the fly and masks the same entries."""
 
     @staticmethod
-    def forward(ctx, x, idx, probs, w1, w2, counts, out_rows, limit, fuse):
-        ctx.fuse = fuse
+    def run(x, idx, probs, w1, w2, counts, out_rows, limit, fuse):
+        """The forward's maths -> (out [out_rows, h], gate|up pre-activations [S, 2f]); called
+        directly where nothing needs a gradient (decoding: no autograd node per layer)."""
         out = x.new_zeros(out_rows, x.size(-1))
         pre = x.new_empty(idx.numel(), w1.size(1))    # gate|up pre-activations [S, 2f]
         w1t, w2t = w1.transpose(1, 2).unbind(0), w2.transpose(1, 2).unbind(0)  # E x [h, 2f], E x [f, h] views
         for blk, experts in expert_blocks(counts, BLOCK_ROWS):
             rows, pre_b = x.index_select(0, idx[blk]), pre[blk]
             _expert_mms(rows, w1t, experts, pre_b)
-            act = swiglu_forward(pre_b, None if probs is None else probs[blk, None], limit, ctx.fuse)
+            act = swiglu_forward(pre_b, None if probs is None else probs[blk, None], limit, fuse)
             y = torch.empty_like(rows)
             _expert_mms(act, w2t, experts, y)
             out.index_add_(0, idx[blk], y)
+        return out, pre
+
+    @staticmethod
+    def forward(ctx, x, idx, probs, w1, w2, counts, out_rows, limit, fuse):
+        ctx.fuse = fuse
+        out, pre = _LoopExperts.run(x, idx, probs, w1, w2, counts, out_rows, limit, fuse)
         ctx.counts, ctx.limit = counts, limit
         ctx.save_for_backward(x, idx, probs, w1, w2, pre)
         return out
@@ -316,14 +323,19 @@ class _SharedSwiGLUAdd(torch.autograd.Function):
     y, x [T, h]; w1 [2f, h]; w2 [h, f]; gate_w [1, h] | None."""
 
     @staticmethod
-    def forward(ctx, y, x, w1, w2, gate_w, limit, fuse):
+    def run(y, x, w1, w2, gate_w, limit, fuse):
+        """The forward's maths -> (output, pre-activations, gate p | None)."""
         pre = torch.mm(x, w1.t())
         p = None if gate_w is None else torch.sigmoid(torch.mm(x, gate_w.t()))  # [T, 1]
-        ctx.fuse = fuse
-        act = swiglu_forward(pre, p, limit, ctx.fuse)
-        ctx.limit = limit
+        act = swiglu_forward(pre, p, limit, fuse)
+        return torch.addmm(y, act, w2.t()), pre, p
+
+    @staticmethod
+    def forward(ctx, y, x, w1, w2, gate_w, limit, fuse):
+        ctx.fuse, ctx.limit = fuse, limit
+        out, pre, p = _SharedSwiGLUAdd.run(y, x, w1, w2, gate_w, limit, fuse)
         ctx.save_for_backward(x, w1, w2, gate_w, pre, p)
-        return torch.addmm(y, act, w2.t())
+        return out
 
     @staticmethod
     def backward(ctx, dout):
@@ -344,6 +356,8 @@ class _SharedSwiGLUAdd(torch.autograd.Function):
 
 def shared_swiglu_add(y, x, w1, w2, gate_w=None, limit: float | None = None, fuse: bool = False) -> torch.Tensor:
     """y + [sigmoid(x gate_w^T)] * SwiGLU(x) for y, x [T, h] (see ``_SharedSwiGLUAdd``)."""
+    if not torch.is_grad_enabled():
+        return _SharedSwiGLUAdd.run(y, x, w1, w2, gate_w, limit, fuse)[0]
     return _SharedSwiGLUAdd.apply(y, x, w1, w2, gate_w, limit, fuse)
 
 
@@ -351,6 +365,8 @@ def swiglu_experts_loop(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: 
                         limit: float | None = None, fuse: bool = False) -> torch.Tensor:
     if probs is not None:
         probs = probs.to(x.dtype)
+    if not torch.is_grad_enabled():
+        return _LoopExperts.run(x, idx, probs, w1, w2, list(counts), out_rows, limit, fuse)[0]
     return _LoopExperts.apply(x, idx, probs, w1, w2, list(counts), out_rows, limit, fuse)
 
 

@@ -69,12 +69,11 @@ class _RMSNormFn(torch.autograd.Function):
     with ``fuse`` (see ``megamoe.fusion``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, zero_centered, gate, act, fuse):
-        ctx.zero_centered, ctx.act, ctx.fuse = zero_centered, act, fuse
-        if ctx.fuse:
-            out, rstd = _norm_fused(x, weight, gate, eps, zero_centered, act)
-            ctx.save_for_backward(x, weight, rstd, gate)
-            return out
+    def run(x, weight, eps, zero_centered, gate, act, fuse):
+        """The forward's maths -> (out in x's dtype, 1/rms); called directly where nothing
+        needs a gradient (decoding: no autograd node per norm)."""
+        if fuse:
+            return _norm_fused(x, weight, gate, eps, zero_centered, act)
         dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least
         xf = x.to(dtype)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -82,8 +81,14 @@ class _RMSNormFn(torch.autograd.Function):
         out = (xf * rstd).mul_(w)
         if gate is not None:
             out.mul_(_GATES[act][0](gate.to(dtype)))
+        return out.to(x.dtype), rstd
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, zero_centered, gate, act, fuse):
+        ctx.zero_centered, ctx.act, ctx.fuse = zero_centered, act, fuse
+        out, rstd = _RMSNormFn.run(x, weight, eps, zero_centered, gate, act, fuse)
         ctx.save_for_backward(x, weight, rstd, gate)
-        return out.to(x.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dy):
@@ -127,6 +132,8 @@ class HandwrittenRMSNorm:
         self.fusion = fusion
 
     def __call__(self, x, weight, eps: float, zero_centered: bool, gate=None, act: str = "silu"):
+        if not torch.is_grad_enabled():
+            return _RMSNormFn.run(x, weight, eps, zero_centered, gate, act, self.fusion.active(x.device))[0]
         return _RMSNormFn.apply(x, weight, eps, zero_centered, gate, act, self.fusion.active(x.device))
 
 

@@ -163,6 +163,9 @@ class TopKRouter(nn.Module):
         self.aux_loss_scale = 1.0
         self.load = None  # [E] fp32 tokens per expert since the last bias update (training only)
         self.stats: dict[str, torch.Tensor] = {}  # accumulated since the last moe_metrics read
+        # False: forwards outside training leave ``stats`` alone (set by ``megamoe.moe.recording``;
+        # decoding turns it off: its per-token statistics were ~120 small ops per step)
+        self.record_stats = True
 
     # -- forward -------------------------------------------------------------------------
 
@@ -180,9 +183,11 @@ class TopKRouter(nn.Module):
         if cfg.capacity_factor is not None:
             capacity = max(1, math.ceil(cfg.capacity_factor * x.size(0) * cfg.top_k / cfg.num_experts))
             keep = capacity_keep(weights, idx, cfg.num_experts, capacity, cfg.drop_policy)
+        training = self.training and torch.is_grad_enabled()
+        if not (training or self.record_stats):
+            return Routing(weights, idx, keep, None)
         probs = balance_probs(scores, cfg.score_function)
         counts = self._count(idx)  # [E] this rank's tokens per expert (before dropping)
-        training = self.training and torch.is_grad_enabled()
         aux = self._losses(logits, probs, idx, counts, batch) if training else {}
         self._record(counts, probs, keep, aux, training)
         total = None

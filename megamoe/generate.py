@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from megamoe.cache import InferenceCache
+from megamoe.moe import recording
 from megamoe.errors import ConfigError
 
 
@@ -108,17 +109,23 @@ def stream(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_token
                 index = keep.nonzero().squeeze(1)
                 cache.select_rows(index)
                 rows, token = rows[index], token[index]
-            with _eager_kernels(model):
+            with decode_step(model):
                 logits = masked(forward(token.unsqueeze(1), cache=cache)[:, -1].float())
     finally:
         model.train(was_training)
 
 
-def _eager_kernels(model):
-    """The model's backend runs its fused functions eagerly (one-token steps); a no-op for a
-    model without one."""
+@contextlib.contextmanager
+def decode_step(model):
+    """The settings of a one-token decode step, owned here and undone after it: the model's
+    backend runs its fused functions eagerly (compiled kernels were slower at these shapes) and
+    the routers do not record ``moe_metrics`` statistics (the prefill still does)."""
     backend = getattr(getattr(model, "ctx", None), "backend", None)
-    return backend.fusion.eager() if backend is not None else contextlib.nullcontext()
+    with contextlib.ExitStack() as stack:
+        if backend is not None:
+            stack.enter_context(backend.fusion.eager())
+        stack.enter_context(recording(model, False))
+        yield
 
 
 def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, **kw) -> list[list[int]]:

@@ -2,12 +2,15 @@
 
     metrics = moe_metrics(model, groups)      # per layer, since the last call (a collective)
     update_expert_bias(model, groups)         # after each optimizer step (a collective)
+    with recording(model, False): ...         # forwards outside training not counted
     set_aux_loss_scale(model, 1 / micro_batches)
 
 Collectives run over the pipeline stage's ranks (``tp`` and ``dp_cp``); call them on every
 rank of the stage. Routers are found by type, so any model holding MoE layers works.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -20,6 +23,22 @@ from megamoe.parallel.groups import ParallelGroups
 def routers(model: nn.Module) -> list[TopKRouter]:
     """The model's routers in layer order."""
     return sorted((m for m in model.modules() if isinstance(m, TopKRouter)), key=lambda r: r.layer_number)
+
+
+@contextlib.contextmanager
+def recording(model: nn.Module, enabled: bool):
+    """Whether the routers' forwards outside training add to what ``moe_metrics`` reports
+    (default: they do; training forwards always do). Generation turns it off for its decode
+    steps."""
+    found = routers(model)
+    before = [r.record_stats for r in found]
+    for r in found:
+        r.record_stats = enabled
+    try:
+        yield
+    finally:
+        for r, was in zip(found, before):
+            r.record_stats = was
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:

@@ -218,6 +218,24 @@ def test_metrics_count_tokens_per_expert():
     assert moe_metrics(layer) == {}  # read resets
 
 
+
+def test_recording_off_leaves_metrics_and_outputs_alone():
+    """``recording(model, False)`` (what decode steps run under): eval forwards add nothing to
+    ``moe_metrics`` and give the same output; the setting is restored after the block."""
+    from megamoe.moe import moe_metrics, recording
+
+    layer = moe_layer().eval()
+    x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        counted = layer(x)
+        with recording(layer, False):
+            quiet = layer(x)
+        assert layer.router.record_stats
+        layer(x)
+    assert torch.equal(counted, quiet)
+    _, idx = torch.topk(torch.softmax(layer.router.logits(x.reshape(-1, H)), -1), 2)
+    assert moe_metrics(layer)[0]["tokens_per_expert"] == (torch.bincount(idx.flatten(), minlength=6).float() * 2).tolist()
+
 # ---- config ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw,parallel,message", [

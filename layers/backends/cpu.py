@@ -60,6 +60,13 @@ class _Fused:
         return self.fn(x, *args, fuse=self.fusion.active(x.device), **kwargs)
 
 
+def _only_weight(m: torch.nn.Module) -> bool:
+    """``[n for n, _ in m.named_parameters()] == ["weight"]`` without walking the module tree
+    (a decode step asks once per MoE layer)."""
+    own = [n for n, p in m._parameters.items() if p is not None]
+    return own == ["weight"] and not any(True for c in m.children() for _ in c.parameters())
+
+
 class FusedSharedExpert(SharedExpert):
     """The CPU backend's: one op with the routed output (``shared_swiglu_add``: the gate applied
     to the intermediate, the output GEMM accumulating into ``out``) where the expert is a plain
@@ -74,9 +81,8 @@ class FusedSharedExpert(SharedExpert):
         """Whether ``add_to`` runs fused for this input. The fused op reads only the two weights
         and communicates nothing, so the linears must hold nothing else (no bias, no adapter)
         and be whole (one TP rank)."""
-        plain = all([n for n, _ in m.named_parameters()] == ["weight"] for m in (self.linear_fc1, self.linear_fc2))
-        return (plain and self.tp_size == 1 and x.device.type == "cpu"
-                and not torch.is_autocast_enabled(x.device.type))
+        return (self.tp_size == 1 and x.device.type == "cpu" and not torch.is_autocast_enabled(x.device.type)
+                and _only_weight(self.linear_fc1) and _only_weight(self.linear_fc2))
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor, gate_w: torch.Tensor | None) -> torch.Tensor:
         if not self.fuses(x):

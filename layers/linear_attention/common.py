@@ -182,22 +182,25 @@ class _L2Norm(torch.autograd.Function):
     y' = x / norm. One fused pass each way with ``fuse`` (see ``megamoe.fusion``)."""
 
     @staticmethod
-    def forward(ctx, x, eps, scale, heads_first, fuse):
-        ctx.scale, ctx.fuse = scale, fuse
-        if ctx.fuse:
-            y, rstd = _l2norm_fused(x, eps, scale, heads_first)
-            ctx.save_for_backward(x, rstd)
-            return y
+    def run(x, eps, scale, heads_first, fuse):
+        """The forward's maths -> (y, 1/norm); called directly where nothing needs a gradient."""
+        if fuse:
+            return _l2norm_fused(x, eps, scale, heads_first)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         rstd = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, rstd)  # x as given: bf16 stays bf16
-        if scale != 1.0:
-            rstd = rstd * scale
+        scaled = rstd * scale if scale != 1.0 else rstd
         if not heads_first:
-            return xf * rstd
+            return xf * scaled, rstd
         b, t, h, d = x.shape  # the same values, stored [b, h, t, d] (what the chunked op reads)
         out = torch.empty(b, h, t, d, dtype=xf.dtype, device=x.device).transpose(1, 2)
-        return torch.mul(xf, rstd, out=out)
+        return torch.mul(xf, scaled, out=out), rstd
+
+    @staticmethod
+    def forward(ctx, x, eps, scale, heads_first, fuse):
+        ctx.scale, ctx.fuse = scale, fuse
+        y, rstd = _L2Norm.run(x, eps, scale, heads_first, fuse)
+        ctx.save_for_backward(x, rstd)  # x as given: bf16 stays bf16
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -214,6 +217,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6, scale: float = 1.0, heads_first: 
     """scale * x / sqrt(sum x^2 + eps) over the last dim, in fp32 (as fla and the HF references).
     ``heads_first``: x [b, t, h, d], the result stored as [b, h, t, d] (a transposed view),
     so the chunked delta rule reads it without another copy."""
+    if not torch.is_grad_enabled():
+        return _L2Norm.run(x, eps, scale, heads_first, fuse)[0]
     return _L2Norm.apply(x, eps, scale, heads_first, fuse)
 
 
