@@ -17,9 +17,24 @@ that made them) of every rank's (M, R) pairs, a scan over the 2·CP chunks in gl
 Bytes each rank receives per layer: 2·CP·b·hv·dk·(dk+dv)·4 (G, K; L: 2·CP·b·h·dk·dv·4), whatever
 the sequence length.
 
+Activation memory (G, K): the widened run is checkpointed (non-reentrant ``torch.utils.checkpoint``):
+forward keeps only its inputs (the chunk batches of q, k, v, g, beta) and backward runs it again
+before its own backward. Kept besides: M_t^T q_t [2b, hv, n, dk] and the incoming states for the
+correction, and the small (M, R) pairs. Kept, the run's internals at width dv + dk were about what
+one process keeps for the whole sequence (a CP=2 rank kept 0.63-0.68 of it); recomputed, a CP=2
+rank keeps 0.2-0.3 of it, for one more forward of the widened op in backward. Measured (CPU,
+tools/bench_cp.py, docs/performance.md), this is cheaper in time as well as in memory than
+(a) a value run plus a recomputed transition run of normal widths, or (b) a no-grad pre-pass for
+(R, M) and the real op from its true initial state: both run the op twice in forward, and its
+per-chunk [C, C] work, shared by the widened run, dominates at small head dims. The short
+convolution's [halo | chunk] input is recomputed too (the chunk is a view of the projection),
+so no concatenated copy of the layer's inputs is kept. Lightning needs no widening (no
+checkpoint): its op runs at normal width and only exp(-s t) q_t is kept for the correction.
+
 Short convolution: every local chunk continues from the last ``kernel - 1`` pre-conv inputs of
 the chunk before it (zeros for chunk 0): a second small all-gather, 2·CP·b·(kernel-1)·C values.
-The conv role runs [halo | chunk] from a zero state and the halo's outputs are dropped.
+The conv role runs [halo | chunk] from a zero state and the halo's outputs are dropped
+(recomputed in backward, see above).
 
 Prefill under CP (a decode cache, rows of equal length): the sequence starts from the cache's
 ``conv`` and recurrent states, and every rank leaves them as after the whole sequence (the scan
@@ -39,6 +54,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from megamoe.errors import ConfigError
 from megamoe.parallel.comm import gather_reduce_scatter
@@ -61,6 +77,32 @@ def gathered_slot(cp, chunk: int) -> int:
     """Where global chunk ``chunk`` sits in a rank-major all-gather of every rank's
     [front | back] chunks (rank r holds chunks r and 2·CP-1-r)."""
     return 2 * chunk if chunk < cp.size else 2 * (2 * cp.size - 1 - chunk) + 1
+
+
+def _recomputed(fn, *args):
+    """fn(*args), keeping only its tensor inputs for backward and running it again there
+    (non-reentrant checkpoint) while autograd records; plain otherwise (prefill)."""
+    if torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+def _halo_conv(conv, halo, x, weight):
+    """The short-conv role over [halo | chunk] from a zero state, the halo's outputs dropped:
+    halo [2b, K-1, C], x [2b, n, C] (a view of the projection, so keeping it costs nothing)."""
+    return conv(torch.cat([halo, x], dim=1), weight)[0][:, weight.size(-1) - 1:]
+
+
+def _widened_run(op, q, k, v, g, beta, scale, chunk_size: int):
+    """The backend's chunked delta rule over chunk batches with values [v | 0] and initial state
+    [0 | I] -> (o_ext [2b, n, hv, dv + dk] = [o(0) | M_t^T q_t], final [2b, hv, dk, dv + dk] =
+    [R_c | M_c]). Run under a checkpoint, so the op's own recompute option is not used."""
+    b2, n, hv, dv = v.shape
+    dk = q.size(-1)
+    v_ext = torch.cat([v, v.new_zeros(b2, n, hv, dk)], dim=-1)
+    eye = torch.eye(dk, dtype=torch.float32, device=v.device)
+    h0 = F.pad(eye, (dv, 0)).expand(b2, hv, dk, dv + dk).contiguous()              # [0 | I] (kernels want it dense)
+    return op.chunked(q, k, v_ext, g, beta, scale=scale, initial_state=h0, chunk_size=chunk_size)
 
 
 class SequenceView:
@@ -114,8 +156,7 @@ class SequenceView:
             self.state["conv"] = last
         halo = halo.flatten(0, 1)                                  # [2b, K-1, C]
         if self.resets is None:  # [halo | chunk] from a zero state, halo outputs dropped: the role's
-            ext = torch.cat([halo, _chunks(x)], dim=1)             # training form (its own backward)
-            return _unchunk(conv(ext, weight)[0][:, kernel - 1:])
+            return _unchunk(_recomputed(_halo_conv, conv, halo, _chunks(x), weight))  # training form
         n, width = x.size(1) // 2, kernel - 1                     # the halo's own document starts
         before = F.pad(self.full_resets, (width, 0))               # [b, K-1 + S]
         halo_resets = torch.stack([before[:, c * n:c * n + width] for c in self.cp.chunk_ids()], 1)
@@ -125,7 +166,8 @@ class SequenceView:
 
     def delta_rule(self, op, q, k, v, g, beta, *, scale=None, chunk_size: int = 64, recompute: bool = False):
         """The backend's chunked delta rule (``op.chunked``) over this view -> o [b, s, hv, dv].
-        Shapes as in ``delta_rule.py``; g [b, s, hv] or [b, s, hv, dk]."""
+        Shapes as in ``delta_rule.py``; g [b, s, hv] or [b, s, hv, dk]. ``recompute`` (the op's
+        own checkpoint) applies without CP; under CP the widened run is always recomputed."""
         if self.resets is not None:
             r = self.resets.view(*self.resets.shape, *([1] * (g.dim() - 2)))
             g = torch.where(r, torch.full((), RESET_LOG_DECAY, dtype=g.dtype, device=g.device), g)
@@ -133,15 +175,13 @@ class SequenceView:
             return op.chunked(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, recompute=recompute)[0]
         b, s, hv, dv = v.shape
         dk = q.size(-1)
-        q, k, v, g, beta = (_chunks(t) for t in (q, k, v, g, beta))
-        v_ext = torch.cat([v, v.new_zeros(2 * b, s // 2, hv, dk)], dim=-1)        # [2b, n, hv, dv + dk]
-        eye = torch.eye(dk, dtype=torch.float32, device=v.device)
-        h0 = F.pad(eye, (dv, 0)).expand(2 * b, hv, dk, dv + dk).contiguous()        # [0 | I] (kernels want it dense)
-        o_ext, final = op.chunked(q, k, v_ext, g, beta, scale=scale, initial_state=h0, chunk_size=chunk_size,
-                                  recompute=recompute)
-        o0, qm = o_ext.split([dv, dk], dim=-1)                                    # o(0), M_t^T q_t
+        chunked = (_chunks(t) for t in (q, k, v, g, beta))
+        # the widened run keeps only its inputs and is run again in backward (module docstring)
+        o_ext, final = _recomputed(_widened_run, op, *chunked, scale, chunk_size)
         h_in = self._incoming(final.view(b, 2, hv, dk, dv + dk), dv, key="recurrent").flatten(0, 1)
-        o = o0 + torch.einsum("bthk,bhkv->bthv", qm.to(h_in.dtype), h_in).to(o0.dtype)
+        o0, qm = o_ext.split([dv, dk], dim=-1)                                    # o(0), M_t^T q_t
+        qm = qm.to(h_in.dtype).transpose(1, 2).contiguous()                       # [2b, hv, n, dk], kept
+        o = o0 + (qm @ h_in).transpose(1, 2).to(o0.dtype)                         # + (M_t^T q_t) H_in
         return _unchunk(o)
 
     def _incoming(self, local: torch.Tensor, dv: int, transitions: torch.Tensor | None = None, *,
