@@ -71,19 +71,23 @@ def _grid(parallel, world_size: int) -> dict[str, int]:
 
 
 def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, seq_len: int, *,
-                 lora=None, offload: bool = False, recompute=(), zero1: bool = True, model=None) -> list[dict]:
+                 lora=None, offload: bool = False, recompute=(), zero1: bool = True, model=None,
+                 micro_batches: int | None = None, activation_bytes: int = 2) -> list[dict]:
     """Bytes one rank of each pipeline stage holds (on the device, and in host memory with
     ``offload``): parameters in their dtype; gradients of trainable parameters in that dtype;
     AdamW's two fp32 moments, plus an fp32 master for a parameter below fp32, split over the
     data(-context)-parallel ranks by ZeRO-1 (experts over the expert-data-parallel ones);
     activations.
 
-    Activations (rough): ~34 bytes per hidden element per layer and token kept for backward in
-    bf16 (Megatron's estimate for a transformer layer), divided by TP under sequence
-    parallelism and by CP (each rank keeps its 2 of the 2·CP chunks: its share of the K/V and
-    linear-attention inputs too); ``recompute`` with ``layer`` keeps only each layer's input (2
-    bytes per hidden element). The static part is what the trainer allocates, exactly (tests/test_plan.py).
-    ``model``: the meta model (``planned_model``) when planning many layouts of one.
+    Activations (``megamoe.plan_activations``): the bytes one micro-batch keeps for backward,
+    read off one traced forward of each layer kind (under ``recompute``: the recomputed parts'
+    inputs instead, plus one layer's recomputation while its backward runs), the last stage's
+    logits and loss softmax; times the micro-batches in flight on the stage under 1F1B
+    (``pp - stage``, at most ``micro_batches``), plus the backward's working set (one layer's
+    kept bytes: the activation gradients it produces while its inputs are still held).
+    ``activation_bytes``: 2 for bf16 (a GPU run under autocast, or bf16 parameters), 4 for an
+    fp32 run. CP divides the tokens. ``model``: the meta model (``planned_model``) when
+    planning many layouts of one.
 
     Tiered experts (``model.moe.expert_store.budget_mib``): their weights stay in the store
     (``stored``: the bytes a rank's store holds, on disk or, with the ``host`` tier, in host
@@ -91,6 +95,7 @@ def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, 
     import math
 
     from megamoe.parallel.record import record
+    from megamoe.plan_activations import stage_activations
     from megamoe.parallel.sharding import sharding
 
     layout = cfg.validate()
@@ -110,16 +115,35 @@ def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, 
             state = 8 + (4 if p.dtype != torch.float32 else 0)      # moments (+ fp32 master)
             row["grads"] += local * p.element_size()
             row["optim"] += local * state / (replicas if zero1 else 1)
-    per_layer = 2 if "layer" in recompute else 34
-    cut = (parallel.tp if parallel.sequence_parallel else 1) * parallel.cp
+    acts = stage_activations(cfg, stages, micro_batch, seq_len // parallel.cp, tp=parallel.tp,
+                             sp=parallel.sequence_parallel, etp=parallel.etp, act=activation_bytes, recompute=recompute)
     store = cfg.moe.expert_store if cfg.moe is not None else None
-    for row in rows:
+    for i, (row, a) in enumerate(zip(rows, acts)):
         if row["stored"]:
             row["weights"] += min(store.budget_mib * 2 ** 20, row["stored"])
-        row["activations"] = len(row["layers"]) * per_layer * micro_batch * seq_len * cfg.hidden_size / cut
+        in_flight = parallel.pp - i % parallel.pp if parallel.pp > 1 else 1
+        if micro_batches is not None:
+            in_flight = min(in_flight, micro_batches)
+        row["activations"] = in_flight * a["kept"] + a["transient"] + a["working"]
         row["device"] = row["weights"] + row["grads"] + row["activations"] + (0 if offload else row["optim"])
         row["host"] = (row["optim"] if offload else 0.0) + (row["stored"] if store and store.tier == "host" else 0.0)
     return rows
+
+
+def recipe_options(recipe, parallel=None, world_size: int | None = None) -> dict:
+    """``stage_memory``'s keyword arguments for a training recipe run on GPUs: LoRA, offload,
+    recompute, ZeRO-1, activations in bf16 (autocast, or bf16 parameters; 4 bytes only for
+    ``train.precision=fp32`` with fp32 parameters) and, given a layout, the micro-batches per
+    step (they bound the 1F1B stages' micro-batches in flight)."""
+    t = recipe.train
+    bf16 = recipe.model.params_dtype != "float32" or t.precision != "fp32"
+    opts = dict(lora=recipe.lora, offload=t.optimizer_offload, recompute=t.recompute, zero1=recipe.optim.zero1,
+                activation_bytes=2 if bf16 else 4)
+    if parallel is not None:
+        per_rank = t.micro_batch_size * (world_size // (parallel.tp * parallel.pp * parallel.cp))
+        if per_rank and t.global_batch_size % per_rank == 0:
+            opts["micro_batches"] = t.global_batch_size // per_rank
+    return opts
 
 
 def memory_plan(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, seq_len: int, **kw) -> str:
@@ -198,8 +222,7 @@ def fitting_layouts(recipe, world_size: int, device_bytes: float, most: int = 10
                 except ConfigError:
                     continue
                 rows = stage_memory(recipe.model, par, world_size, recipe.train.micro_batch_size,
-                                    recipe.data.seq_len, lora=recipe.lora, offload=recipe.train.optimizer_offload,
-                                    recompute=recipe.train.recompute, zero1=recipe.optim.zero1, model=model)
+                                    recipe.data.seq_len, model=model, **recipe_options(recipe, par, world_size))
                 worst = max(r["device"] for r in rows)
                 if worst <= device_bytes:
                     found.append(({"tp": tp, "pp": pp, "ep": ep}, worst))

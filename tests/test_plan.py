@@ -4,8 +4,8 @@ For each layout the trainer runs one step; each rank sums the bytes of its param
 gradients backward produced (read just before they are cleared) and of its optimizer state
 (moments, fp32 masters); the planner's figures for that rank's stages must match within 15%
 (they are in fact exact: the static memory is determined by the shapes, dtypes, sharding
-rules and ZeRO-1 ownership). Activations are an estimate the planner prints as such; they are
-not checked here."""
+rules and ZeRO-1 ownership). The whole per-rank peak, activations included, is checked
+against measured peaks in tests/test_plan_measured.py."""
 from __future__ import annotations
 
 import pytest
@@ -63,17 +63,31 @@ def test_planned_static_memory_matches_the_ranks(pool, name):
             assert measured > 0 and abs(planned - measured) <= 0.15 * measured, (name, rank, what, measured, planned)
 
 
-def test_gpu_mem_lists_fitting_layouts_for_the_1t_preset():
-    from megamoe.commands.plan import main
-
+def gpu_mem_rows(*overrides: str) -> tuple[str, list[tuple[str, float]]]:
+    """``megamoe-plan --config hybrid_vl_1t --world-size 256 --gpu-mem 141GiB``: the heading and
+    the (layout, busiest rank's GiB) rows it prints."""
     import contextlib
     import io
 
+    from megamoe.commands.plan import main
+
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        main(["--config", "hybrid_vl_1t", "--world-size", "256", "--gpu-mem", "141GiB", "lora.rank=16",
-              "lora.targets=[experts]"])
-    text = out.getvalue()
-    assert "layouts of 256 ranks that fit 141 GiB per device (LoRA" in text
-    rows = [line for line in text.splitlines() if line.strip().startswith("parallel.tp=")]
-    assert rows and all(float(r.rsplit(" ", 2)[-2]) <= 141 for r in rows)
+        main(["--config", "hybrid_vl_1t", "--world-size", "256", "--gpu-mem", "141GiB", *overrides])
+    lines = out.getvalue().splitlines()
+    head = next(line for line in lines if line.startswith("layouts of"))
+    rows = [line.split("   busiest rank ") for line in lines if line.strip().startswith("parallel.tp=")]
+    return head, [(layout.strip(), float(gib.split()[0])) for layout, gib in rows]
+
+
+def test_gpu_mem_lists_fitting_layouts_for_the_1t_preset_lora_and_full_training():
+    lora_head, lora = gpu_mem_rows("lora.rank=16", "lora.targets=[experts]")
+    full_head, full = gpu_mem_rows()
+    assert lora_head.startswith("layouts of 256 ranks that fit 141 GiB per device (LoRA")
+    assert full_head.startswith("layouts of 256 ranks that fit 141 GiB per device (full training")
+    for rows in (lora, full):
+        assert rows and all(gib <= 141 for _, gib in rows)
+        assert [gib for _, gib in rows] == sorted(gib for _, gib in rows)
+    # LoRA drops the frozen weights' gradients and optimizer states: the same layout needs less
+    best = dict(full)
+    assert all(gib < best[layout] for layout, gib in lora if layout in best) and set(best) & {k for k, _ in lora}

@@ -15,7 +15,7 @@ busiest-rank load (max/mean) before and after, and writes the placement that
 import sys
 
 from megamoe.cli import number_in, recipe_parser, run_main, tool_parser
-from megamoe.plan import describe, fitting_layouts, long_context_plan, memory_plan
+from megamoe.plan import describe, fitting_layouts, long_context_plan, memory_plan, recipe_options
 from megamoe.training.entry import load_train_recipe
 
 
@@ -89,9 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     recipe = load_train_recipe(args.config, args.overrides, validate=False)
     print(describe(recipe.model))
     if args.long_context:
-        print(long_context_plan(recipe.model, recipe.parallel, args.world_size, lora=recipe.lora,
-                                offload=recipe.train.optimizer_offload, recompute=recipe.train.recompute,
-                                zero1=recipe.optim.zero1))
+        print(long_context_plan(recipe.model, recipe.parallel, args.world_size, **recipe_options(recipe)))
     if args.gpu_mem:
         what = "LoRA" if recipe.lora is not None else "full training"
         fits = fitting_layouts(recipe, args.world_size, args.gpu_mem)
@@ -104,8 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     recipe.validate_plan(args.world_size)  # what the trainer would refuse, before printing anything
     print(memory_plan(recipe.model, recipe.parallel, args.world_size, recipe.train.micro_batch_size,
-                      recipe.data.seq_len, lora=recipe.lora, offload=recipe.train.optimizer_offload,
-                      recompute=recipe.train.recompute, zero1=recipe.optim.zero1))
+                      recipe.data.seq_len, **recipe_options(recipe, recipe.parallel, args.world_size)))
 
 
 def _bytes(text: str) -> float:
