@@ -71,6 +71,53 @@ def _routed_stub(mlp):
         del mlp.routed
 
 
+class _FusedAttention(torch.autograd.Function):
+    """Stands in for an attention kernel in the trace: keeps what a fused (flash-style) kernel
+    keeps for backward, its inputs, its output and the log-sum-exp [..., s] in fp32, never a
+    score matrix. ``heads_last``: DSA's sparse core, q [b, s, H, r] (lse [b, s, H]); else
+    SDPA's q [b, H, s, d] (lse [b, H, s]). Indices and other integer inputs are kept as given."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, *rest):
+        out = q.new_empty(*q.shape[:-1], v.size(-1))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse, *(t for t in rest if isinstance(t, torch.Tensor)))
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):  # never runs: the trace is forward-only
+        raise NotImplementedError
+
+
+def _sdpa(q, k, v, *args, **kwargs):
+    return _FusedAttention.apply(q, k, v)
+
+
+def _sparse_core(q_lat, q_rope, c, k_rope, idx, scale):
+    # output [b, s, H, r]: the latent width of c; q_rope and k_rope are kept with the rest
+    return _FusedAttention.apply(q_lat, k_rope, c, q_rope, idx)
+
+
+@contextlib.contextmanager
+def _fused_attention(layer):
+    """Attention kernels as a GPU run's fused ones keep memory (``_FusedAttention``) instead of
+    the CPU fallbacks' [s, T] score matrices, which the planner would otherwise scale with the
+    sequence; softmax attention (SDPA) and DSA's sparse latent attention."""
+    import torch.nn.functional as F
+
+    sdpa, mixer = F.scaled_dot_product_attention, getattr(layer, "mixer", None)
+    F.scaled_dot_product_attention = _sdpa
+    core = getattr(mixer, "sparse_core", None)
+    if core is not None:
+        mixer.sparse_core = _sparse_core
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
+        if core is not None:
+            mixer.sparse_core = core
+
+
 def _traced_kind(layer, cfg, seq: int, act: int, params: set[int]) -> dict[str, tuple[float, float]]:
     """One sequence of ``seq`` tokens through ``layer``: per part, (bytes saved of the part's
     input, bytes of the rest), unsharded; the MoE's routed experts are left to ``routed_bytes``."""
@@ -89,7 +136,7 @@ def _traced_kind(layer, cfg, seq: int, act: int, params: set[int]) -> dict[str, 
         if part.endswith("norm"):
             out[part] = _trace(module, (n,), params, scale)
             continue
-        with _routed_stub(module):
+        with _routed_stub(module), _fused_attention(layer):
             own, rest = _trace(lambda y: module(y, info), (n,), params, scale)
         out[part] = (own, rest)
     return out

@@ -73,6 +73,10 @@ def test_planned_peak_within_15_percent_of_measured(pool, name):
     procs, parallel, options = LAYOUTS[name]
     for rank, r in enumerate(pool(procs).run(measured_peak, parallel, **options)):
         error = r["planned"] / r["measured"] - 1
+        # the table in docs/memory.md: python -m pytest tests/test_plan_measured.py -q -s -k planned_peak
+        print(f"\n{name} rank {rank}: planned {r['planned'] / 2 ** 20:.2f} MiB, measured "
+              f"{r['measured'] / 2 ** 20:.2f} MiB, error {100 * error:+.1f}% (activations "
+              f"{100 * r['parts']['activations'] / r['planned']:.0f}% of the plan)", end="")
         assert abs(error) <= 0.15, (f"{name} rank {rank}: planned {r['planned']:.0f} B, measured {r['measured']} B "
                                     f"({100 * error:+.1f}%); planned parts {r['parts']}")
 
