@@ -154,7 +154,7 @@ def memory_plan(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, s
            f"experts: etp {parallel.etp} x ep {parallel.ep} x edp {g['edp']}; vpp {parallel.vpp}, "
            f"sequence_parallel {parallel.sequence_parallel}",
            f"{'stage':<7}{'layers':<10}{'params/rank':>12}{'weights':>10}{'grads':>9}{'optimizer':>11}"
-           f"{'activ.~':>9}{'device':>9}{'host':>8}{'stored':>8}   (GiB)"]
+           f"{'activ.':>9}{'device':>9}{'host':>8}{'stored':>8}   (GiB)"]
     for i, r in enumerate(stage_memory(cfg, parallel, world_size, micro_batch, seq_len, **kw)):
         ids = r["layers"]
         span = f"{ids[0]}-{ids[-1]}" if ids else "-"
