@@ -29,8 +29,8 @@ half-block sums, forward and backward, without float64.
 
 Exponents are never positive (decays are <= 0 and the reference point of every product is
 between the two positions), so nothing overflows, whatever the decay: with per-channel decay
-(KDA) the [C, C] matrices are built by halving, each off-diagonal quadrant one matmul through
-the midpoint (``intra_per_channel``), only [LEAF, LEAF] blocks elementwise.
+(KDA) the [C, C] matrices are built by halving down to single tokens, each off-diagonal
+quadrant one matmul through the midpoint (``intra_per_channel``).
 """
 from __future__ import annotations
 
@@ -40,9 +40,6 @@ from torch.utils.checkpoint import checkpoint
 
 from megamoe.layers.linear_attention.chunk_gated import chunk_gated_delta_rule
 from megamoe.layers.linear_attention.delta_rule import prepare
-
-LEAF = 4  # per-channel decay: tokens per elementwise block inside a chunk
-
 
 class StateScan(torch.autograd.Function):
     """states[0] = h0, states[n+1] = P[n] @ states[n] + R[n].
@@ -96,12 +93,11 @@ class UnitLowerInverse(torch.autograd.Function):
 class DecayOffsets(torch.autograd.Function):
     """The sums of the log decays g that the op exponentiates, each to a few ulps of itself.
 
-    g [..., C, dk], leaf (a power of two <= C) -> (leaf, head, tail, last, *levels):
-      leaf [.., C, dk]  g over t's block of ``leaf`` tokens, from its first token to t
+    g [..., C, dk] -> (head, tail, last, *levels):
       head [.., C, dk]  g from the chunk start to t (log Gamma_t)
       tail [.., C, dk]  g after t to the chunk end (G_C - G_t)
       last [.., 1, dk]  g over the whole chunk (G_C)
-      levels, for half = leaf, 2 leaf, .., C / 2 (blocks of 2 half tokens), two each,
+      levels, for half = 1, 2, 4, .., C / 2 (blocks of 2 half tokens), two each,
         rows [.., C / (2 half), half, dk]  second halves: g from the half's first token to t
         cols [.., C / (2 half), half, dk]  first halves: g after t to the half's last token
 
@@ -115,71 +111,53 @@ class DecayOffsets(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, g, leaf):
+    def forward(ctx, g):
         C = g.size(-2)
         pre = g.clone(memory_format=torch.contiguous_format)  # contiguous: the halves below are views
         suf = torch.zeros_like(pre)
-        out_leaf, levels = None, []
+        levels = []
         h = 1
-        while True:
-            if h == leaf:
-                out_leaf = pre.clone()
-            if h == C:
-                break
+        while h < C:
             P, S = (x.unflatten(-2, (C // (2 * h), 2, h)) for x in (pre, suf))  # [.., C/2h, 2, h, dk]
-            if h >= leaf:
-                levels += [P[..., 1, :, :].clone(), S[..., 0, :, :].clone()]
+            levels += [P[..., 1, :, :].clone(), S[..., 0, :, :].clone()]
             S[..., 0, :, :] += P[..., 1, -1:, :]  # first half: + the second half's total
             P[..., 1, :, :] += P[..., 0, -1:, :]  # second half: + the first half's total
             h *= 2
-        ctx.leaf = leaf
-        return out_leaf, pre, suf, pre[..., -1:, :].clone(), *levels
+        return pre, suf, pre[..., -1:, :].clone(), *levels
 
     @staticmethod
-    def backward(ctx, d_leaf, d_head, d_tail, d_last, *d_levels):
-        C, leaf = d_head.size(-2), ctx.leaf
+    def backward(ctx, d_head, d_tail, d_last, *d_levels):
+        C = d_head.size(-2)
         dpre = d_head.clone(memory_format=torch.contiguous_format)
         dsuf = d_tail.clone(memory_format=torch.contiguous_format)
         dpre[..., -1:, :] += d_last
-        h = C
-        while True:
-            if h == leaf:
-                dpre += d_leaf
-            if h == 1:
-                return dpre, None
-            h //= 2
+        h, i = C // 2, len(d_levels) - 2
+        while h >= 1:
             P, S = (x.unflatten(-2, (C // (2 * h), 2, h)) for x in (dpre, dsuf))
             # the forward's two additions at this size, transposed, in reverse order
             P[..., 0, -1:, :] += P[..., 1, :, :].sum(-2, keepdim=True)
             P[..., 1, -1:, :] += S[..., 0, :, :].sum(-2, keepdim=True)
-            if h >= leaf:
-                i = 2 * (h.bit_length() - leaf.bit_length())
-                P[..., 1, :, :] += d_levels[i]
-                S[..., 0, :, :] += d_levels[i + 1]
+            P[..., 1, :, :] += d_levels[i]
+            S[..., 0, :, :] += d_levels[i + 1]
+            h, i = h // 2, i - 2
+        return dpre
 
 
-def intra_per_channel(q, k, beta, leaf_off, levels, leaf: int):
+def intra_per_channel(q, k, beta, levels):
     """A (strictly lower part used) and M for one decay per key channel, by halving.
-    q, k [..., C, dk]; beta [..., C]; leaf_off, levels: ``DecayOffsets``' ``leaf`` and
-    ``levels`` for this ``leaf`` -> [..., C, C] each.
+    q, k [..., C, dk]; beta [..., C]; levels: ``DecayOffsets``' -> [..., C, C] each.
 
     Every block of B tokens is [[top, 0], [quad, bottom]]: ``quad`` (rows in the second half,
     columns in the first) factors through the last position r of the first half,
     exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both exponents <= 0 (the level's rows and
-    cols sums), so it is one matmul; ``top`` and ``bottom`` are the blocks of the level below.
-    Blocks of ``leaf`` tokens are computed elementwise ([leaf, leaf, dk] each) from differences
-    of sums within the leaf. Needs C / leaf to be a power of two.
+    cols sums), so it is one matmul; ``top`` and ``bottom`` are the blocks of the level below,
+    down to single tokens (no decay: the diagonal, sum_d rows_id k_id).
     """
     *lead, C, dk = q.shape
     rows = torch.stack([k * beta.unsqueeze(-1), q])                    # [2, .., C, dk]: A rows, M rows
     blocks = lambda x, n: x.reshape(*x.shape[:-2], n, C // n, x.size(-1))  # noqa: E731
-    n = C // leaf
-    k_l, rows_l = blocks(k, n), blocks(rows, n)
-    off = blocks(leaf_off, n)                                          # [.., n, leaf, dk]
-    upper = torch.ones(leaf, leaf, dtype=torch.bool, device=q.device).triu(1)
-    pair = (off.unsqueeze(-2) - off.unsqueeze(-3)).masked_fill(upper.unsqueeze(-1), float("-inf")).exp()
-    D = (rows_l.unsqueeze(-2) * (k_l.unsqueeze(-3) * pair)).sum(-1)     # [2, .., n, leaf, leaf]
-    size = 2 * leaf
+    D = (rows * k).sum(-1)[..., None, None]                            # [2, .., C, 1, 1]
+    size = 2
     for rows_off, cols_off in zip(levels[::2], levels[1::2]):
         n, half = C // size, size // 2
         k_b, rows_b = blocks(k, n), blocks(rows, n)
@@ -229,9 +207,8 @@ def _chunk_delta_rule(q, k, v, g, beta, scale, initial_state, chunk_size, fuse=F
     n = (t + pad) // C
     q, k, v, g = (x.reshape(b, hv, n, C, x.size(-1)) for x in (q, k, v, g))
     beta = beta.reshape(b, hv, n, C)
-    leaf = min(LEAF, C)
-    leaf_off, head, tail, G_last, *levels = DecayOffsets.apply(g, leaf)  # sums of g: see the module docstring
-    A, M = intra_per_channel(q, k, beta, leaf_off, levels, leaf)
+    head, tail, G_last, *levels = DecayOffsets.apply(g)  # sums of g: see the module docstring
+    A, M = intra_per_channel(q, k, beta, levels)
 
     gamma = head.exp()
     k_tail = k * tail.exp()                                         # decayed to the chunk end
