@@ -203,7 +203,8 @@ def stage_activations(cfg, stages: list[list[int]], micro_batch: int, seq: int, 
     sequence (S / CP)."""
     traced, per_kind = traced_kinds(cfg, seq, act)
     grow = micro_batch * seq / traced
-    stream = micro_batch * seq * cfg.hidden_size * act / (tp if sp else 1)  # a layer's input [b, s(/tp), h]
+    streams = cfg.hyper_connections.streams if cfg.hyper_connections is not None else 1
+    stream = micro_batch * seq * streams * cfg.hidden_size * act / (tp if sp else 1)  # input [b, s(/tp), (n,) h]
     kinds = cfg.parsed_layout().layers
     rows = []
     for s, ids in enumerate(stages):
