@@ -26,6 +26,8 @@ LAYOUTS = {
     "dp2-recompute-mlp": (2, {}, {"seq": 64, "recompute": ["mlp"]}),
     "dp2-bf16": (2, {}, {"dtype": "bfloat16"}),
     "mla-dsa-tp2-sp": (2, {"tp": 2, "sequence_parallel": True}, {"seq": 64, "model": "tiny_mla_dsa"}),
+    "gdn-kda-dense": (2, {}, {"seq": 64, "model": "tiny_hybrid"}),
+    "moe-pp2-recompute-mixer": (2, {"pp": 2}, {"seq": 64, "model": "tiny_hybrid_moe", "recompute": ["mixer"]}),
     "tp2-sp-pp2": (4, {"tp": 2, "sequence_parallel": True, "pp": 2}, {"seq": 64}),
     "cp2-dp2": (4, {"cp": 2}, {"seq": 64}),
 }
