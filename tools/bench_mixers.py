@@ -13,8 +13,10 @@ medians are compared. Outputs and input gradients are checked against each other
 The last line is ``gdn_speedup_vs_hf=X kda_speedup_vs_hf=Y`` (peer time / megamoe time).
 ``--baseline-op`` times ``chunk_delta_rule`` from another file in the same rounds (it imports
 the rest of megamoe from this tree, so the GDN case compares chunk_delta.py only, not
-chunk_gated.py) and adds ``gdn_time_vs_baseline=X kda_time_vs_baseline=Y`` (megamoe time /
-baseline time, the median of the rounds' ratios).
+chunk_gated.py) and adds a line ``gdn_time_vs_baseline=.. gdn_cpu_vs_baseline=..
+kda_time_vs_baseline=.. kda_cpu_vs_baseline=..``: megamoe's wall time (and process CPU time)
+over the baseline's, the median of the rounds' ratios (on a loaded machine the CPU time of a
+1-thread run, ``--threads 1``, is the steadier figure).
 """
 import argparse
 import importlib.util
@@ -50,12 +52,12 @@ def make_inputs(t: int, heads: int, dim: int, per_channel: bool, seed: int = 0):
 
 
 def fwd_bwd(fn, inputs, grad_out):
-    """One forward+backward; returns (seconds, output, input gradients)."""
+    """One forward+backward; returns ((wall seconds, process CPU seconds), output, input gradients)."""
     xs = [x.clone().requires_grad_(True) for x in inputs]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = fn(*xs)
     out.backward(grad_out)
-    return time.perf_counter() - start, out.detach(), [x.grad for x in xs]
+    return (time.perf_counter() - start, time.process_time() - cpu), out.detach(), [x.grad for x in xs]
 
 
 def load_op(path: str):
@@ -109,18 +111,20 @@ def main() -> None:
         inputs = make_inputs(args.t, args.heads, args.dim, per_channel)
         fns = [ours(chunk_delta_rule), peer] + ([ours(base)] if base else [])
         times, diff = bench(fns, inputs, args.runs)
-        t_ours, t_peer = statistics.median(times[0]), statistics.median(times[1])
+        wall = [[w for w, _ in t] for t in times]
+        t_ours, t_peer = statistics.median(wall[0]), statistics.median(wall[1])
         speedups[name] = t_peer / t_ours
         chunk = c_gdn if name == "gdn" else c_kda
         line = (f"{name}: T={args.t} H={args.heads} D={args.dim} chunk={chunk} fwd+bwd median of {args.runs}: "
                 f"megamoe {t_ours * 1e3:.1f} ms, transformers {t_peer * 1e3:.1f} ms, ")
         if base:
-            vs_base[name] = statistics.median(a / b for a, b in zip(times[0], times[2]))
-            line += f"baseline op {statistics.median(times[2]) * 1e3:.1f} ms, "
+            vs_base[name] = [statistics.median(a[i] / b[i] for a, b in zip(times[0], times[2])) for i in (0, 1)]
+            line += f"baseline op {statistics.median(wall[2]) * 1e3:.1f} ms, "
         print(line + f"speedup {speedups[name]:.2f}x (max abs diff of output and grads {diff:.1e})")
     print(f"gdn_speedup_vs_hf={speedups['gdn']:.2f} kda_speedup_vs_hf={speedups['kda']:.2f}")
     if base:
-        print(f"gdn_time_vs_baseline={vs_base['gdn']:.3f} kda_time_vs_baseline={vs_base['kda']:.3f}")
+        print(" ".join(f"{name}_{kind}_vs_baseline={vs_base[name][i]:.3f}"
+                       for name in vs_base for i, kind in enumerate(("time", "cpu"))))
 
 if __name__ == "__main__":
     main()
