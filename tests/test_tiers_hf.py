@@ -54,16 +54,33 @@ def test_lora_with_experts_read_from_the_hf_checkpoint_matches_resident(tmp_path
     assert tiered["stats"]["misses"] > 0 and tiered["stats"]["read_bytes"] > 0, tiered["stats"]
 
 
-def ep_run(ckpt: str, log_dir: str, hf: str) -> list[float]:
-    return finetune(ckpt, log_dir, 0.001, {"ep": 2}, steps=STEPS, store_path=hf)["losses"]
+def ep_run(ckpt: str, log_dir: str, hf: str) -> tuple[list[float], list[int]]:
+    """The rank's losses and the (global) experts its store read from the HF files."""
+    from megamoe.tiers.hf import PerExpertTensors
+
+    read, seen = PerExpertTensors.read, set()
+
+    def recording(self, expert, w1, w2):
+        seen.add(expert)
+        return read(self, expert, w1, w2)
+
+    PerExpertTensors.read = recording
+    try:
+        return finetune(ckpt, log_dir, 0.001, {"ep": 2}, steps=STEPS, store_path=hf)["losses"], sorted(seen)
+    finally:
+        PerExpertTensors.read = read
 
 
 def test_hf_expert_store_at_ep2_matches_one_process(pool, tmp_path):
+    """Each EP rank reads only its own experts (4 experts: 0-1 on one rank, 2-3 on the other)."""
     hf = hf_dir("qwen3_moe", "per_expert", tmp_path)
     ckpt = imported(hf, tmp_path)
     one = finetune(ckpt, str(tmp_path / "one"), None, steps=STEPS)["losses"]
-    for losses in pool(2).run(ep_run, ckpt, str(tmp_path / "ep2"), str(hf)):
+    runs = pool(2).run(ep_run, ckpt, str(tmp_path / "ep2"), str(hf))
+    for losses, _ in runs:
         assert max(abs(a - b) for a, b in zip(one, losses)) <= 1e-6, (one, losses)
+    halves = sorted(tuple(sorted({e // 2 for e in read})) for _, read in runs)
+    assert halves == [(0,), (1,)], [read for _, read in runs]
 
 
 def _open(hf: Path, ckpt: str):
