@@ -18,13 +18,13 @@ from tests.test_tiers import finetune
 STEPS = 3
 
 
-def hf_dir(family: str, layout: str, root: Path, shard: str | None = None) -> Path:
-    """A tiny random HF model of ``family`` saved in ``layout`` (per_expert | stacked)."""
+def hf_dir(family: str, layout: str, root: Path, shard: str | None = None, dtype=torch.float32) -> Path:
+    """A tiny random HF model of ``family`` saved in ``layout`` (per_expert | stacked), in ``dtype``."""
     from tests.test_convert_mixtral import tiny_mixtral
     from tests.test_convert_qwen import tiny_qwen3_moe
 
-    model = {"qwen3_moe": tiny_qwen3_moe, "mixtral": tiny_mixtral}[family]().float()
-    out = root / f"{family}_{layout}"
+    model = {"qwen3_moe": tiny_qwen3_moe, "mixtral": tiny_mixtral}[family]().to(dtype)
+    out = root / f"{family}_{layout}_{str(dtype)[6:]}"
     kw = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(out, save_original_format=layout == "per_expert", **kw)
     return out
@@ -36,10 +36,14 @@ def imported(hf: Path, root: Path) -> str:
     return str(import_hf(hf, root / f"{hf.name}_megamoe", progress=False))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("layout", ["per_expert", "stacked"])
-def test_lora_with_experts_read_from_the_hf_checkpoint_matches_resident(tmp_path, family, layout):
-    hf = hf_dir(family, layout, tmp_path)
+@pytest.mark.parametrize("family,layout,dtype", [("qwen3_moe", "per_expert", torch.float32),
+                                                  ("qwen3_moe", "stacked", torch.float32),
+                                                  ("mixtral", "per_expert", torch.float32),
+                                                  ("mixtral", "stacked", torch.float32),
+                                                  ("qwen3_moe", "per_expert", torch.bfloat16)])
+def test_lora_with_experts_read_from_the_hf_checkpoint_matches_resident(tmp_path, family, layout, dtype):
+    """bf16: a bf16 model (params_dtype follows the HF config) fine-tuned on bf16 files."""
+    hf = hf_dir(family, layout, tmp_path, dtype=dtype)
     names = set()
     for f in hf.glob("*.safetensors"):
         from safetensors import safe_open
@@ -94,6 +98,35 @@ def _open(hf: Path, ckpt: str):
     cfg.moe.expert_store = ExpertStoreConfig(budget_mib=0.001, path=str(hf))
     model = LanguageModel(cfg)
     return open_expert_store([model], model.groups)
+
+
+def test_bf16_files_into_an_fp32_model_and_etp_slices(tmp_path):
+    """A stack read from bf16 per-expert files for an fp32 model is the files' gate|up rows and
+    down weight in fp32; under ETP=2 each slice is its f-half of gate, of up, and of down's columns."""
+    from safetensors import safe_open
+
+    from megamoe.tiers.hf import hf_expert_sources
+
+    hf = hf_dir("qwen3_moe", "per_expert", tmp_path, dtype=torch.bfloat16)
+    tensors = {}
+    for f in hf.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            tensors |= {k: st.get_tensor(k) for k in st.keys() if ".experts." in k}
+    p = "model.layers.1.mlp.experts.3"
+    gate, up, down = (tensors[f"{p}.{w}_proj.weight"].float() for w in ("gate", "up", "down"))
+    f_, h = gate.shape
+
+    class Layer:  # what the reader needs of a tiered layer
+        num_experts, ffn_hidden_size, hidden_size = 4, f_, h
+
+    for q, etp in ((0, 1), (0, 2), (1, 2)):
+        disk, readers = hf_expert_sources(hf, {"layers.1.mlp.experts": Layer()}, (q, etp))
+        fl = f_ // etp
+        w1, w2 = torch.empty(2 * fl, h), torch.empty(h, fl)
+        readers["layers.1.mlp.experts"].read(3, w1, w2)
+        rows = slice(q * fl, (q + 1) * fl)
+        assert torch.equal(w1, torch.cat([gate[rows], up[rows]])) and torch.equal(w2, down[:, rows]), (q, etp)
+        disk.close()
 
 
 def test_missing_or_corrupt_hf_shard_is_one_line_naming_the_file(tmp_path):
