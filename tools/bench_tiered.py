@@ -116,7 +116,8 @@ def run(args, store: str, budget_mib: float | None, queue) -> None:
         else:
             times.append(time.perf_counter() - start)
     stats = expert_store.stats() if expert_store is not None else {}
-    queue.put({"peak": _status("VmHWM"), "base": base, "reset": reset, "weights": weights, "time": statistics.median(times),
+    queue.put({"peak": _status("VmHWM"), "base": base, "reset": reset, "weights": weights,
+               "time": statistics.median(times),
                "losses": losses, "stats": stats})
 
 

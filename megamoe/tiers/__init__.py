@@ -4,8 +4,9 @@
     save_converted(model, out_dir)                       # a store (converted checkpoint) of a model
 
 See ``megamoe.tiers.store`` (the store and its budget), ``megamoe.tiers.cache`` (the LRU cache
-and the prefetch thread), ``megamoe.tiers.source`` (bounded reads of expert slices) and
-docs/memory.md.
+and the prefetch thread), ``megamoe.tiers.source`` (bounded reads of expert slices from a
+converted checkpoint), ``megamoe.tiers.hf`` (the same from the HF directory a model was
+imported from) and docs/memory.md.
 """
 from megamoe.tiers.store import ExpertStore, open_expert_store, tiered_layers
 from megamoe.tiers.write import save_converted

@@ -47,7 +47,8 @@ class PerExpertTensors:
     def _entry(self, name: str, shape: tuple[int, int]):
         entry = self.source._entry(name)
         if entry.shape != shape:
-            raise CheckpointError(f"{entry.file}: {name} has shape {list(entry.shape)}, the model expects {list(shape)}")
+            raise CheckpointError(f"{entry.file}: {name} has shape {list(entry.shape)}, "
+                                  f"the model expects {list(shape)}")
         return entry
 
     def check(self) -> None:
