@@ -58,6 +58,7 @@ class InferenceCache:
         self.pad = None if pad is None or not bool((pad > 0).any()) else pad.long()
         self.max_pad = 0 if self.pad is None else int(self.pad.max())  # time steps past it are all real
         self._layers: dict = {}
+        self._mask = None  # (key, mask) of the last attention_mask
 
     def layer(self, layer_number) -> LayerState:
         return self._layers.setdefault(layer_number, self.new_state(layer_number))
@@ -89,6 +90,12 @@ class InferenceCache:
         caller's plain causal path applies."""
         if self.pad is None:
             return None
+        key = (self.seen, t_q, t_k, window, device)  # every softmax layer of a step asks alike
+        if self._mask is None or self._mask[0] != key:
+            self._mask = key, self._padded_mask(t_q, t_k, window, device)
+        return self._mask[1]
+
+    def _padded_mask(self, t_q: int, t_k: int, window: int, device) -> torch.Tensor:
         total = self.seen + t_q
         q = torch.arange(total - t_q, total, device=device)[:, None]
         k = torch.arange(total - t_k, total, device=device)[None, :]
@@ -105,6 +112,7 @@ class InferenceCache:
         if self.pad is not None:
             self.pad = self.pad.index_select(0, index.to(self.pad.device))
             self.max_pad = int(self.pad.max()) if self.pad.numel() else 0
+        self._mask = None
         self.batch_size = int(index.numel())
 
 

@@ -66,6 +66,26 @@ def test_expert_kernels_match_reference(kernel, block_rows, with_probs, monkeypa
         assert results[name][2][1].abs().max() == 0 and results[name][3][3].abs().max() == 0
 
 
+
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_loop_kernel_without_autograd_equals_its_autograd_form(limit):
+    """A forward without autograd (a decode step) with few pairs runs torch's grouped GEMM where
+    it works, else the loop's maths directly: the same output as the autograd form, bitwise."""
+    from megamoe.layers.grouped_gemm import swiglu_experts
+
+    gen = torch.Generator().manual_seed(1)
+    counts = [3, 0, 5, 0, 4]
+    x = torch.randn(11, H, generator=gen)
+    idx = torch.randint(0, 11, (sum(counts),), generator=gen)
+    probs = torch.rand(sum(counts), generator=gen)
+    w1 = torch.randn(5, 2 * 8, H, generator=gen) * 0.3
+    w2 = torch.randn(5, H, 8, generator=gen) * 0.3
+    with torch.enable_grad():
+        ref = swiglu_experts("loop", x, idx, counts, probs, w1.requires_grad_(True), w2, 11, limit)
+    with torch.no_grad():
+        got = swiglu_experts("loop", x, idx, counts, probs, w1, w2, 11, limit)
+    assert torch.equal(got, ref.detach())
+
 def test_auto_kernel_on_cpu_is_the_loop():
     from megamoe.layers.grouped_gemm import resolve_kernel
 

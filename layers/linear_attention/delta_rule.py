@@ -116,8 +116,9 @@ def delta_rule_step(q, k, v, g, beta, *, scale=None, state: torch.Tensor):
         q = q * scale
     decay = g.to(acc).view(b, hv, -1).exp().unsqueeze(-1)                # [b, h, dk | 1, 1]
     state = state.to(acc) * decay                                         # [b, h, dk, dv]
-    predicted = k @ state                                                 # S^T k   [b, h, 1, dv]
+    flat = state.view(b * hv, dk, dv)  # bmm on views: matmul's broadcasting copied k and q
+    predicted = torch.bmm(k.reshape(b * hv, 1, dk), flat).view(b, hv, 1, dv)  # S^T k
     delta = (v - predicted).mul_(beta.to(acc).view(b, hv, 1, 1))
     state.addcmul_(k.transpose(-1, -2), delta)
-    o = q @ state                                                         # [b, h, 1, dv]
+    o = torch.bmm(q.reshape(b * hv, 1, dk), flat)                         # S^T q   [b h, 1, dv]
     return o.view(b, 1, hv, dv).to(dtype), state
