@@ -79,11 +79,12 @@ def grouped_mm_support(device: torch.device, dtype: torch.dtype) -> str | None:
         if op is None:
             _PROBED[key] = f"torch {torch.__version__} has no grouped_mm"
         else:
-            try:
+            try:  # with autograd on: a first call from a no-grad forward must not cache a failure
                 a = torch.randn(5, 16, device=device, dtype=dtype, requires_grad=True)
                 b = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-                y = op(a, b, offs=torch.tensor([2, 5], device=device, dtype=torch.int32))
-                y.backward(torch.ones_like(y))
+                with torch.enable_grad():
+                    y = op(a, b, offs=torch.tensor([2, 5], device=device, dtype=torch.int32))
+                    y.backward(torch.ones_like(y))
                 _PROBED[key] = None
             except (RuntimeError, NotImplementedError, TypeError) as e:
                 _PROBED[key] = f"grouped_mm failed on {device.type}/{dtype}: {str(e).splitlines()[0]}"

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from megamoe.cache import InferenceCache
-from megamoe.moe import recording
+from megamoe.moe import recording, routers
 from megamoe.errors import ConfigError
 
 
@@ -98,6 +98,7 @@ def stream(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_token
     try:
         logits = masked(prefill(forward, ids, cache, prefill_chunk, **({"images": images} if images is not None else {})))
         rows = torch.arange(ids.size(0), device=ids.device)
+        moe_routers = routers(model)
         for i in range(max_new_tokens):
             token = pick(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                          generator=generator)
@@ -109,22 +110,23 @@ def stream(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_token
                 index = keep.nonzero().squeeze(1)
                 cache.select_rows(index)
                 rows, token = rows[index], token[index]
-            with decode_step(model):
+            with decode_step(model, moe_routers):
                 logits = masked(forward(token.unsqueeze(1), cache=cache)[:, -1].float())
     finally:
         model.train(was_training)
 
 
 @contextlib.contextmanager
-def decode_step(model):
+def decode_step(model, moe_routers=None):
     """The settings of a one-token decode step, owned here and undone after it: the model's
     backend runs its fused functions eagerly (compiled kernels were slower at these shapes) and
-    the routers do not record ``moe_metrics`` statistics (the prefill still does)."""
+    the routers (``moe_routers``: ``routers(model)``, found once) do not record ``moe_metrics``
+    statistics (the prefill still does)."""
     backend = getattr(getattr(model, "ctx", None), "backend", None)
     with contextlib.ExitStack() as stack:
         if backend is not None:
             stack.enter_context(backend.fusion.eager())
-        stack.enter_context(recording(model, False))
+        stack.enter_context(recording(routers(model) if moe_routers is None else moe_routers, False))
         yield
 
 

@@ -26,11 +26,11 @@ def routers(model: nn.Module) -> list[TopKRouter]:
 
 
 @contextlib.contextmanager
-def recording(model: nn.Module, enabled: bool):
+def recording(model: nn.Module | list[TopKRouter], enabled: bool):
     """Whether the routers' forwards outside training add to what ``moe_metrics`` reports
     (default: they do; training forwards always do). Generation turns it off for its decode
-    steps."""
-    found = routers(model)
+    steps. ``model``: a model, or its ``routers(model)`` (found once, not at every step)."""
+    found = routers(model) if isinstance(model, nn.Module) else model
     before = [r.record_stats for r in found]
     for r in found:
         r.record_stats = enabled
