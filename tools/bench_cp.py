@@ -9,14 +9,16 @@ Activation memory is measured as the bytes autograd saves for backward during th
 views left out): what a rank holds between forward and backward, the peak of a layer stack's
 activations. Exchanged bytes are what one rank hands to ``torch.distributed`` collectives and
 sends (the input of all_gather / all_reduce / reduce_scatter / all_to_all; the tensors of
-send and of the isend operations in batch_isend_irecv, the ring's transfers) during one
+send, isend and of the isend operations in batch_isend_irecv, the ring's transfers) during one
 mixer layer's forward and backward at CP=2, measured for one linear-attention layer at two
 lengths (it must not grow with the sequence: the states passed do not depend on it) and one
 softmax layer.
 
 Last line: ``cp_act_mem_ratio=X linear_cp_bytes_per_layer=Y softmax_cp_bytes_per_layer=Z`` —
 X = the larger CP=2 rank's saved activation bytes / CP=1's (target <= 0.55), Y and Z at the
-longest length (Y at both lengths on the line before).
+longest length (Y at both lengths on the line before). The line before those:
+``cp_time_ratio``, the slower CP=2 rank's seconds / CP=1's (indicative: wall clock on a shared
+CPU, the two ranks running at once).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megamoe.bench import matmul_rate  # noqa: E402
 
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter", "reduce_scatter_tensor",
-               "all_to_all", "all_to_all_single", "send", "broadcast", "batch_isend_irecv")
+               "all_to_all", "all_to_all_single", "send", "isend", "broadcast", "batch_isend_irecv")
 
 
 def model_config(args):
@@ -94,7 +96,8 @@ class ByteCounter:
 
             def counted(*a, _fn=fn, _i=index, _name=name, **kw):
                 if _name == "batch_isend_irecv":  # P2POps: the isend ones leave this rank
-                    self.bytes += sum(self._size(op.tensor) for op in a[0] if op.op is self.dist.isend)
+                    isend = self.saved.get("isend", self.dist.isend)  # the unwrapped op P2POp holds
+                    self.bytes += sum(self._size(op.tensor) for op in a[0] if op.op is isend)
                 else:
                     self.bytes += self._size(a[_i] if len(a) > _i else next(iter(kw.values()), None))
                 return _fn(*a, **kw)
@@ -203,6 +206,9 @@ def main(argv=None) -> None:
         print(f"CP=2 rank {r}: saved activations {t['act'] / 2 ** 20:.1f} MiB, loss {t['loss']:.6f}, "
               f"forward+backward {t['seconds']:.1f} s")
     ratio = max(t["act"] for t in two) / one["act"]
+    # both CP=2 ranks share the cores, CP=1 ran alone: indicative only, and only on a quiet machine
+    print(f"cp_time_ratio={max(t['seconds'] for t in two) / one['seconds']:.3f} (the slower CP=2 rank's "
+          f"forward+backward seconds / CP=1's; ideal 0.5 with a core per rank)")
     linear = max(results[r].get("linear", [0, 0])[1] for r in (0, 1))
     softmax = max(results[r].get("softmax", 0) for r in (0, 1))
     if "linear" in results[0]:
