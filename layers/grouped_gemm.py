@@ -249,9 +249,9 @@ def _expert_mms(a: torch.Tensor, w_t: Sequence[torch.Tensor], experts, out: torc
 # the heap instead of being mapped afresh (whole-batch buffers at 64 experts x 4096 tokens
 # x top-8 made the layer 1.3x slower; see docs/performance.md)
 BLOCK_ROWS = 4096
-# (token, expert) pairs up to which a forward without autograd (a decode step) runs torch's
-# grouped GEMM instead: the same products (bitwise, on CPU fp32) in two ops instead of two per
-# expert; at 16 pairs over 8 layers of 16 experts ~8% faster than the loop (docs/performance.md)
+# (token, expert) pairs up to which a forward without autograd (a decode step) and without a
+# SwiGLU limit runs torch's grouped GEMM instead: the same products (bitwise, on CPU fp32) in two
+# ops instead of two per expert; at 16 pairs over 8 layers of 16 experts ~8% faster than the loop (docs/performance.md)
 DECODE_ROWS = 256
 
 
@@ -371,7 +371,7 @@ def swiglu_experts_loop(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: 
     if probs is not None:
         probs = probs.to(x.dtype)
     if not torch.is_grad_enabled():
-        if (idx.numel() <= DECODE_ROWS and _rows_aligned(x, x.size(-1), w2.size(-1))
+        if (limit is None and idx.numel() <= DECODE_ROWS and _rows_aligned(x, x.size(-1), w2.size(-1))
                 and grouped_mm_support(x.device, x.dtype) is None):
             return swiglu_experts_grouped_mm(x, idx, counts, probs, w1, w2, out_rows, limit)
         return _LoopExperts.run(x, idx, probs, w1, w2, list(counts), out_rows, limit, fuse)[0]
