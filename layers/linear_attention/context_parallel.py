@@ -82,8 +82,8 @@ def gathered_slot(cp, chunk: int) -> int:
 def _recomputed(fn, *args):
     """fn(*args), keeping only its tensor inputs for backward and running it again there
     (non-reentrant checkpoint) while autograd records; plain otherwise (prefill)."""
-    if torch.is_grad_enabled():
-        return checkpoint(fn, *args, use_reentrant=False)
+    if torch.is_grad_enabled():  # fn draws no random numbers: no RNG state to stash and restore
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
     return fn(*args)
 
 
