@@ -28,7 +28,8 @@ tools/bench_cp.py, docs/performance.md), this is cheaper in time as well as in m
 (R, M) and the real op from its true initial state: both run the op twice in forward, and its
 per-chunk [C, C] work, shared by the widened run, dominates at small head dims. The short
 convolution's [halo | chunk] input is recomputed too (the chunk is a view of the projection),
-so no concatenated copy of the layer's inputs is kept. Lightning needs no widening (no
+so no concatenated copy of the layer's inputs is kept. Neither recomputed run holds a
+collective (the all-gathers stay outside), so backward exchanges nothing more. Lightning needs no widening (no
 checkpoint): its op runs at normal width and only exp(-s t) q_t is kept for the correction.
 
 Short convolution: every local chunk continues from the last ``kernel - 1`` pre-conv inputs of
@@ -89,7 +90,7 @@ def _recomputed(fn, *args):
 
 def _halo_conv(conv, halo, x, weight):
     """The short-conv role over [halo | chunk] from a zero state, the halo's outputs dropped:
-    halo [2b, K-1, C], x [2b, n, C] (a view of the projection, so keeping it costs nothing)."""
+    halo [2b, K-1, C], x [2b, n, C] (a view of the projection: kept without a copy)."""
     return conv(torch.cat([halo, x], dim=1), weight)[0][:, weight.size(-1) - 1:]
 
 
