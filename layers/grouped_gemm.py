@@ -32,6 +32,8 @@ Kernels:
 """
 from __future__ import annotations
 
+import itertools
+
 from typing import Sequence
 
 import torch
@@ -114,13 +116,15 @@ def swiglu_experts_grouped_mm(x, idx, counts: Sequence[int], probs, w1, w2, out_
     if not _rows_aligned(x, x.size(-1), w2.size(-1)):  # h or f not a multiple of 16 bytes
         return swiglu_experts_loop(x, idx, counts, probs, w1, w2, out_rows, limit, fuse)
     op = _grouped_mm_op()
-    offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    offs = torch.tensor(list(itertools.accumulate(counts)), device=x.device, dtype=torch.int32)
     rows = x.index_select(0, idx)
     gate, up = clamp_gate_up(*op(rows, w1.transpose(1, 2), offs=offs).chunk(2, dim=-1), limit)
     act = F.silu(gate) * up
     if probs is not None:
         act = act * probs[:, None].to(act.dtype)
-    y = _ContiguousGrad.apply(op(act, w2.transpose(1, 2), offs=offs))
+    y = op(act, w2.transpose(1, 2), offs=offs)
+    if torch.is_grad_enabled():
+        y = _ContiguousGrad.apply(y)
     return x.new_zeros(out_rows, x.size(-1)).index_add(0, idx, y)
 
 

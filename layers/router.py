@@ -69,7 +69,9 @@ def select_experts(scores: torch.Tensor, cfg: MoEConfig, bias: torch.Tensor | No
     weights = scores.gather(1, idx)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, idx
+    if cfg.routed_scaling_factor != 1.0:  # (times 1.0 is the same values, one op less per step)
+        weights = weights * cfg.routed_scaling_factor
+    return weights, idx
 
 
 def balance_probs(scores: torch.Tensor, score_function: str) -> torch.Tensor:
