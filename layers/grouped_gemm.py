@@ -255,8 +255,9 @@ def _expert_mms(a: torch.Tensor, w_t: Sequence[torch.Tensor], experts, out: torc
 BLOCK_ROWS = 4096
 # (token, expert) pairs up to which a forward without autograd (a decode step) and without a
 # SwiGLU limit runs torch's grouped GEMM instead: the same products (bitwise, on CPU fp32) in two
-# ops instead of two per expert; at 16 pairs over 8 layers of 16 experts ~8% faster than the loop (docs/performance.md)
-DECODE_ROWS = 256
+# ops instead of two per expert; at 16 pairs over 8 layers of 16 experts ~8-10% faster than the loop
+# (1 and 2 threads, docs/performance.md); larger batches were not measured, so they keep the loop
+DECODE_ROWS = 64
 
 
 class _LoopExperts(torch.autograd.Function):
