@@ -25,7 +25,6 @@ over experts, so this is exact up to the order of float additions).
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 from dataclasses import dataclass
@@ -42,12 +41,6 @@ from megamoe.tiers.hf import hf_expert_sources, is_hf_dir
 from megamoe.tiers.source import DiskSource, ExpertTensors, HostSource
 
 log = logging.getLogger(__name__)
-
-try:  # glibc's malloc_trim (see release_freed_heap)
-    _LIBC = ctypes.CDLL(None)
-    _LIBC.malloc_trim  # noqa: B018 (absent outside glibc)
-except (OSError, AttributeError):
-    _LIBC = None
 
 MIB = 1 << 20
 
@@ -123,7 +116,6 @@ class ExpertStore:
         if self.in_backward and torch._C._current_graph_task_id() < 0:  # not a recompute inside a backward
             self.calls.clear()
             self.in_backward = False
-            release_freed_heap()
         self.last_routed[layer] = list(experts)
 
     def prefetch_after(self, layer: str, calls: list[list[int]], index: int) -> None:
@@ -182,15 +174,6 @@ class ExpertStore:
         self.cache.close()
         if self.disk is not None:
             self.disk.close()
-
-
-def release_freed_heap() -> None:
-    """Hand the heap that the last step freed back to the system (glibc ``malloc_trim``; a no-op
-    elsewhere). glibc keeps freed blocks of a step's activations mapped, fragmented among the
-    cache's and the buffer's long-lived ones, so without this the RSS grew by ~0.5 GiB over
-    three steps of tools/bench_tiered.py: a tiered run's memory is its budget plus one step."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
 
 
 def tiered_layers(parts) -> dict[str, nn.Module]:
