@@ -41,6 +41,26 @@ def reset_peak() -> bool:
         return False
 
 
+def saved_tensor_bytes(fn, exclude=()) -> tuple[int, object]:
+    """(bytes of the distinct storages autograd saves for backward while ``fn()`` runs, its
+    result): what a forward holds until its backward. Storages of the ``exclude`` tensors (the
+    parameters, typically) are not counted."""
+    import torch
+
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
 class LiveTensorBytes:
     """Bytes of live tensor storage, and their peak: on a CPU run, what
     ``torch.cuda.max_memory_allocated`` is on a GPU (the memory a device would have to hold),

@@ -85,8 +85,9 @@ class _FusedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, *grads):  # never runs: the trace is forward-only
-        raise NotImplementedError
+    def backward(ctx, *grads):
+        raise RuntimeError("the planner's attention stand-in has no backward: its trace is forward-only "
+                           "(megamoe.plan_activations)")
 
 
 def _sdpa(q, k, v, *args, **kwargs):

@@ -14,6 +14,7 @@ import torch
 
 from megamoe.cache import InferenceCache
 from megamoe.errors import ConfigError
+from megamoe.memory import saved_tensor_bytes
 from megamoe.spec import ForwardInfo
 from tests.mixer_utils import build_mixer, tiny_model
 from tests.numerics import rel_err
@@ -261,18 +262,7 @@ def test_cp_errors_are_one_line(pool):
 def saved_bytes(mixer, x: torch.Tensor, info: ForwardInfo) -> int:
     """Bytes autograd keeps for backward during one forward of ``mixer`` (each storage once, the
     parameters left out): what the layer holds between its forward and its backward."""
-    params = {p.untyped_storage().data_ptr() for p in mixer.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        mixer(x, info).sum().backward()
-    return sum(seen.values())
+    return saved_tensor_bytes(lambda: mixer(x, info).sum().backward(), mixer.parameters())[0]
 
 
 def saved_ratio(letter: str, seq_len: int) -> float:

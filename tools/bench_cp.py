@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megamoe.bench import matmul_rate  # noqa: E402
+from megamoe.memory import saved_tensor_bytes  # noqa: E402
 
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter", "reduce_scatter_tensor",
                "all_to_all", "all_to_all_single", "send", "isend", "broadcast", "batch_isend_irecv")
@@ -49,22 +50,6 @@ def model_config(args):
                        kda=KDAConfig(num_heads=4, head_dim=h // 4), lightning=LightningConfig(num_heads=4),
                        mlp=MLPConfig(ffn_hidden_size=2 * h),
                        moe=MoEConfig(num_experts=8, top_k=2, moe_ffn_hidden_size=h, num_shared_experts=1))
-
-
-def saved_bytes(model, fn) -> tuple[int, object]:
-    """(bytes autograd saves for backward while ``fn()`` runs, its result)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out
 
 
 class ByteCounter:
@@ -120,7 +105,7 @@ def stack_run(args, groups, seed: int = 0) -> dict:
     model.train()
     ids = torch.randint(0, 256, (1, args.tokens), generator=torch.Generator().manual_seed(seed))
     start = time.perf_counter()
-    act, loss = saved_bytes(model, lambda: model(ids, labels=shift_labels(ids)))
+    act, loss = saved_tensor_bytes(lambda: model(ids, labels=shift_labels(ids)), model.parameters())
     loss.backward()
     return {"act": act, "seconds": time.perf_counter() - start, "loss": loss.item()}
 

@@ -13,26 +13,10 @@ import argparse
 import torch
 
 from megamoe.config import VisionConfig
+from megamoe.memory import saved_tensor_bytes
 from megamoe.vision import VisionTower
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def saved_bytes(fn, module: torch.nn.Module) -> int:
-    """Bytes of the distinct storages autograd saves while running fn() (weights excluded)."""
-    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in weights:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    del out
-    return sum(seen.values())
 
 
 def measure(encoder: str, depth_arg: str, sizes, dtype: torch.dtype, projector: str, merge: int):
@@ -50,8 +34,8 @@ def measure(encoder: str, depth_arg: str, sizes, dtype: torch.dtype, projector: 
     for h, w in sizes:
         x = torch.randn(1, 3, h, w, dtype=dtype)
         patches = (h // one.encoder.reduction) * (w // one.encoder.reduction)
-        stem = saved_bytes(lambda: one.encoder.model.patch_embed(x), one)
-        per_layer = saved_bytes(lambda: one.encoder(x)[0], one) - stem
+        stem = saved_tensor_bytes(lambda: one.encoder.model.patch_embed(x), one.parameters())[0]
+        per_layer = saved_tensor_bytes(lambda: one.encoder(x)[0], one.parameters())[0] - stem
         print(f"{h:>5}x{w:<5} {patches:>8} {one.num_tokens(h, w):>9} {per_layer / 2**20:>13.1f} "
               f"{per_layer * depth / 2**20:>13.0f} {per_layer / patches / one.encoder.dim:>23.1f}")
 
