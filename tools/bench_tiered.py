@@ -38,6 +38,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megamoe.bench import matmul_rate  # noqa: E402
+from megamoe.memory import peak_rss_mib, reset_peak, rss_mib  # noqa: E402
 
 
 def model_config(args):
@@ -51,23 +52,6 @@ def model_config(args):
 def experts_bytes(cfg) -> int:
     m = cfg.moe
     return len(cfg.parsed_layout().layers) * m.num_experts * 3 * cfg.hidden_size * m.moe_ffn_hidden_size * 4
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        return True
-    except OSError:
-        return False
 
 
 def write_store(args, out, queue) -> None:
@@ -91,7 +75,7 @@ def run(args, store: str, budget_mib: float | None, queue) -> None:
     from megamoe.tiers import open_expert_store
     from megamoe.training.checkpoint import load_checkpoint
 
-    base = _status("VmRSS")  # after the imports, before the model
+    base = int(rss_mib() * 2 ** 20)  # after the imports, before the model
     cfg = model_config(args)
     cfg.moe.expert_store = ExpertStoreConfig(budget_mib=budget_mib, path=store, prefetch=args.prefetch)
     model = LanguageModel(cfg)
@@ -112,11 +96,11 @@ def run(args, store: str, budget_mib: float | None, queue) -> None:
         optim.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if i == 0:
-            reset = _reset_peak()  # the timed steps' peak from here
+            reset = reset_peak()  # the timed steps' peak from here
         else:
             times.append(time.perf_counter() - start)
     stats = expert_store.stats() if expert_store is not None else {}
-    queue.put({"peak": _status("VmHWM"), "base": base, "reset": reset, "weights": weights,
+    queue.put({"peak": int(peak_rss_mib() * 2 ** 20), "base": base, "reset": reset, "weights": weights,
                "time": statistics.median(times),
                "losses": losses, "stats": stats})
 
