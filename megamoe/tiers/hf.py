@@ -36,13 +36,16 @@ def is_hf_dir(root: str | Path) -> bool:
 
 class PerExpertTensors:
     """One tiered layer's experts as per-expert HF tensors: ``gate_up`` lists gate_0, up_0,
-    gate_1, up_1, ... and ``down`` down_0, down_1, ... (the table's order)."""
+    gate_1, up_1, ... and ``down`` down_0, down_1, ... (the table's order). Every tensor's header
+    entry is looked up and its shape checked once, here (headers only: nothing is read), not
+    per expert read."""
 
     def __init__(self, source: DiskSource, gate_up: list[str], down: list[str], f: int, h: int,
                  etp: tuple[int, int], order: list[int] | None = None):
         self.source, self.f, self.h, self.order = source, f, h, order
         self.q, self.etp = etp
-        self.gate_up, self.down = gate_up, down
+        self.gate_up = [self._entry(name, (f, h)) for name in gate_up]
+        self.down = [self._entry(name, (h, f)) for name in down]
 
     def _entry(self, name: str, shape: tuple[int, int]):
         entry = self.source._entry(name)
@@ -51,21 +54,13 @@ class PerExpertTensors:
                                   f"the model expects {list(shape)}")
         return entry
 
-    def check(self) -> None:
-        """Every tensor present with its shape (headers only: nothing is read)."""
-        for name in self.gate_up:
-            self._entry(name, (self.f, self.h))
-        for name in self.down:
-            self._entry(name, (self.h, self.f))
-
     def read(self, expert: int, w1: torch.Tensor, w2: torch.Tensor) -> None:
         """Global ``expert``'s slices into w1 [2f/etp, h] and w2 [h, f/etp] (contiguous, CPU)."""
         f, h, fl = self.f, self.h, self.f // self.etp
         expert = expert if self.order is None else self.order[expert]
         for part in range(2):  # gate, then up: this rank's rows of each
-            entry = self._entry(self.gate_up[2 * expert + part], (f, h))
-            self.source.read_into(entry, self.q * fl * h, w1[part * fl:(part + 1) * fl])
-        entry = self._entry(self.down[expert], (h, f))
+            self.source.read_into(self.gate_up[2 * expert + part], self.q * fl * h, w1[part * fl:(part + 1) * fl])
+        entry = self.down[expert]
         if self.etp == 1:
             self.source.read_into(entry, 0, w2)
         else:  # [h, f] rows are strided in the f-slice: read the expert's down weight once, slice it
@@ -115,5 +110,4 @@ def hf_expert_sources(root: str | Path, layers: dict, etp: tuple[int, int], plac
                 raise CheckpointError(f"{root}: {name} has {len(down.hf)} experts in the HF table, the model "
                                       f"{m.num_experts}")
             readers[name] = PerExpertTensors(disk, gate_up.hf, down.hf, m.ffn_hidden_size, m.hidden_size, etp, order)
-            readers[name].check()
     return disk, readers
