@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from megamoe.config import ParallelConfig
 from megamoe.errors import ConfigError
+from megamoe.parallel import comm
 from megamoe.parallel.groups import ParallelGroups, build_groups, init_distributed
 
 
@@ -119,9 +120,7 @@ class StageForward:
         or for ``last_only`` CP rank 0's (its back chunk ends the sequence) on every CP rank."""
         if not last_only:
             return shard.gather(local, 1)
-        last = local[:, -1:].contiguous()
-        dist.broadcast(last, dist.get_process_group_ranks(self.model.groups.cp)[0], group=self.model.groups.cp)
-        return last
+        return comm.broadcast_tensor(local[:, -1:].contiguous(), 0, self.model.groups.cp)
 
 
 def parallel_flags(parser) -> None:
