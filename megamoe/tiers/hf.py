@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-from megamoe.convert.family import get_family
-from megamoe.convert.hf_io import HFCheckpoint
-from megamoe.convert.table import Entry, Experts, expand
+from megamoe.convert.api import _open_hf, _plan
+from megamoe.convert.table import Entry, Experts
 from megamoe.errors import CheckpointError
 from megamoe.placement import _order_for
 from megamoe.tiers.source import DiskSource, ExpertTensors
@@ -79,10 +78,8 @@ def _rule(entry: Entry) -> Experts | None:
 def hf_expert_sources(root: str | Path, layers: dict, etp: tuple[int, int], placement: dict | None = None
                       ) -> tuple[DiskSource, dict]:
     """(the source, {layer name: reader}) for the tiered ``layers`` from the HF directory ``root``."""
-    ck = HFCheckpoint(root)  # reads every shard's header: a missing or truncated shard fails here, named
-    family = get_family(ck.config.get("model_type"), str(Path(root) / "config.json"))
-    cfg = family.config_from_hf(ck.config)
-    entries = {e.mm: e for e in expand(family.rules(cfg, ck.config), cfg, ck.config, ck.names)}
+    ck, family, cfg = _open_hf(root)  # reads every shard's header: a missing or truncated shard fails here, named
+    entries = {e.mm: e for e in _plan(family, cfg, ck.config, ck.names)}
     disk = DiskSource(root, files=ck.files, prefix="")
     readers = {}
     for name, m in layers.items():
