@@ -207,11 +207,12 @@ def stage_activations(cfg, stages: list[list[int]], micro_batch: int, seq: int, 
     streams = cfg.hyper_connections.streams if cfg.hyper_connections is not None else 1
     stream = micro_batch * seq * streams * cfg.hidden_size * act / (tp if sp else 1)  # input [b, s(/tp), (n,) h]
     kinds = cfg.parsed_layout().layers
+    split = {kind: {k: v * grow for k, v in _split(parts, tp, sp).items()} for kind, parts in per_kind.items()}
     rows = []
     for s, ids in enumerate(stages):
         kept, transient, working = 0.0, 0.0, 0.0
         for i in ids:
-            b = {k: v * grow for k, v in _split(per_kind[str(kinds[i])], tp, sp).items()}
+            b = dict(split[str(kinds[i])])
             if kinds[i].mlp == "e":  # the MoE splits its tokens over TP (with or without SP)
                 b["mlp"] += routed_bytes(cfg.moe, micro_batch * seq / tp, act, etp)
             mixer = b["input_norm"] + b["mixer"]
