@@ -126,7 +126,7 @@ def decode_step(model, moe_routers=None):
     with contextlib.ExitStack() as stack:
         if backend is not None:
             stack.enter_context(backend.fusion.eager())
-        stack.enter_context(recording(routers(model) if moe_routers is None else moe_routers, False))
+        stack.enter_context(recording(model if moe_routers is None else moe_routers, False))
         yield
 
 
