@@ -51,6 +51,7 @@ from megamoe.layers.context_attention import (check_documents, context_shard, do
 from megamoe.layers.mla import MultiLatentAttention
 from megamoe.layers.rotary import apply_rotary, cached_yarn_cos_sin
 from megamoe.parallel import comm
+from megamoe.parallel.context import position_in_document
 from megamoe.parallel.sharding import const_init, mark_init
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
 
@@ -58,14 +59,6 @@ from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
 def query_positions(s: int, total: int, device=None) -> torch.Tensor:
     """Positions of the s queries, the last s of ``total`` keys."""
     return torch.arange(total - s, total, device=device)
-
-
-def position_in_document(documents: torch.Tensor) -> torch.Tensor:
-    """documents [b, T] (non-decreasing ids) -> [b, T] each token's position within its document."""
-    idx = torch.arange(documents.size(1), device=documents.device).expand_as(documents)
-    start = torch.ones_like(documents, dtype=torch.bool)
-    start[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    return idx - torch.cummax(torch.where(start, idx, 0), dim=1).values
 
 
 def select_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megamoe.config import ParallelConfig
-from megamoe.layers.dsa import position_in_document
+from megamoe.parallel.context import position_in_document
 from megamoe.spec import ForwardInfo
 from tests.mixer_utils import build_mixer, param_grad_errors, tiny_model
 from tests.numerics import rel_err

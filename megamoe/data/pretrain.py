@@ -31,6 +31,7 @@ from torch.utils.data import Dataset
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.data.tokfile import TokenFile
 from megamoe.errors import DataError
+from megamoe.parallel.context import position_in_document
 from megamoe.parallel.cross_entropy import IGNORE_INDEX
 
 
@@ -53,11 +54,7 @@ def document_layout(input_ids: torch.Tensor, eos_id: int) -> tuple[torch.Tensor,
     with ``eos_id``: a new document starts after every EOS (the first token is document 0)."""
     eos = (input_ids == eos_id).long()
     documents = torch.cumsum(eos, 0) - eos  # EOS tokens before t, not counting t itself
-    index = torch.arange(len(input_ids))
-    starts = torch.ones_like(eos, dtype=torch.bool)
-    starts[1:] = eos[:-1].bool()
-    first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), 0).values  # its document's start
-    return documents, index - first
+    return documents, position_in_document(documents[None])[0]
 
 
 class PackedDataset(Dataset):

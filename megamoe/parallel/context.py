@@ -129,3 +129,11 @@ def split_for_cp(cp: ContextShard | None, *tensors: torch.Tensor, dim: int = 1):
     """Each full-sequence tensor (or None) cut to this rank's chunks; identity without CP."""
     out = tuple(t if t is None or cp is None else cp.split(t, dim) for t in tensors)
     return out[0] if len(out) == 1 else out
+
+
+def position_in_document(documents: torch.Tensor) -> torch.Tensor:
+    """documents [b, T] (non-decreasing ids) -> [b, T] each token's position within its document."""
+    idx = torch.arange(documents.size(1), device=documents.device).expand_as(documents)
+    start = torch.ones_like(documents, dtype=torch.bool)
+    start[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return idx - torch.cummax(torch.where(start, idx, 0), dim=1).values
