@@ -65,8 +65,7 @@ class ContextShard:
 
     def chunk_ids(self, rank: int | None = None) -> tuple[int, int]:
         """The two chunk numbers (0 .. 2·CP-1) that ``rank`` (default: this rank) holds, front first."""
-        r = self.rank if rank is None else rank
-        return r, 2 * self.size - 1 - r
+        return _chunk_ids(self.size, self.rank if rank is None else rank)
 
     def chunk_bounds(self, rank: int | None = None) -> list[tuple[int, int]]:
         """[(start, end), (start, end)]: global token ranges of the local chunks, in local order."""
@@ -101,25 +100,31 @@ class ContextShard:
         return full.index_select(dim, self.gather_order(x.device))
 
 
+def _chunk_ids(size: int, rank: int) -> tuple[int, int]:
+    """The layout in one place: rank r holds chunks r and 2·CP-1-r of the 2·CP."""
+    return rank, 2 * size - 1 - rank
+
+
 def _device(device) -> torch.device:
     return torch.device("cpu") if device is None else torch.device(device)
 
 
 # Every gather of every layer asks for the same index tensors: built once per layout and device
-# (no per-call host loop or host-to-device copy on the training step's path). They are tiny.
+# (no per-call host loop or host-to-device copy on the training step's path). They are tiny, and
+# shared by every caller: read them (index_select, comparisons), never write into them.
 @functools.lru_cache(maxsize=64)
 def _local_index(size: int, rank: int, seq_len: int, device: torch.device) -> torch.Tensor:
     if size == 1:
         return torch.arange(seq_len, device=device)
     n = seq_len // (2 * size)
-    return torch.cat([torch.arange(c * n, (c + 1) * n, device=device) for c in (rank, 2 * size - 1 - rank)])
+    return torch.cat([torch.arange(c * n, (c + 1) * n, device=device) for c in _chunk_ids(size, rank)])
 
 
 @functools.lru_cache(maxsize=64)
 def _gather_order(size: int, seq_len: int, device: torch.device) -> torch.Tensor:
     n, order = seq_len // (2 * size), torch.empty(seq_len, dtype=torch.long)
     for r in range(size):
-        for j, c in enumerate((r, 2 * size - 1 - r)):
+        for j, c in enumerate(_chunk_ids(size, r)):
             start = r * 2 * n + j * n
             order[c * n:(c + 1) * n] = torch.arange(start, start + n)
     return order.to(device)
