@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.errors import ConfigError
-from megamoe.fusion import fused
+from megamoe.fusion import call, fused
 from megamoe.layers.mlp import clamp_gate_up
 
 KERNELS = ("reference", "grouped_mm", "loop")
@@ -366,21 +366,17 @@ class _SharedSwiGLUAdd(torch.autograd.Function):
 
 def shared_swiglu_add(y, x, w1, w2, gate_w=None, limit: float | None = None, fuse: bool = False) -> torch.Tensor:
     """y + [sigmoid(x gate_w^T)] * SwiGLU(x) for y, x [T, h] (see ``_SharedSwiGLUAdd``)."""
-    if not torch.is_grad_enabled():
-        return _SharedSwiGLUAdd.run(y, x, w1, w2, gate_w, limit, fuse)[0]
-    return _SharedSwiGLUAdd.apply(y, x, w1, w2, gate_w, limit, fuse)
+    return call(_SharedSwiGLUAdd, y, x, w1, w2, gate_w, limit, fuse)
 
 
 def swiglu_experts_loop(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: int,
                         limit: float | None = None, fuse: bool = False) -> torch.Tensor:
     if probs is not None:
         probs = probs.to(x.dtype)
-    if not torch.is_grad_enabled():
-        if (limit is None and idx.numel() <= DECODE_ROWS and _rows_aligned(x, x.size(-1), w2.size(-1))
-                and grouped_mm_support(x.device, x.dtype) is None):
-            return swiglu_experts_grouped_mm(x, idx, counts, probs, w1, w2, out_rows, limit)
-        return _LoopExperts.run(x, idx, probs, w1, w2, list(counts), out_rows, limit, fuse)[0]
-    return _LoopExperts.apply(x, idx, probs, w1, w2, list(counts), out_rows, limit, fuse)
+    if (not torch.is_grad_enabled() and limit is None and idx.numel() <= DECODE_ROWS
+            and _rows_aligned(x, x.size(-1), w2.size(-1)) and grouped_mm_support(x.device, x.dtype) is None):
+        return swiglu_experts_grouped_mm(x, idx, counts, probs, w1, w2, out_rows, limit)
+    return call(_LoopExperts, x, idx, probs, w1, w2, list(counts), out_rows, limit, fuse)
 
 
 _FUNCS = {"reference": swiglu_experts_reference, "grouped_mm": swiglu_experts_grouped_mm,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.fusion import EAGER, Fusion, fused
+from megamoe.fusion import EAGER, Fusion, call, fused
 from megamoe.parallel import comm
 from megamoe.parallel.groups import group_size
 from megamoe.parallel.sharding import Shard, const_init, mark_init, mark_tp_partial_grad, set_sharding
@@ -132,9 +132,7 @@ class HandwrittenRMSNorm:
         self.fusion = fusion
 
     def __call__(self, x, weight, eps: float, zero_centered: bool, gate=None, act: str = "silu"):
-        if not torch.is_grad_enabled():
-            return _RMSNormFn.run(x, weight, eps, zero_centered, gate, act, self.fusion.active(x.device))[0]
-        return _RMSNormFn.apply(x, weight, eps, zero_centered, gate, act, self.fusion.active(x.device))
+        return call(_RMSNormFn, x, weight, eps, zero_centered, gate, act, self.fusion.active(x.device))
 
 
 class RMSNorm(nn.Module):

@@ -122,3 +122,11 @@ class Fused:
 def fused(fn) -> Fused:
     """Decorator: ``fn`` (a pure function of tensors and Python constants) as a ``Fused``."""
     return Fused(fn)
+
+
+def call(fn, *args):
+    """``fn.apply(*args)`` under autograd; without it (decode steps) the function's forward maths
+    ``fn.run(*args)[0]`` directly, so no autograd node is made per call."""
+    if torch.is_grad_enabled():
+        return fn.apply(*args)
+    return fn.run(*args)[0]

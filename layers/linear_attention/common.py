@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamoe.fusion import fused
+from megamoe.fusion import call, fused
 from megamoe.parallel.sharding import Shard, mark_init, set_sharding
 from megamoe.spec import BuildContext, ForwardInfo
 from megamoe.layers.linear_attention.chunk_delta import chunk_delta_rule
@@ -217,9 +217,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6, scale: float = 1.0, heads_first: 
     """scale * x / sqrt(sum x^2 + eps) over the last dim, in fp32 (as fla and the HF references).
     ``heads_first``: x [b, t, h, d], the result stored as [b, h, t, d] (a transposed view),
     so the chunked delta rule reads it without another copy."""
-    if not torch.is_grad_enabled():
-        return _L2Norm.run(x, eps, scale, heads_first, fuse)[0]
-    return _L2Norm.apply(x, eps, scale, heads_first, fuse)
+    return call(_L2Norm, x, eps, scale, heads_first, fuse)
 
 
 def l2norm_reference(x: torch.Tensor, eps: float = 1e-6, scale: float = 1.0, heads_first: bool = False
