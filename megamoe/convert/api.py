@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from megamoe.model import build_model
 from megamoe.recipe import config_from_dict, config_to_dict
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.pieces import GROUPS
+from megamoe.parallel.record import is_expert_param
 from megamoe.parallel.sharding import full_shape, gather_full, shard_full, sharding
 from megamoe.placement import to_logical, to_slots
 
@@ -39,10 +39,6 @@ def model_tensors(model) -> dict[str, torch.Tensor]:
 
 def _plan(family: Family, cfg: ModelConfig, hf_config: dict, available: set[str] | None) -> list[Entry]:
     return expand(family.rules(cfg, hf_config), cfg, hf_config, available)
-
-
-# the routed experts' stacked weights (not the shared experts' or the router's)
-ROUTED_EXPERTS = re.compile(r"^(.*\.)?layers\.\d+\.mlp\.experts\.(gate_up_weight|down_weight)$")
 
 
 # ---- HF -> megamoe -------------------------------------------------------------------------
@@ -130,7 +126,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int =
     by_name = {e.mm: e for e in entries}
     planned = []
     for name, t in meta_tensors.items():
-        if not experts and ROUTED_EXPERTS.match(name):
+        if not experts and is_expert_param(t):  # the routed experts' stacks (their record: sharded over ep/etp)
             continue
         src_dtype = TORCH_DTYPES[ck.dtypes[by_name[name].hf[0]]]
         dtype = src_dtype if src_dtype.is_floating_point and t.dtype.is_floating_point else t.dtype
