@@ -78,11 +78,24 @@ def _dropped_to(idx: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
 
 
 def dispatch_local(x, weights, idx, keep, experts, num_experts: int) -> torch.Tensor:
-    """Single-rank expert grid: experts read x in place and accumulate per token."""
+    """Single-rank expert grid: experts read x in place and accumulate per token. Inside a
+    compiled graph (python expert counts cannot be traced) the experts' one opaque op where
+    they have one, else this dispatch runs outside the graph (a graph break)."""
+    if torch.compiler.is_compiling():
+        local = getattr(experts, "local_dispatch", None)
+        y = local(x, weights, idx) if keep is None and local is not None else None
+        return y if y is not None else _outside_graph(x, weights, idx, keep, experts, num_experts)
+    return _dispatch_pairs(x, weights, idx, keep, experts, num_experts)
+
+
+def _dispatch_pairs(x, weights, idx, keep, experts, num_experts: int) -> torch.Tensor:
     order, counts = group_pairs(_dropped_to(idx, keep), num_experts, all_valid=keep is None)
     token = order // idx.size(1)
     probs = weights.reshape(-1).index_select(0, order)
     return experts(x, token, counts, probs, x.size(0))
+
+
+_outside_graph = torch.compiler.disable(_dispatch_pairs)
 
 
 class AllToAllDispatcher:

@@ -25,6 +25,7 @@ from megamoe.fusion import EAGER, Fusion
 from megamoe.params import mark_active_fraction
 from megamoe.parallel.sharding import Shard, mark_init, normal_init, set_sharding
 from megamoe.spec import BuildContext
+from megamoe.layers.dispatch import group_pairs
 from megamoe.layers.grouped_gemm import resolve_kernel, swiglu_experts
 
 
@@ -69,6 +70,17 @@ class GroupedExperts(nn.Module):
         return swiglu_experts(self.kernel, x, idx, counts, probs, w1, w2, out_rows, self.swiglu_limit,
                               self.fusion.active(x.device))
 
+    def local_dispatch(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
+        """The single-rank dropless dispatch and this kernel as one opaque op (``local_experts``)
+        for a compiled graph (a whole-step compiled decode step, ``megamoe.generate``), which
+        cannot hold the python expert counts the kernels take. None where this role's kernel
+        is not the plain one (a subclass computing otherwise) or a gradient is wanted: the
+        caller runs the dispatch outside the graph then."""
+        if type(self).compute is not GroupedExperts.compute or self.num_local != self.num_experts or (
+                torch.is_grad_enabled() and (x.requires_grad or self.gate_up_weight.requires_grad)):
+            return None
+        return local_experts(x, weights, idx, self.gate_up_weight, self.down_weight, self.kernel, self.swiglu_limit)
+
     def expert_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """This rank's shapes of one expert's two weights: (2f/etp, h), (h, f/etp)."""
         fl = self.ffn_hidden_size // self.etp_size
@@ -84,3 +96,18 @@ class GroupedExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts} (local {self.num_local} from {self.local_start}), "
                 f"local gate_up={tuple(self.gate_up_weight.shape)}, kernel={self.kernel}")
+
+
+@torch.library.custom_op("megamoe::local_experts", mutates_args=())
+def local_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  kernel: str, limit: float | None) -> torch.Tensor:
+    """``dispatch_local`` with every pair kept (``megamoe.layers.dispatch``) on weights w1, w2:
+    x [T, h], weights/idx [T, k] -> [T, h]. Eager inside (one graph node), unfused."""
+    order, counts = group_pairs(idx, w1.size(0), all_valid=True)
+    probs = weights.reshape(-1).index_select(0, order)
+    return swiglu_experts(kernel, x, order // idx.size(1), counts, probs, w1, w2, x.size(0), limit, False)
+
+
+@local_experts.register_fake
+def _(x, weights, idx, w1, w2, kernel, limit):
+    return torch.empty_like(x)

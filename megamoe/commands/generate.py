@@ -75,6 +75,9 @@ def parser():
                    help="decode cache: contiguous tensors, paged blocks, or paged int8 / fp8 (e4m3) blocks "
                         "with per-block, per-head scales")
     p.add_argument("--block-size", type=number_in(int, 1), default=16, help="tokens per block of a paged cache")
+    p.add_argument("--compile", action="store_true",
+                   help="run each decode step as one torch.compile'd graph (one process; the first steps "
+                        "compile, tens of seconds; docs/inference.md)")
     p.add_argument("--expert-budget", type=number_in(float, 1e-6), metavar="MIB",
                    help="tiered experts: keep at most this many MiB of routed experts in memory, reading the "
                         "others from the converted checkpoint when routed to (model.moe.expert_store; one process)")
@@ -168,7 +171,8 @@ def decode_lines(model, prompts: list[list[int]], tok, args, images, forward=Non
                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                eos_token_id=tok.eos_id if tok is not None else None, seed=args.seed,
                                images=images, prefill_chunk=args.prefill_chunk or None,
-                               cache_factory=cache_factory(args.kv_cache, args.block_size), forward=forward):
+                               cache_factory=cache_factory(args.kv_cache, args.block_size), forward=forward,
+                               compile=args.compile):
         for r, t in zip(rows.tolist(), tokens.tolist()):
             new[r].append(t)
             if args.stream:

@@ -168,6 +168,9 @@ def active_recorder() -> LatencyRecorder | None:
 
 @contextmanager
 def tag_scope(tag: str):
+    if torch.compiler.is_compiling():  # a graph cannot set a ContextVar: a compiled region keeps its caller's tag
+        yield
+        return
     token = _TAG.set(tag)
     try:
         yield

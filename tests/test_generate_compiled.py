@@ -1,0 +1,65 @@
+"""Compiled decode steps (``generate_batch(..., compile=True)``): a hybrid MoE model's one-token
+steps run as one graph each (no graph break: the routed experts are one opaque op), with the
+eager steps' tokens and, to rounding, their logits, over a left-padded batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from megamoe import fusion
+from megamoe.cache import InferenceCache
+from megamoe.config import GDNConfig, MoEConfig
+from megamoe.errors import ConfigError
+from megamoe.generate import compiled_forward, decode_step, generate_batch, left_pad, prefill
+from tests.mixer_utils import tiny_model
+from tests.numerics import max_abs
+
+needs_compiler = pytest.mark.skipif(not fusion._have_cxx(), reason="no C++ compiler for inductor's CPU kernels")
+LENGTHS = (5, 9, 2, 7)
+
+
+def hybrid_moe():
+    from megamoe.model import LanguageModel
+    from megamoe.parallel.groups import ParallelGroups
+    from megamoe.weights import initialize
+
+    cfg = tiny_model("GeAe", gdn=GDNConfig(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8,
+                                          chunk_size=8),
+                     moe=MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=16, num_shared_experts=1,
+                                   shared_expert_gate=True))
+    model = LanguageModel(cfg).eval()
+    initialize(model, ParallelGroups(), seed=0)
+    return model
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 61, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+@needs_compiler
+def test_compiled_decode_steps_are_one_graph_with_the_eager_tokens_and_logits():
+    model, ps = hybrid_moe(), prompts()
+    breaks = sum(counters["graph_break"].values())
+    assert generate_batch(model, ps, 6, compile=True) == generate_batch(model, ps, 6)
+    assert sum(counters["graph_break"].values()) == breaks  # the whole step is one graph
+
+    ids, pad = left_pad(ps)
+    step = compiled_forward(model)
+    with torch.no_grad():
+        caches = InferenceCache(len(ps), pad=pad), InferenceCache(len(ps), pad=pad)
+        token = prefill(model, ids, caches[0], None).argmax(-1)
+        prefill(model, ids, caches[1], None)
+        for _ in range(4):  # compiled and eager steps on the same tokens
+            with decode_step(model):
+                eager = model(token.unsqueeze(1), cache=caches[0])[:, -1]
+                compiled = step(token.unsqueeze(1), cache=caches[1])[:, -1]
+            assert max_abs(compiled, eager) <= 1e-5 * eager.abs().max()
+            token = eager.argmax(-1)
+
+
+def test_compiled_decode_refuses_a_custom_forward():
+    model = hybrid_moe()
+    with pytest.raises(ConfigError, match="compile"):
+        generate_batch(model, prompts(), 2, compile=True, forward=model)
