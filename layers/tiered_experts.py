@@ -8,14 +8,15 @@ record's ``stored`` flag keeps initialisation, checkpoints and ``.to()`` away fr
 
 Per forward, with the routed local experts known from ``counts``::
 
-    active = experts with rows                    (only these are read)
-    calls  = active split into store.calls_for()  (each call's stacks fit a quarter of the budget)
-    out    = sum over calls of compute(rows of the call, stacked weights of the call)
+    active = experts with rows                    (only these are brought in)
+    calls  = active split into store.calls_for()  (each call's experts fit a quarter of the budget)
+    out    = sum over calls of compute(rows of the call, the call's experts' weights)
 
 The rows of consecutive experts are consecutive in the grouped order, so a call takes a
-slice of ``idx``/``probs``. Autograd saves no stacked weight: ``store.saving`` replaces it by
-a note and the backward reads it back (see ``megamoe.tiers.store``). The store is bound
-after building (``megamoe.tiers.open_expert_store``).
+slice of ``idx``/``probs``. How the weights come in (views of the mapped store, or stacks
+copied from a cache) and back for the backward is the store's business
+(``store.run_call``, ``megamoe.tiers.store``). The store is bound after building
+(``megamoe.tiers.open_expert_store``).
 """
 from __future__ import annotations
 
@@ -81,16 +82,12 @@ class TieredExperts(GroupedExperts):
         start = 0
         calls = store.calls_for(active)
         for i, experts in enumerate(calls):
-            part = [counts[e] for e in experts]
-            rows = slice(start, start + sum(part))
+            rows = slice(start, start + sum(counts[e] for e in experts))
             start = rows.stop
-            w1, w2 = store.stack(self.store_name, experts)
-            store.prefetch_after(self.store_name, calls, i)
-            with store.saving(self.store_name, experts, w1, w2):
-                y = self.compute(x, idx[rows], part, None if probs is None else probs[rows], w1, w2, out_rows,
-                                 experts)
+            p = None if probs is None else probs[rows]
+            y = store.run_call(self.store_name, calls, i, counts,
+                               lambda w1, w2, n, which: self.compute(x, idx[rows], n, p, w1, w2, out_rows, which))
             out = y if out is None else out + y
-            del w1, w2  # the stacks of one call at a time
         return x.new_zeros(out_rows, x.size(-1)) if out is None else out
 
     def extra_repr(self) -> str:

@@ -441,8 +441,8 @@ class ExpertStoreConfig:
     bounded cache of hot experts (``megamoe.tiers``, docs/memory.md).
 
     budget_mib: MiB of expert weights a rank holds at once over all its MoE layers (the LRU
-        cache of hot experts and the experts stacked for one kernel call); None: every expert
-        is resident (no tiering).
+        cache of hot experts and the experts stacked for one kernel call; with ``map``, the
+        experts' file pages mapped in); None: every expert is resident (no tiering).
     tier: ``disk`` reads each expert's slices from the store's safetensors files when it is
         routed to; ``host`` reads this rank's experts once into host memory (pinned on a GPU)
         and copies them to the device when routed to.
@@ -450,12 +450,17 @@ class ExpertStoreConfig:
         ``megamoe.tiers.save_converted``); None: the run's ``checkpoint.load`` (fine-tuning) or
         the checkpoint being served.
     prefetch: read the next experts in a background thread while the current ones compute.
+    map: the ``disk`` tier on a CPU: kernels read routed experts in place from the store's
+        memory-mapped files, the budget bounding the pages mapped in (no copies); false, or
+        where the store cannot be viewed so (another dtype, an ETP slice, a placement applied
+        at read time, a GPU): positioned reads into the cache's slots.
     """
 
     budget_mib: Optional[float] = None
     tier: str = "disk"
     path: Optional[str] = None
     prefetch: bool = True
+    map: bool = True
 
     @property
     def enabled(self) -> bool:
@@ -466,6 +471,7 @@ class ExpertStoreConfig:
             check(isinstance(self.budget_mib, (int, float)) and self.budget_mib > 0, f"{path}.budget_mib",
                   self.budget_mib, "must be > 0 (or null: every expert resident)")
         check_choice(f"{path}.tier", self.tier, STORE_TIERS)
+        check_choice(f"{path}.map", self.map, (True, False))
 
 
 @dataclass

@@ -50,10 +50,12 @@ def peak_rss() -> int:
 
 
 def finetune(store: str, log_dir: str, budget_mib: float | None, parallel: dict | None = None,
-             steps: int = STEPS, recompute: list[str] | None = None, store_path: str | None = None) -> dict:
+             steps: int = STEPS, recompute: list[str] | None = None, store_path: str | None = None,
+             mapped: bool = True) -> dict:
     """LoRA steps from the converted checkpoint ``store`` (its own model), experts tiered under
-    ``budget_mib`` (None: resident) and read from ``store_path`` (default ``store``),
-    ``train.recompute`` = ``recompute``: losses, peak RSS and the store's counters."""
+    ``budget_mib`` (None: resident) and read from ``store_path`` (default ``store``), mapped in
+    place or copied into slots, ``train.recompute`` = ``recompute``: losses, peak RSS and the
+    store's counters."""
     from megamoe.data import DataConfig
     from megamoe.data.synthetic import SyntheticDataset
     from megamoe.lora import LoRAConfig
@@ -63,7 +65,7 @@ def finetune(store: str, log_dir: str, budget_mib: float | None, parallel: dict 
     from megamoe.training.trainer import Trainer, TrainRecipe
 
     model = config_from_dict(read_meta(store)["model"])
-    model.moe.expert_store = ExpertStoreConfig(budget_mib=budget_mib, path=store_path,
+    model.moe.expert_store = ExpertStoreConfig(budget_mib=budget_mib, path=store_path, map=mapped,
                                                prefetch=os.environ.get("PF", "1") == "1")
     recipe = TrainRecipe(model=model, parallel=ParallelConfig(**(parallel or {})),
                          data=DataConfig(kind="synthetic", seq_len=32, seed=3),
@@ -80,34 +82,38 @@ def finetune(store: str, log_dir: str, budget_mib: float | None, parallel: dict 
     return {"losses": [h["loss"] for h in history], "peak_rss": peak_rss(), "stats": stats}
 
 
-def in_fresh_process(fn, *args):
-    """``fn(*args)`` in a new process (its peak RSS is its own, not this test process's)."""
+def in_fresh_process(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a new process (its peak RSS is its own, not this test process's)."""
     from tests.dist import DistPool
 
     pool = DistPool(1)
     try:
-        return pool.run(fn, *args)[0]
+        return pool.run(fn, *args, **kwargs)[0]
     finally:
         pool.close()
 
 
 def test_tiered_lora_finetune_matches_resident_in_a_quarter_of_the_experts(tmp_path):
-    """budget = a quarter of the experts' bytes: the same losses (<= 1e-6, fp32), and the peak
-    RSS at least three quarters of the experts' bytes below the resident run's, less a margin
-    of 1/16 of the experts' bytes + 16 MiB (host allocator slack, the prefetch thread)."""
+    """budget = a quarter of the experts' bytes, experts mapped in place (their pages count in
+    the RSS) and copied into slots: the same losses (<= 1e-6, fp32), and the peak RSS at least
+    three quarters of the experts' bytes below the resident run's, less a margin of 1/16 of the
+    experts' bytes + 16 MiB (host allocator slack, the prefetch thread)."""
     cfg = moe_heavy_config()
     store = write_store(cfg, tmp_path / "store")
     e_bytes = experts_bytes(cfg)
     resident = in_fresh_process(finetune, store, str(tmp_path / "resident"), None)
-    tiered = in_fresh_process(finetune, store, str(tmp_path / "tiered"), e_bytes / 4 / 2**20)
-    diff = max(abs(a - b) for a, b in zip(resident["losses"], tiered["losses"]))
-    assert len(tiered["losses"]) == STEPS and diff <= 1e-6, (resident["losses"], tiered["losses"])
-    margin = e_bytes // 16 + (16 << 20)
-    saved = resident["peak_rss"] - tiered["peak_rss"]
-    assert tiered["peak_rss"] <= resident["peak_rss"] - 0.75 * e_bytes + margin, (saved / 2**20, e_bytes / 2**20)
-    stats = tiered["stats"]
-    assert 0 < stats["cached_bytes"] <= stats["capacity_bytes"] < e_bytes / 4, stats
-    assert stats["misses"] > 0 and stats["read_bytes"] > e_bytes, stats  # experts really came from the files
+    for mapped in (True, False):
+        tiered = in_fresh_process(finetune, store, str(tmp_path / f"tiered{mapped}"), e_bytes / 4 / 2**20,
+                                  mapped=mapped)
+        diff = max(abs(a - b) for a, b in zip(resident["losses"], tiered["losses"]))
+        assert len(tiered["losses"]) == STEPS and diff <= 1e-6, (mapped, resident["losses"], tiered["losses"])
+        margin = e_bytes // 16 + (16 << 20)
+        saved = resident["peak_rss"] - tiered["peak_rss"]
+        assert tiered["peak_rss"] <= resident["peak_rss"] - 0.75 * e_bytes + margin, \
+            (mapped, saved / 2**20, e_bytes / 2**20)
+        stats = tiered["stats"]
+        assert stats["mapped"] == mapped and 0 < stats["cached_bytes"] <= stats["capacity_bytes"] <= e_bytes / 4, stats
+        assert stats["misses"] > 0 and stats["read_bytes"] > e_bytes, stats  # experts really came from the files
 
 
 def ep_curve(store: str, log_dir: str, budget_mib: float | None) -> list[float]:
@@ -128,7 +134,7 @@ def test_tiered_experts_at_ep2_match_one_process(pool, tmp_path):
 # ---- the layer and the store directly -------------------------------------------------------
 
 def _tiered_pair(tmp_path, budget_mib: float, kernel: str = "auto", expert_adapters: str = "per_expert",
-                 tier: str = "disk"):
+                 tier: str = "disk", mapped: bool = True):
     from megamoe.lora import LoRAConfig, apply_lora
     from megamoe.model import LanguageModel
     from megamoe.tiers import open_expert_store
@@ -141,7 +147,8 @@ def _tiered_pair(tmp_path, budget_mib: float, kernel: str = "auto", expert_adapt
     models = []
     for budget in (None, budget_mib):
         c = copy.deepcopy(cfg)
-        c.moe.expert_store = ExpertStoreConfig(budget_mib=budget, path=store_dir if budget else None, tier=tier)
+        c.moe.expert_store = ExpertStoreConfig(budget_mib=budget, path=store_dir if budget else None, tier=tier,
+                                               map=mapped)
         model = LanguageModel(c)
         load_checkpoint(store_dir, model.groups, [model], load_rng=False)
         apply_lora(model, LoRAConfig(rank=4, alpha=8.0, expert_adapters=expert_adapters))
@@ -150,14 +157,19 @@ def _tiered_pair(tmp_path, budget_mib: float, kernel: str = "auto", expert_adapt
     return models[0], models[1], open_expert_store([models[1]], models[1].groups)
 
 
-@pytest.mark.parametrize("kernel,budget,adapters,tier", [("loop", 0.004, "per_expert", "disk"),
-                                                         ("reference", 0.05, "shared", "disk"),
-                                                         ("loop", 1.0, "shared", "disk"),
-                                                         ("loop", 0.05, "per_expert", "host")])
-def test_tiered_layer_forward_and_backward_match_resident(tmp_path, kernel, budget, adapters, tier):
+@pytest.mark.parametrize("kernel,budget,adapters,tier,mapped", [("loop", 0.004, "per_expert", "disk", True),
+                                                                ("loop", 0.004, "per_expert", "disk", False),
+                                                                ("reference", 0.05, "shared", "disk", True),
+                                                                ("reference", 0.05, "shared", "disk", False),
+                                                                ("loop", 1.0, "shared", "disk", True),
+                                                                ("loop", 1.0, "shared", "disk", False),
+                                                                ("loop", 0.05, "per_expert", "host", False)])
+def test_tiered_layer_forward_and_backward_match_resident(tmp_path, kernel, budget, adapters, tier, mapped):
     """One expert per call without a cache (0.004 MiB), several per call with a cache, all
-    cached, the host tier: outputs and every adapter gradient as with resident experts."""
-    resident, tiered, store = _tiered_pair(tmp_path, budget, kernel, adapters, tier)
+    cached, the host tier; experts mapped in place or copied into slots: outputs and every
+    adapter gradient as with resident experts."""
+    resident, tiered, store = _tiered_pair(tmp_path, budget, kernel, adapters, tier, mapped)
+    assert store.mapped == mapped
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     outs = []
     for model in (resident, tiered):
@@ -173,6 +185,52 @@ def test_tiered_layer_forward_and_backward_match_resident(tmp_path, kernel, budg
     assert not any(p.device.type != "meta" for n, p in tiered.named_parameters() if n.endswith("_weight")
                    and ".experts." in n)
     store.close()
+
+
+def _mapping_rss(views) -> int:
+    """Bytes of the store's file mappings resident in this process (``/proc/self/smaps``)."""
+    starts = {w.untyped_storage().data_ptr() for pair in views.values() for w in pair}
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+                inside = int(head.split("-")[0], 16) in starts
+            elif inside and head == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_mapped_store_holds_its_budget_and_unmaps_everything(tmp_path):
+    """Bringing every layer's experts in, call by call, the store's file pages mapped into the
+    process stay within the capacity plus the huge pages at the ends of what is mapped (a
+    fault may map a huge folio whole), and closing the store unmaps them all: nothing is left
+    behind by the neighbours' pages that mapping an expert in also mapped."""
+    from megamoe.model import LanguageModel
+    from megamoe.tiers import open_expert_store
+    from megamoe.tiers.mapped import HUGE
+    from megamoe.training.checkpoint import load_checkpoint
+
+    cfg = moe_heavy_config()
+    store_dir = write_store(cfg, tmp_path / "store")
+    cfg.moe.expert_store = ExpertStoreConfig(budget_mib=experts_bytes(cfg) / 8 / 2**20, path=store_dir,
+                                             prefetch=False)
+    model = LanguageModel(cfg)
+    load_checkpoint(store_dir, model.groups, [model], load_rng=False)
+    store = open_expert_store([model], model.groups)
+    assert store.mapped
+    views = store.cache.views
+    assert _mapping_rss(views) == 0  # views alone map nothing
+    peak = 0
+    for _ in range(2):
+        for layer in store.order:
+            for experts in store.calls_for(list(range(cfg.moe.num_experts))):
+                w1, w2 = store.cache.bring(layer, experts)
+                assert float(w1[experts].sum() + w2[experts].sum()) != 0.0  # touch them: the pages a kernel reads
+                peak = max(peak, _mapping_rss(views))
+    assert store.cache.capacity <= peak <= store.cache.capacity + 4 * HUGE, (peak, store.cache.capacity)
+    store.close()
+    assert _mapping_rss(views) == 0
 
 
 def test_bad_stores_fail_in_one_line_naming_the_file(tmp_path):
@@ -225,10 +283,10 @@ def test_generate_with_an_expert_budget_gives_the_same_tokens(tmp_path, capsys):
     cfg = moe_heavy_config(hidden=32, experts=8, ffn=16)
     store = write_store(cfg, tmp_path / "store")
     outs = []
-    for extra in ([], ["--expert-budget", "0.02"]):
+    for extra in ([], ["--expert-budget", "0.02"], ["--expert-budget", "0.02", "--no-expert-map"]):
         main([store, "--ids", "1,2,3", "--max-new-tokens", "5", *extra])
         outs.append(capsys.readouterr().out)
-    assert outs[0] == outs[1] and outs[0].strip()
+    assert outs[0] == outs[1] == outs[2] and outs[0].strip()
 
 
 def test_finetune_takes_the_store_settings_from_the_recipe(tmp_path):
@@ -248,11 +306,12 @@ def test_finetune_takes_the_store_settings_from_the_recipe(tmp_path):
     assert recipe.model.moe.expert_store == ExpertStoreConfig(budget_mib=3.0, tier="host")
 
 
-def test_planner_counts_the_budget_instead_of_the_experts(tmp_path):
+@pytest.mark.parametrize("mapped", [True, False])
+def test_planner_counts_the_budget_instead_of_the_experts(tmp_path, mapped):
     """stage_memory: a tiered stage holds min(budget, its experts) resident; the experts' bytes
-    are reported as stored. What a rank really holds (its other parameters, the cache's slots
-    and one kernel call's stacks) is that figure, to within one expert's bytes (slots are whole
-    experts)."""
+    are reported as stored. What a rank really holds (its other parameters and its experts'
+    bytes: the pages mapped in, or the cache's slots and one kernel call's stacks) is that
+    figure, to within one expert's bytes (the store counts whole experts)."""
     from megamoe.lora import LoRAConfig, apply_lora
     from megamoe.model import LanguageModel
     from megamoe.plan import stage_memory
@@ -264,7 +323,7 @@ def test_planner_counts_the_budget_instead_of_the_experts(tmp_path):
     lora = LoRAConfig(rank=4)  # frozen experts in both plans
     resident = stage_memory(cfg, ParallelConfig(), 1, 1, 8, lora=lora)[0]
     tiered_cfg = copy.deepcopy(cfg)
-    tiered_cfg.moe.expert_store = ExpertStoreConfig(budget_mib=0.05, path=store_dir)
+    tiered_cfg.moe.expert_store = ExpertStoreConfig(budget_mib=0.05, path=store_dir, map=mapped)
     tiered = stage_memory(tiered_cfg, ParallelConfig(), 1, 1, 8, lora=lora)[0]
     e_bytes, budget = experts_bytes(cfg), 0.05 * 2 ** 20
     assert resident["stored"] == 0 and tiered["stored"] == e_bytes
@@ -276,6 +335,10 @@ def test_planner_counts_the_budget_instead_of_the_experts(tmp_path):
     apply_lora(model, lora)
     store = open_expert_store([model], model.groups)
     held = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
-    held += sum(t.numel() * t.element_size() for t in store.cache.pool) + store.per_call * store.expert_bytes
+    if mapped:  # the pages mapped in, at most
+        held += store.cache.capacity
+    else:  # the slots and one call's stacks
+        held += sum(t.numel() * t.element_size() for t in store.cache.pool) + store.per_call * store.expert_bytes
+    assert store.mapped == mapped
     assert tiered["weights"] - store.expert_bytes <= held <= tiered["weights"], (held, tiered["weights"])
     store.close()

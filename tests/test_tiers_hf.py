@@ -56,6 +56,8 @@ def test_lora_with_experts_read_from_the_hf_checkpoint_matches_resident(tmp_path
     diff = max(abs(a - b) for a, b in zip(resident["losses"], tiered["losses"]))
     assert len(tiered["losses"]) == STEPS and diff <= 1e-6, (resident["losses"], tiered["losses"])
     assert tiered["stats"]["misses"] > 0 and tiered["stats"]["read_bytes"] > 0, tiered["stats"]
+    # stacked fp32 experts are viewed in the mapped files; one tensor per weight, or bf16 files, copied
+    assert tiered["stats"]["mapped"] == (layout == "stacked" and dtype == torch.float32), tiered["stats"]
 
 
 def ep_run(ckpt: str, log_dir: str, hf: str) -> tuple[list[float], list[int]]:

@@ -12,7 +12,9 @@ weights (the resident run: all of them), add LoRA adapters, one warm-up step, th
 timed steps (forward, backward, AdamW on the adapters). Peak memory is the peak RSS over the
 timed steps (``VmHWM`` reset after the warm-up: the resident run's load-time transients do not
 count; the tiered run's cache fills during them and counts), which includes file pages mapped
-into the process: the store reads expert slices with positioned reads and maps nothing.
+into the process: on a CPU the kernels read the routed experts from the mapped store, whose
+pages mapped in are bounded by the budget (``--no-map``: positioned reads into cache slots,
+mapping nothing, the way a GPU brings experts in).
 
 Both runs also hold what any megamoe process holds before it builds a model (the interpreter,
 torch and the imports: ~0.56 GiB, printed as ``base``); the larger the model, the less it
@@ -77,7 +79,8 @@ def run(args, store: str, budget_mib: float | None, queue) -> None:
 
     base = int(rss_mib() * 2 ** 20)  # after the imports, before the model
     cfg = model_config(args)
-    cfg.moe.expert_store = ExpertStoreConfig(budget_mib=budget_mib, path=store, prefetch=args.prefetch)
+    cfg.moe.expert_store = ExpertStoreConfig(budget_mib=budget_mib, path=store, prefetch=args.prefetch,
+                                             map=args.map)
     model = LanguageModel(cfg)
     load_checkpoint(store, model.groups, [model], load_rng=False)
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)  # the base's
@@ -127,6 +130,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--budget-fraction", type=float, default=1 / 8, help="budget / the experts' bytes (<= 1/8)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false", help="no background reads")
+    p.add_argument("--no-map", dest="map", action="store_false",
+                   help="copy experts into cache slots instead of computing from the mapped store (the GPU's way)")
     p.add_argument("--dir", help="where the store is written (default: a temporary folder, removed after)")
     p.add_argument("--store", help="an existing store of this model (written by an earlier run): no writing")
     args = p.parse_args()

@@ -83,6 +83,9 @@ def parser():
                         "others from the converted checkpoint when routed to (model.moe.expert_store; one process)")
     p.add_argument("--expert-tier", choices=("disk", "host"), default="disk",
                    help="with --expert-budget: read experts from disk when routed to, or once into host memory")
+    p.add_argument("--no-expert-map", dest="expert_map", action="store_false",
+                   help="with --expert-budget on a CPU: copy routed experts into cache slots instead of computing "
+                        "from the memory-mapped store (model.moe.expert_store.map)")
     p.add_argument("--expert-store", metavar="DIR",
                    help="with --expert-budget: where the experts are read from (a converted checkpoint or the HF "
                         "directory the model was imported from; default: the checkpoint, or its HF directory "
@@ -137,7 +140,8 @@ def load_for_layout(args):
     if args.expert_budget is not None:
         from megamoe.config import ExpertStoreConfig
 
-        store = ExpertStoreConfig(budget_mib=args.expert_budget, tier=args.expert_tier, path=args.expert_store)
+        store = ExpertStoreConfig(budget_mib=args.expert_budget, tier=args.expert_tier, path=args.expert_store,
+                                  map=args.expert_map)
     if parallel is None:
         return load_model(args.model_dir, base=args.base, expert_store=store), None, True
     if store is not None:

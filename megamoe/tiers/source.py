@@ -7,8 +7,10 @@ each MoE layer's experts stacked in slot order, whole or split over EP at import
     model/<name>.down_weight               [E, h, f]       (or #ep<r>of<n>: [E/n, h, f])
 
 so one expert's weights are contiguous byte ranges of one file. ``DiskSource`` reads exactly
-those ranges with positioned reads into the destination tensors: nothing is memory-mapped,
-so no file page ever counts in the process's RSS, and a read costs the expert's bytes only.
+those ranges with positioned reads into the destination tensors (the copy path: no file page
+counts in the process's RSS, and a read costs the expert's bytes only), or, on a CPU, makes
+views of the memory-mapped file that kernels read in place (``ExpertTensors.views``,
+``megamoe.tiers.mapped``: the pages mapped in are bounded by the budget).
 Under expert-tensor parallelism (etp = q of Q) a rank reads its f-slice: two row ranges of
 gate|up, and the down weight's [h, f] read whole and sliced (one expert at a time).
 
@@ -30,6 +32,7 @@ import torch
 
 from megamoe.convert.st_io import DTYPE_CODES
 from megamoe.errors import CheckpointError
+from megamoe.tiers.mapped import MappedFile
 
 _TORCH_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 _INDEX = "model.safetensors.index.json"
@@ -78,6 +81,7 @@ class DiskSource:
         self.root, self.prefix = Path(root), prefix
         self._headers: dict[str, tuple[dict, int]] = {}
         self._fds: dict[Path, int] = {}
+        self._maps: dict[Path, MappedFile] = {}
         if files is not None:
             self.files = files
             return
@@ -157,10 +161,18 @@ class DiskSource:
         if buf is not out:
             out.copy_(buf)
 
+    def view(self, entry: _Entry, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor of ``shape`` over ``entry``'s bytes from element ``offset`` in the mapped
+        file (``megamoe.tiers.mapped``): nothing is read until it is touched."""
+        if entry.file not in self._maps:
+            self._maps[entry.file] = MappedFile(entry.file)
+        return self._maps[entry.file].view(entry.start + offset * entry.dtype.itemsize, entry.dtype, shape)
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._maps.clear()  # each mapping goes when the last view of it does
 
 
 class ExpertTensors:
@@ -195,6 +207,23 @@ class ExpertTensors:
             if expert >= first:
                 return entry, expert - first
         raise AssertionError(expert)
+
+    def views(self, first: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | str:
+        """W1 [n, 2f, h], W2 [n, h, f] of global experts ``first`` .. ``first + n`` as views of
+        the mapped files (``megamoe.tiers.mapped``), or why they cannot be."""
+        if self.order is not None:
+            return "an expert placement is applied at read time"
+        if self.etp != 1:
+            return "the experts are split over ETP"
+        out = []
+        for pieces, shape in ((self.gate_up, (2 * self.f, self.h)), (self.down, (self.h, self.f))):
+            entry, local = self._find(pieces, first)
+            if local + n > entry.shape[0]:
+                return f"{entry.file.name}: the rank's experts span two EP pieces"
+            if entry.dtype != dtype or entry.start % dtype.itemsize:
+                return f"{entry.file.name}: stored as {entry.dtype}, the model runs in {dtype}"
+            out.append(self.source.view(entry, local * shape[0] * shape[1], (n, *shape)))
+        return tuple(out)
 
     def read(self, expert: int, w1: torch.Tensor, w2: torch.Tensor) -> None:
         """Global ``expert``'s slices into w1 [2f/etp, h] and w2 [h, f/etp] (contiguous, CPU)."""

@@ -4,24 +4,30 @@
     ... forward/backward as usual; store.stats() ...
     store.close()
 
-What the tiered experts layer (``megamoe.layers.tiered_experts``) asks of it:
+What the tiered experts layer (``megamoe.layers.tiered_experts``) asks of it: ``calls_for``
+(the routed local experts split into kernel calls) and ``run_call`` (one call: the weights
+brought in, the kernel run on them, the next experts prefetched). Two ways to bring weights:
 
-- ``stack(layer, experts)``: the routed experts' weights stacked for one kernel call,
-  w1 [n, 2f/etp, h] and w2 [n, h, f/etp], copied from the cache's slots;
-- ``saving(layer, experts, w1, w2)``: a context under which autograd saves, instead of any
-  tensor that shares the stacks' memory, a note of where it came from, and reads it back
-  from the store when the backward needs it (``torch.autograd.graph.saved_tensors_hooks``).
-  So the weights are held for one kernel call, not from forward to backward;
-- ``prefetch_after(layer, experts)``: queue what comes next: the layer's next kernel call
-  while this one computes, and the next tiered layer's experts (those it was routed to
-  last time: the routing is only known once that layer's router has run). In the backward,
-  every read-back queues the read-back that the backward meets next (the forward's order,
-  reversed).
+- mapped (the ``disk`` tier on a CPU, ``megamoe.tiers.mapped``): the kernel runs on views of
+  the store's memory-mapped files, its experts' pages mapped in first; autograd keeps the
+  views, and a hook on the call's output maps them in again before the call's backward;
+- copied (``megamoe.tiers.cache``; a GPU, the ``host`` tier, stores that cannot be viewed):
+  ``stack`` copies the call's experts from the cache's slots into one buffer, w1 [n, 2f/etp, h]
+  and w2 [n, h, f/etp], and ``saving`` is a context under which autograd saves, instead of any
+  tensor that shares the stacks' memory, a note of where it came from, reading it back from
+  the store when the backward needs it (``torch.autograd.graph.saved_tensors_hooks``). So the
+  weights are held for one kernel call, not from forward to backward.
 
-Budget: ``model.moe.expert_store.budget_mib`` covers the cache (three quarters) and the
-stacks of one kernel call (a quarter: ``experts_per_call``). A layer whose routed experts do
-not fit one call runs several calls and sums their outputs (the kernel's output is a sum
-over experts, so this is exact up to the order of float additions).
+Prefetch (``prefetch_after``): the layer's next kernel call while this one computes, and the
+next tiered layer's experts (those it was routed to last time: the routing is only known once
+that layer's router has run). In the backward, each call brought back queues the one that the
+backward meets next (the forward's order, reversed).
+
+Budget: ``model.moe.expert_store.budget_mib``. Copied: the cache (three quarters) and the
+stacks of one kernel call (a quarter: ``experts_per_call``). Mapped: the pages mapped in, a
+call taking at most a quarter. A layer whose routed experts do not fit one call runs several
+calls and sums their outputs (the kernel's output is a sum over experts, so this is exact up
+to the order of float additions).
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ from megamoe.errors import CheckpointError, ConfigError
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.tiers.cache import ExpertCache
 from megamoe.tiers.hf import hf_expert_sources, is_hf_dir
+from megamoe.tiers.mapped import MappedExperts
 from megamoe.tiers.source import DiskSource, ExpertTensors, HostSource
 
 log = logging.getLogger(__name__)
@@ -60,19 +67,24 @@ class _SavedWeight:
 
 class ExpertStore:
     def __init__(self, cfg: ExpertStoreConfig, layers: dict[str, nn.Module], sources: dict, device: torch.device,
-                 dtype: torch.dtype, disk: DiskSource | None = None):
+                 dtype: torch.dtype, disk: DiskSource | None = None, views: dict | None = None):
+        """``views``: {layer: (W1, W2)} over mapped files (the mapped way), else None (copied)."""
         self.cfg, self.layers, self.sources, self.disk = cfg, layers, sources, disk
         self.order = list(layers)  # forward order of the tiered layers
         budget = int(cfg.budget_mib * MIB)
         self.expert_bytes = max(m.expert_bytes() for m in layers.values())
-        # a quarter of the budget for one call's stacks (at least one expert), the rest cached
+        # a quarter of the budget for one call (at least one expert)
         self.per_call = max(1, budget // 4 // self.expert_bytes)
-        capacity = max(0, budget - self.per_call * self.expert_bytes)
         shapes = {m.expert_shapes() for m in layers.values()}
         if len(shapes) != 1:
             raise ConfigError(f"model.moe.expert_store: the tiered layers' experts differ in shape ({sorted(shapes)})")
         self.shapes = shapes.pop()
-        self.cache = ExpertCache(capacity, device, dtype, self.shapes, self._load, prefetch=cfg.prefetch)
+        self.mapped = views is not None
+        if self.mapped:  # the call's pages are among those mapped in: the whole budget
+            self.cache = MappedExperts(views, budget, prefetch=cfg.prefetch)
+        else:  # the call's stacks are a buffer of their own: the rest is the cache
+            capacity = max(0, budget - self.per_call * self.expert_bytes)
+            self.cache = ExpertCache(capacity, device, dtype, self.shapes, self._load, prefetch=cfg.prefetch)
         self.device, self.dtype = torch.device(device), dtype
         self.last_routed: dict[str, list[int]] = {}
         self.calls: list[tuple[str, tuple[int, ...]]] = []  # this step's kernel calls, in forward order
@@ -93,6 +105,42 @@ class ExpertStore:
     def calls_for(self, experts: list[int]) -> list[list[int]]:
         """The routed (local) experts split into kernel calls of at most ``per_call``."""
         return [experts[i:i + self.per_call] for i in range(0, len(experts), self.per_call)]
+
+    def run_call(self, layer: str, calls: list[list[int]], index: int, counts, kernel) -> torch.Tensor:
+        """Call ``index`` of ``layer``: ``kernel(w1, w2, counts, experts)`` on its experts'
+        weights (``counts``: every local expert's rows), prefetching what comes next."""
+        experts = calls[index]
+        if not self.mapped:
+            w1, w2 = self.stack(layer, experts)
+            self.prefetch_after(layer, calls, index)
+            with self.saving(layer, experts, w1, w2):
+                return kernel(w1, w2, [counts[e] for e in experts], experts)
+        step = self._record_call(layer, experts)
+        w1, w2 = self.cache.bring(layer, experts)  # all local experts' views; these mapped in
+        self.prefetch_after(layer, calls, index)
+        only = [0] * len(counts)  # the kernel walks only the experts with rows: this call's
+        for e in experts:
+            only[e] = counts[e]
+        y = kernel(w1, w2, only, None)
+        if y.requires_grad:  # fires before the call's backward, which reads the weights again
+            y.register_hook(lambda grad: self._bring_back(layer, experts, step))
+        return y
+
+    def _record_call(self, layer: str, experts) -> int:
+        """Note a kernel call in the step's forward order: its position."""
+        self.calls.append((layer, tuple(experts)))
+        return len(self.calls) - 1
+
+    def _prefetch_before(self, step: int) -> None:
+        """In the backward, before call ``step``: queue the call that the backward meets next."""
+        self.in_backward = True
+        if 0 < step <= len(self.calls):
+            layer, experts = self.calls[step - 1]
+            self.cache.prefetch([(layer, e) for e in experts])
+
+    def _bring_back(self, layer: str, experts, step: int) -> None:
+        self._prefetch_before(step)
+        self.cache.bring(layer, experts)
 
     def stack(self, layer: str, experts) -> tuple[torch.Tensor, torch.Tensor]:
         """w1 [n, 2f/etp, h], w2 [n, h, f/etp] of local ``experts`` (on the cache's device), in
@@ -131,8 +179,7 @@ class ExpertStore:
 
     def saving(self, layer: str, experts, w1: torch.Tensor, w2: torch.Tensor):
         """Saved-tensor hooks for one kernel call (see the module docstring)."""
-        self.calls.append((layer, tuple(experts)))
-        step = len(self.calls) - 1
+        step = self._record_call(layer, experts)
         # plain numbers only: autograd keeps the pack hook until the backward, and a reference
         # to the stacks here would keep every call's weights alive until then
         ptrs = {w.untyped_storage().data_ptr(): (which, w.storage_offset()) for which, w in enumerate((w1, w2))}
@@ -151,10 +198,7 @@ class ExpertStore:
     def _unpack(self, saved):
         if not isinstance(saved, _SavedWeight):
             return saved
-        self.in_backward = True
-        if 0 < saved.step <= len(self.calls):  # what the backward meets next
-            layer, experts = self.calls[saved.step - 1]
-            self.cache.prefetch([(layer, e) for e in experts])
+        self._prefetch_before(saved.step)
         spare, self._spare = self._spare, None
         if spare is not None and spare[:3] == (saved.layer, saved.experts, saved.which):
             stack = spare[3]  # read with the other weight of the same experts a moment ago
@@ -168,7 +212,7 @@ class ExpertStore:
 
     def stats(self) -> dict:
         return {**self.cache.stats, "cached_bytes": self.cache.used, "capacity_bytes": self.cache.capacity,
-                "experts_per_call": self.per_call}
+                "experts_per_call": self.per_call, "mapped": self.mapped}
 
     def close(self) -> None:
         self.cache.close()
@@ -235,7 +279,26 @@ def open_expert_store(parts, groups: ParallelGroups, path: str | Path | None = N
             local = range(m.local_start, m.local_start + m.num_local)
             tensors = HostSource(tensors, local, m.expert_shapes(), dtype, pin=device.type == "cuda")
         sources[name] = tensors
-    store = ExpertStore(cfg, layers, sources, device, dtype, disk)
-    log.info("expert store %s (%s tier): %d layers, %.1f MiB budget, %d experts per call", root, cfg.tier,
-             len(layers), cfg.budget_mib, store.per_call)
+    views = _mapped_views(cfg, layers, sources, device, dtype)
+    store = ExpertStore(cfg, layers, sources, device, dtype, disk, views)
+    log.info("expert store %s (%s tier, %s): %d layers, %.1f MiB budget, %d experts per call", root, cfg.tier,
+             "mapped" if store.mapped else "copied", len(layers), cfg.budget_mib, store.per_call)
     return store
+
+
+def _mapped_views(cfg: ExpertStoreConfig, layers: dict, sources: dict, device: torch.device,
+                  dtype: torch.dtype) -> dict | None:
+    """{layer: (W1, W2)} over the mapped store when every layer's experts can be viewed in
+    place (``megamoe.tiers.mapped``), else None (logged: why not)."""
+    if not (cfg.map and cfg.tier == "disk" and device.type == "cpu"):
+        return None
+    views = {}
+    for name, m in layers.items():
+        source = sources[name]
+        got = source.views(m.local_start, m.num_local, dtype) if hasattr(source, "views") else \
+            "the experts are stored one tensor per weight"
+        if isinstance(got, str):
+            log.info("expert store: %s: copying experts into cache slots (%s)", name, got)
+            return None
+        views[name] = got
+    return views

@@ -1,0 +1,207 @@
+"""The ``disk`` tier on a CPU: kernels read routed experts straight from the store's file pages.
+
+A converted checkpoint keeps each layer's experts stacked (``megamoe.tiers.source``), so on a
+CPU a layer's local experts are tensor views of the memory-mapped file (read-only, shared)::
+
+    W1 [E_local, 2f, h] = the file's bytes of gate|up, W2 [E_local, h, f] = those of down
+                          (views: nothing is read or copied when they are made)
+
+What a process holds of them is the pages mapped into it (they count in its RSS), and that is
+what the budget bounds. Before a kernel call touches experts, ``bring`` maps their pages in
+(``MADV_POPULATE_READ``: from the kernel's page cache, or read from the disk) and records them,
+least recently used first; past the capacity the oldest experts' pages are unmapped
+(``MADV_DONTNEED``: the pages stay in the page cache, outside the process, and the next touch
+maps them again). No expert is copied: the copy path (``megamoe.tiers.cache``) reads every
+routed expert into a cache slot and copies it into a call's stacks, in the forward and again
+in the backward; here both become page-table updates.
+
+Autograd keeps the views (they hold no memory of their own), and a call's backward brings its
+experts back in before its kernel's backward touches them (a hook on the call's output:
+``ExpertStore.run_call``). The file is never written, so unmapping a page never changes what a
+view reads: the bookkeeping bounds memory, the values do not depend on it.
+
+Which stores qualify (else the copy path): the stored dtype is the model's, one file piece
+holds the rank's local experts, no ETP slice, no expert placement applied at read time.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import warnings
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Hashable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ = 3, 4, 22  # <sys/mman.h> (POPULATE_READ: Linux 5.14)
+
+_libc = ctypes.CDLL(None, use_errno=True)  # a CDLL call releases the GIL: a disk read does not stall Python
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_POPULATE = [MADV_POPULATE_READ]  # falls back to MADV_WILLNEED where the kernel lacks it
+
+
+def map_in(addr: int, nbytes: int) -> None:
+    """Map the pages of [addr, addr + nbytes) into the process (whole pages, rounded out)."""
+    start = addr - addr % PAGE
+    length = addr + nbytes - start
+    if _libc.madvise(start, length, _POPULATE[0]) != 0 and _POPULATE[0] == MADV_POPULATE_READ:
+        log.info("madvise(MADV_POPULATE_READ) failed (%s): expert pages are read ahead with MADV_WILLNEED",
+                 os.strerror(ctypes.get_errno()))
+        _POPULATE[0] = MADV_WILLNEED
+        _libc.madvise(start, length, MADV_WILLNEED)
+
+
+def _huge_page() -> int:
+    try:
+        return int(Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+# The page cache may hold a file in huge folios, which a fault maps whole (one PMD): mapping an
+# expert in can map up to this much of its neighbours on either side, so unmapping it takes as much.
+HUGE = _huge_page()
+
+
+def map_out(addr: int, nbytes: int, lo: int, hi: int) -> None:
+    """Unmap [addr, addr + nbytes) widened to whole huge pages (what mapping it in may have
+    mapped), within the mapping [lo, hi). A neighbour's pages unmapped on the way are mapped
+    again when touched: the file is never written, so no value changes."""
+    start = max(addr // HUGE * HUGE, lo)
+    end = min(-(-(addr + nbytes) // HUGE) * HUGE, -(-hi // PAGE) * PAGE)
+    if end > start:
+        _libc.madvise(start, end - start, MADV_DONTNEED)
+
+
+class MappedFile:
+    """One safetensors file mapped read-only; ``view`` makes typed tensors of its bytes."""
+
+    def __init__(self, path: Path):
+        with open(path, "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        with warnings.catch_warnings():  # read-only on purpose: nothing ever writes to the views
+            warnings.simplefilter("ignore", UserWarning)
+            self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def view(self, start: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        n = torch.Size(shape).numel() * dtype.itemsize
+        return self.bytes[start:start + n].view(dtype).view(shape)
+
+
+class MappedExperts:
+    """The experts whose pages are mapped in, over a rank's tiered layers, least recently used
+    first; the same interface to the store as ``ExpertCache`` (``prefetch``, ``stats``,
+    ``used``, ``capacity``, ``close``). ``views``: {layer: (W1, W2)} over the mapped files."""
+
+    def __init__(self, views: dict[str, tuple[torch.Tensor, torch.Tensor]], capacity: int, prefetch: bool = True):
+        self.views = views
+        self.entry_bytes = max(w1[0].nbytes + w2[0].nbytes for w1, w2 in views.values())
+        self.slots = max(0, int(capacity) // self.entry_bytes)
+        self.capacity = self.slots * self.entry_bytes
+        self.mapped: OrderedDict[Hashable, None] = OrderedDict()
+        self.busy: set = set()  # the current kernel call's experts: never unmapped under it
+        self.pending: dict[Hashable, Future] = {}
+        self.lock = threading.Lock()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="megamoe-experts") if prefetch and self.slots else None
+        self.stats = {"hits": 0, "misses": 0, "prefetched": 0, "read_bytes": 0}
+
+    @property
+    def used(self) -> int:
+        return len(self.mapped) * self.entry_bytes
+
+    def _ranges(self, key):
+        """(address, bytes, the mapping's first and end address) of an expert's two weights."""
+        layer, e = key
+        out = []
+        for w in self.views[layer]:
+            whole = w.untyped_storage()  # the file's mapping
+            out.append((w[e].data_ptr(), w[e].nbytes, whole.data_ptr(), whole.data_ptr() + whole.nbytes()))
+        return out
+
+    def _map(self, key) -> None:
+        for addr, n, _, _ in self._ranges(key):
+            map_in(addr, n)
+            self.stats["read_bytes"] += n
+
+    def _record(self, key) -> None:
+        """Note ``key`` as mapped (most recent) and unmap the oldest past the capacity; under the lock."""
+        self.mapped[key] = None
+        self.mapped.move_to_end(key)
+        over = len(self.mapped) - self.slots
+        for old in [k for k in self.mapped if k not in self.busy][:max(0, over)]:
+            del self.mapped[old]
+            for r in self._ranges(old):
+                map_out(*r)
+
+    def bring(self, layer: str, experts) -> tuple[torch.Tensor, torch.Tensor]:
+        """Map ``layer``'s ``experts`` in (waiting for a prefetch under way): the layer's views."""
+        keys = [(layer, e) for e in experts]
+        with self.lock:
+            self.busy = set(keys)
+            waits = [self.pending[k] for k in keys if k in self.pending]
+        for f in waits:
+            f.result()
+        for key in keys:
+            with self.lock:
+                hit = key in self.mapped
+                if hit:
+                    self.mapped.move_to_end(key)
+            self.stats["hits" if hit else "misses"] += 1
+            if not hit:
+                self._map(key)
+                with self.lock:
+                    self._record(key)
+        return self.views[layer]
+
+    def _prefetch_one(self, key) -> None:
+        try:
+            with self.lock:
+                if key in self.mapped:
+                    return
+            self._map(key)
+            with self.lock:
+                self._record(key)
+            self.stats["prefetched"] += 1
+        finally:
+            with self.lock:
+                self.pending.pop(key, None)
+
+    def prefetch(self, keys) -> None:
+        """Map ``keys`` in on the background thread, at most half the capacity at a time."""
+        if self.executor is None:
+            return
+        room = self.slots // 2
+        with self.lock:
+            for key in keys:
+                if room <= 0:
+                    break
+                room -= 1
+                if key not in self.mapped and key not in self.pending:
+                    self.pending[key] = self.executor.submit(self._prefetch_one, key)
+
+    def drain(self) -> None:
+        with self.lock:
+            futures = list(self.pending.values())
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        """Unmap every expert's pages (the views stay valid: a later touch maps them again)."""
+        self.drain()
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
+            self.executor = None
+        with self.lock:
+            for key in self.mapped:
+                for r in self._ranges(key):
+                    map_out(*r)
+            self.mapped.clear()
+            self.busy = set()
