@@ -68,6 +68,7 @@ class InferenceCache:
 
     def advance(self, n: int) -> None:
         self.seen += n
+        self._mask = None  # a mask serves one forward's layers; none left over keeps a compiled step's guards stable
 
     def positions(self, n: int, device=None) -> torch.Tensor:
         """[b, n] positions of the next n time steps (padding slots at position 0)."""
