@@ -73,10 +73,13 @@ class GroupedExperts(nn.Module):
     def local_dispatch(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
         """The single-rank dropless dispatch and this kernel as one opaque op (``local_experts``)
         for a compiled graph (a whole-step compiled decode step, ``megamoe.generate``), which
-        cannot hold the python expert counts the kernels take. None where this role's kernel
-        is not the plain one (a subclass computing otherwise) or a gradient is wanted: the
-        caller runs the dispatch outside the graph then."""
-        if type(self).compute is not GroupedExperts.compute or self.num_local != self.num_experts or (
+        cannot hold the python expert counts the kernels take. None where this role computes
+        otherwise (a subclass's or an adapter's ``forward``/``compute``: tiered storage, LoRA),
+        its experts are sharded or a gradient is wanted: the caller runs the dispatch outside
+        the graph then."""
+        own = (type(self).forward is GroupedExperts.forward and type(self).compute is GroupedExperts.compute
+               and "compute" not in self.__dict__)  # an adapter replaces it on the instance
+        if not own or self.num_local != self.num_experts or self.etp_size != 1 or (
                 torch.is_grad_enabled() and (x.requires_grad or self.gate_up_weight.requires_grad)):
             return None
         return local_experts(x, weights, idx, self.gate_up_weight, self.down_weight, self.kernel, self.swiglu_limit)

@@ -63,3 +63,23 @@ def test_compiled_decode_refuses_a_custom_forward():
     model = hybrid_moe()
     with pytest.raises(ConfigError, match="compile"):
         generate_batch(model, prompts(), 2, compile=True, forward=model)
+
+
+def test_the_opaque_experts_op_is_the_eager_dispatch_and_only_for_plain_experts():
+    """``local_dispatch`` (what a compiled step calls) gives bitwise the eager single-rank
+    dispatch's output, and declines (None: the dispatch then runs outside the graph) for experts
+    computing otherwise, here LoRA-adapted ones, and when a gradient is wanted."""
+    from megamoe.layers.dispatch import dispatch_local
+    from megamoe.lora import LoRAConfig, apply_lora
+
+    model = hybrid_moe()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 32, generator=gen)
+    weights, idx = torch.rand(6, 2, generator=gen), torch.randint(0, 4, (6, 2), generator=gen)
+    experts = model.get_submodule("layers.0.mlp.experts")
+    with torch.no_grad():
+        assert torch.equal(experts.local_dispatch(x, weights, idx), dispatch_local(x, weights, idx, None, experts, 4))
+    assert experts.local_dispatch(x, weights, idx) is None  # parameters want gradients here
+    adapted = apply_lora(hybrid_moe(), LoRAConfig(rank=2, targets=["experts"])).get_submodule("layers.0.mlp.experts")
+    with torch.no_grad():
+        assert adapted.local_dispatch(x, weights, idx) is None
