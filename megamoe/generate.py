@@ -11,9 +11,10 @@ and, with the same seed, picks the same token.
 ``compile=True`` (single process) runs every one-token decode step as one ``torch.compile``d
 graph of the whole model (``compiled_step``; the prefill stays eager): inductor fuses the
 step's small elementwise ops and drops most per-op dispatch, which is most of a small model's
-decode step on CPU. The first steps compile (tens of seconds on 2 cores; about three graphs:
-the cache length and time step are specialised, then symbolic); later generations with the
-same model reuse the graphs. The routed experts run as one opaque op in the graph
+decode step on CPU. The first two steps compile (tens of seconds on 2 cores; two graphs: the
+cache length and time step specialised, then symbolic); later generations with the same
+model reuse them (past dynamo's ``recompile_limit`` of models in one process, steps run
+eagerly, with torch's warning). The routed experts run as one opaque op in the graph
 (``megamoe.layers.experts.local_experts``). Greedy tokens match the eager steps'; logits agree
 to rounding (inductor sums some elementwise chains in another order), not bitwise.
 """
