@@ -21,6 +21,12 @@ torch and the imports: ~0.56 GiB, printed as ``base``); the larger the model, th
 weighs in X (the default model is the size at which X meets its target: see
 docs/performance.md). The ratio net of it is printed beside X as extra information.
 
+Both runs' host allocator is glibc with its mmap threshold fixed at ``--heap-mmap-kib``
+(``MALLOC_MMAP_THRESHOLD_``, default 1 MiB; 0: glibc's default): blocks of that size or more
+are mapped on their own and handed back when freed. glibc's default raises the threshold to
+the size of each large block freed (up to 32 MiB), after which a step's freed activations stay
+in the heap, a few hundred MiB on both sides (docs/memory.md).
+
 Last line: ``tiered_mem_ratio=X tiered_time_ratio=Y`` (tiered / resident peak RSS and median
 step time; targets X <= 0.35, Y <= 1.5). The two runs' losses are printed: they agree to
 float rounding.
@@ -132,12 +138,18 @@ def main() -> None:
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false", help="no background reads")
     p.add_argument("--no-map", dest="map", action="store_false",
                    help="copy experts into cache slots instead of computing from the mapped store (the GPU's way)")
+    p.add_argument("--heap-mmap-kib", type=int, default=1024,
+                   help="glibc's mmap threshold in both runs (MALLOC_MMAP_THRESHOLD_), KiB; 0: glibc's default")
     p.add_argument("--dir", help="where the store is written (default: a temporary folder, removed after)")
     p.add_argument("--store", help="an existing store of this model (written by an earlier run): no writing")
     args = p.parse_args()
     cfg = model_config(args)
     e_bytes = experts_bytes(cfg)
     budget = e_bytes * args.budget_fraction / 2 ** 20
+    if args.heap_mmap_kib:  # read by glibc when each run's process starts
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.heap_mmap_kib * 1024)
+    else:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         store = args.store or os.path.join(tmp, "store")
         if not args.store:
@@ -149,6 +161,8 @@ def main() -> None:
     print(f"model: {total / 2 ** 30:.2f} GiB fp32 weights, routed experts {e_bytes / 2 ** 30:.2f} GiB "
           f"({100 * e_bytes / total:.1f}%), {args.layers} MoE layers x {args.experts} experts top-{args.top_k}; "
           f"LoRA rank 8; batch {args.batch} x {args.seq} tokens")
+    heap = f"mmap threshold {args.heap_mmap_kib} KiB" if args.heap_mmap_kib else "glibc's default (dynamic)"
+    print(f"host allocator in both runs: {heap}")
     print(f"budget: {budget:.0f} MiB (experts / {e_bytes / 2 ** 20 / budget:.1f}); store counters: {tiered['stats']}")
     print(f"{'run':>9} {'peak RSS GiB':>13} {'base GiB':>9} {'step s':>8}  losses")
     for name, r in (("resident", resident), ("tiered", tiered)):
