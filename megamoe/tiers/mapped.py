@@ -43,8 +43,12 @@ log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
 MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ = 3, 4, 22  # <sys/mman.h> (POPULATE_READ: Linux 5.14)
 
-_libc = ctypes.CDLL(None, use_errno=True)  # a CDLL call releases the GIL: a disk read does not stall Python
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+try:  # a CDLL call releases the GIL: a disk read does not stall Python
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    AVAILABLE = True
+except (OSError, AttributeError, TypeError):  # no POSIX madvise here: the store copies
+    _libc, AVAILABLE = None, False
 _POPULATE = [MADV_POPULATE_READ]  # falls back to MADV_WILLNEED where the kernel lacks it
 
 

@@ -44,6 +44,7 @@ from megamoe.errors import CheckpointError, ConfigError
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.tiers.cache import ExpertCache
 from megamoe.tiers.hf import hf_expert_sources, is_hf_dir
+from megamoe.tiers import mapped
 from megamoe.tiers.mapped import MappedExperts
 from megamoe.tiers.source import DiskSource, ExpertTensors, HostSource
 
@@ -290,7 +291,7 @@ def _mapped_views(cfg: ExpertStoreConfig, layers: dict, sources: dict, device: t
                   dtype: torch.dtype) -> dict | None:
     """{layer: (W1, W2)} over the mapped store when every layer's experts can be viewed in
     place (``megamoe.tiers.mapped``), else None (logged: why not)."""
-    if not (cfg.map and cfg.tier == "disk" and device.type == "cpu"):
+    if not (cfg.map and cfg.tier == "disk" and device.type == "cpu" and mapped.AVAILABLE):
         return None
     views = {}
     for name, m in layers.items():
