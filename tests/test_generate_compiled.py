@@ -3,6 +3,8 @@ steps run as one graph each (no graph break: the routed experts are one opaque o
 eager steps' tokens and, to rounding, their logits, over a left-padded batch."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -57,6 +59,18 @@ def test_compiled_decode_steps_are_one_graph_with_the_eager_tokens_and_logits():
                 compiled = step(token.unsqueeze(1), cache=caches[1])[:, -1]
             assert max_abs(compiled, eager) <= 1e-5 * eager.abs().max()
             token = eager.argmax(-1)
+
+
+@needs_compiler
+def test_compiled_decode_steps_with_an_int8_paged_cache_decode_its_eager_tokens():
+    """The paged cache's block bookkeeping (data-dependent shapes) breaks the graph; the steps
+    stay correct."""
+    from megamoe.paged_cache import PagedCache
+
+    model, ps = hybrid_moe(), prompts()
+    paged = functools.partial(PagedCache, block_size=4, kv_dtype="int8")
+    assert generate_batch(model, ps, 6, compile=True, cache_factory=paged) == generate_batch(model, ps, 6,
+                                                                                            cache_factory=paged)
 
 
 def test_compiled_decode_refuses_a_custom_forward():
