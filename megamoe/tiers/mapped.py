@@ -140,7 +140,15 @@ class MappedExperts:
         self.mapped[key] = None
         self.mapped.move_to_end(key)
         over = len(self.mapped) - self.slots
-        for old in [k for k in self.mapped if k not in self.busy][:max(0, over)]:
+        if over <= 0:
+            return
+        oldest = []
+        for k in self.mapped:  # least recent first; stop once enough are found
+            if k not in self.busy:
+                oldest.append(k)
+                if len(oldest) == over:
+                    break
+        for old in oldest:
             del self.mapped[old]
             for r in self._ranges(old):
                 map_out(*r)
