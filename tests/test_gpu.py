@@ -120,6 +120,19 @@ def test_grouped_gemm_experts_match_the_reference():
         assert rel_err(a, b) <= 1e-2
 
 
+@pytest.mark.parametrize("tier", ["disk", "host"])
+def test_tiered_experts_on_cuda_match_resident(tmp_path, tier):
+    """The expert store's GPU side, which no CPU run reaches (tests/test_tiers.py runs the rest):
+    cache slots on the device, reads through pinned host buffers copied on a side stream (the
+    prefetch thread's too), the host tier pinned; fp32, the CPU test's tolerance."""
+    from tests.test_tiers import _tiered_pair, check_tiered_matches_resident
+
+    resident, tiered, store = _tiered_pair(tmp_path, 0.05, "auto", "per_expert", tier, device="cuda")
+    assert not store.mapped and store.cache.cuda
+    check_tiered_matches_resident(resident, tiered, store)
+    store.close()
+
+
 def _check_against_bf16(linear, x, w, tol=6e-2):
     """An FP8 GEMM ``linear(x, w)``: output and both input gradients within ``tol`` of bf16's."""
     got = [linear(x, w)]

@@ -134,7 +134,8 @@ def test_tiered_experts_at_ep2_match_one_process(pool, tmp_path):
 # ---- the layer and the store directly -------------------------------------------------------
 
 def _tiered_pair(tmp_path, budget_mib: float, kernel: str = "auto", expert_adapters: str = "per_expert",
-                 tier: str = "disk", mapped: bool = True):
+                 tier: str = "disk", mapped: bool = True, device: str = "cpu"):
+    """(resident model, tiered model, its open store) on ``device``, same weights and adapters."""
     from megamoe.lora import LoRAConfig, apply_lora
     from megamoe.model import LanguageModel
     from megamoe.tiers import open_expert_store
@@ -153,8 +154,28 @@ def _tiered_pair(tmp_path, budget_mib: float, kernel: str = "auto", expert_adapt
         load_checkpoint(store_dir, model.groups, [model], load_rng=False)
         apply_lora(model, LoRAConfig(rank=4, alpha=8.0, expert_adapters=expert_adapters))
         randomize_adapters(model)
-        models.append(model)
+        models.append(model.to(device))
     return models[0], models[1], open_expert_store([models[1]], models[1].groups)
+
+
+def check_tiered_matches_resident(resident, tiered, store) -> None:
+    """Outputs and every adapter gradient of a forward+backward on both models agree (1e-6
+    relative), experts came from the store, and the tiered model holds no expert weight."""
+    device = next(p for p in resident.parameters()).device
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
+    outs = []
+    for model in (resident, tiered):
+        out = model(ids)
+        out.float().pow(2).mean().backward()
+        outs.append(out)
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-6
+    grads = [{n: p.grad for n, p in m.named_parameters() if p.grad is not None} for m in (resident, tiered)]
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 8
+    for n, g in grads[0].items():
+        assert (g - grads[1][n]).abs().max().item() <= 1e-6 * max(1.0, g.abs().max().item()), n
+    assert store.stats()["misses"] > 0
+    assert not any(p.device.type != "meta" for n, p in tiered.named_parameters() if n.endswith("_weight")
+                   and ".experts." in n)
 
 
 @pytest.mark.parametrize("kernel,budget,adapters,tier,mapped", [("loop", 0.004, "per_expert", "disk", True),
@@ -170,20 +191,7 @@ def test_tiered_layer_forward_and_backward_match_resident(tmp_path, kernel, budg
     adapter gradient as with resident experts."""
     resident, tiered, store = _tiered_pair(tmp_path, budget, kernel, adapters, tier, mapped)
     assert store.mapped == mapped
-    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
-    outs = []
-    for model in (resident, tiered):
-        out = model(ids)
-        out.float().pow(2).mean().backward()
-        outs.append(out)
-    assert (outs[0] - outs[1]).abs().max().item() <= 1e-6
-    grads = [{n: p.grad for n, p in m.named_parameters() if p.grad is not None} for m in (resident, tiered)]
-    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 8
-    for n, g in grads[0].items():
-        assert (g - grads[1][n]).abs().max().item() <= 1e-6 * max(1.0, g.abs().max().item()), n
-    assert store.stats()["misses"] > 0
-    assert not any(p.device.type != "meta" for n, p in tiered.named_parameters() if n.endswith("_weight")
-                   and ".experts." in n)
+    check_tiered_matches_resident(resident, tiered, store)
     store.close()
 
 

@@ -5,7 +5,8 @@
 #   bash tools/gpu_check.sh             # THERE, from the repo root, with .whl/ carried along
 # Installs the wheels into /tmp/site, megamoe from this checkout, reports the environment,
 # runs the GPU tests (`pytest -m gpu`: the cuda backend's roles against local in fp32 and
-# bf16, fla against megamoe's ops, FP8 roles against bf16, a tiny model's loss curve on the
+# bf16, fla against megamoe's ops, FP8 roles against bf16, tiered experts' device cache and
+# side-stream reads against resident experts, a tiny model's loss curve on the
 # GPU against the CPU), then tools/bench_gpu.py. Each phase has its own time limit; logs go
 # to $OUT (or outputs/gpu_check) so a partial run still reports.
 set -uo pipefail
