@@ -3,10 +3,12 @@
     store = open_expert_store(chunks, groups, path)     # the tiered layers of a rank's chunks
     save_converted(model, out_dir)                       # a store (converted checkpoint) of a model
 
-See ``megamoe.tiers.store`` (the store and its budget), ``megamoe.tiers.cache`` (the LRU cache
-and the prefetch thread), ``megamoe.tiers.source`` (bounded reads of expert slices from a
-converted checkpoint), ``megamoe.tiers.hf`` (the same from the HF directory a model was
-imported from) and docs/memory.md.
+See ``megamoe.tiers.store`` (the store and its budget), ``megamoe.tiers.mapped`` (on a CPU:
+kernels on views of the memory-mapped store, the pages mapped in bounded), ``megamoe.tiers.cache``
+(otherwise: the LRU cache of copied experts), ``megamoe.tiers.prefetch`` (the background thread
+both use), ``megamoe.tiers.source`` (bounded reads of expert slices from a converted
+checkpoint), ``megamoe.tiers.hf`` (the same from the HF directory a model was imported from)
+and docs/memory.md.
 """
 from megamoe.tiers.store import ExpertStore, open_expert_store, tiered_layers
 from megamoe.tiers.write import save_converted

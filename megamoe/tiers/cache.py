@@ -21,15 +21,15 @@ path cannot run on the CPU machines the tests use).
 """
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Hashable
 
 import torch
 
+from megamoe.tiers.prefetch import Prefetcher
 
-class ExpertCache:
+
+class ExpertCache(Prefetcher):
     """``load(key, w1, w2)`` fills contiguous CPU tensors of ``shapes`` with an expert's values."""
 
     def __init__(self, capacity: int, device: torch.device, dtype: torch.dtype, shapes: tuple, load: Callable,
@@ -43,12 +43,11 @@ class ExpertCache:
         self.slots: OrderedDict[Hashable, int] = OrderedDict()
         self.busy: dict[int, int] = {}  # slot -> copies in progress
         self.events: dict[int, object] = {}  # slot -> the side stream's copy event (GPU)
-        self.pending: dict[Hashable, Future] = {}
-        self.lock = threading.Lock()
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="megamoe-experts") if prefetch and n else None
+        self.size = n
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.stats = {"hits": 0, "misses": 0, "prefetched": 0, "read_bytes": 0}
+        self._start_prefetch(prefetch)
 
     @property
     def used(self) -> int:
@@ -105,13 +104,11 @@ class ExpertCache:
             self.slots[key] = slot
         return slot
 
-    def _prefetch_one(self, key: Hashable) -> None:
-        try:
-            if self._read_into_slot(key) is not None:
-                self.stats["prefetched"] += 1
-        finally:
-            with self.lock:
-                self.pending.pop(key, None)
+    def _has(self, key: Hashable) -> bool:
+        return key in self.slots
+
+    def _fetch(self, key: Hashable) -> bool:
+        return self._read_into_slot(key) is not None
 
     # ---- what the store calls -----------------------------------------------------------
 
@@ -156,32 +153,8 @@ class ExpertCache:
         out2.copy_(host[1], non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()  # the pinned buffers are freed next
 
-    def prefetch(self, keys) -> None:
-        """Queue reads of ``keys`` not cached or queued, as many as the pool holds."""
-        if self.executor is None:
-            return
-        room = len(self.pool[0]) // 2  # never queue so much that the queue evicts its own reads
-        with self.lock:
-            for key in keys:
-                if room <= 0:
-                    break
-                room -= 1
-                if key in self.slots or key in self.pending:
-                    continue
-                self.pending[key] = self.executor.submit(self._prefetch_one, key)
-
-    def drain(self) -> None:
-        """Wait for every queued read."""
-        with self.lock:
-            futures = list(self.pending.values())
-        for f in futures:
-            f.result()
-
     def close(self) -> None:
-        self.drain()
-        if self.executor is not None:
-            self.executor.shutdown(wait=True)
-            self.executor = None
+        self._stop_prefetch()
         with self.lock:
             self.slots.clear()
             self.events.clear()

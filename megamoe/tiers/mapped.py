@@ -29,14 +29,14 @@ import ctypes
 import logging
 import mmap
 import os
-import threading
 import warnings
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Hashable
 
 import torch
+
+from megamoe.tiers.prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class MappedFile:
         return self.bytes[start:start + n].view(dtype).view(shape)
 
 
-class MappedExperts:
+class MappedExperts(Prefetcher):
     """The experts whose pages are mapped in, over a rank's tiered layers, least recently used
     first; the same interface to the store as ``ExpertCache`` (``prefetch``, ``stats``,
     ``used``, ``capacity``, ``close``). ``views``: {layer: (W1, W2)} over the mapped files."""
@@ -108,14 +108,12 @@ class MappedExperts:
     def __init__(self, views: dict[str, tuple[torch.Tensor, torch.Tensor]], capacity: int, prefetch: bool = True):
         self.views = views
         self.entry_bytes = max(w1[0].nbytes + w2[0].nbytes for w1, w2 in views.values())
-        self.slots = max(0, int(capacity) // self.entry_bytes)
-        self.capacity = self.slots * self.entry_bytes
+        self.size = max(0, int(capacity) // self.entry_bytes)
+        self.capacity = self.size * self.entry_bytes
         self.mapped: OrderedDict[Hashable, None] = OrderedDict()
         self.busy: set = set()  # the current kernel call's experts: never unmapped under it
-        self.pending: dict[Hashable, Future] = {}
-        self.lock = threading.Lock()
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="megamoe-experts") if prefetch and self.slots else None
         self.stats = {"hits": 0, "misses": 0, "prefetched": 0, "read_bytes": 0}
+        self._start_prefetch(prefetch)
 
     @property
     def used(self) -> int:
@@ -139,7 +137,7 @@ class MappedExperts:
         """Note ``key`` as mapped (most recent) and unmap the oldest past the capacity; under the lock."""
         self.mapped[key] = None
         self.mapped.move_to_end(key)
-        over = len(self.mapped) - self.slots
+        over = len(self.mapped) - self.size
         if over <= 0:
             return
         oldest = []
@@ -173,44 +171,21 @@ class MappedExperts:
                     self._record(key)
         return self.views[layer]
 
-    def _prefetch_one(self, key) -> None:
-        try:
-            with self.lock:
-                if key in self.mapped:
-                    return
-            self._map(key)
-            with self.lock:
-                self._record(key)
-            self.stats["prefetched"] += 1
-        finally:
-            with self.lock:
-                self.pending.pop(key, None)
+    def _has(self, key) -> bool:
+        return key in self.mapped
 
-    def prefetch(self, keys) -> None:
-        """Map ``keys`` in on the background thread, at most half the capacity at a time."""
-        if self.executor is None:
-            return
-        room = self.slots // 2
+    def _fetch(self, key) -> bool:
         with self.lock:
-            for key in keys:
-                if room <= 0:
-                    break
-                room -= 1
-                if key not in self.mapped and key not in self.pending:
-                    self.pending[key] = self.executor.submit(self._prefetch_one, key)
-
-    def drain(self) -> None:
+            if key in self.mapped:
+                return False
+        self._map(key)
         with self.lock:
-            futures = list(self.pending.values())
-        for f in futures:
-            f.result()
+            self._record(key)
+        return True
 
     def close(self) -> None:
         """Unmap every expert's pages (the views stay valid: a later touch maps them again)."""
-        self.drain()
-        if self.executor is not None:
-            self.executor.shutdown(wait=True)
-            self.executor = None
+        self._stop_prefetch()
         with self.lock:
             for key in self.mapped:
                 for r in self._ranges(key):
