@@ -160,6 +160,9 @@ def compiled_step():
     """One compiled ``step(model, ids, cache)`` per process, made on first use: its graphs are
     guarded on the model and cache they were traced with, so every generation with a model
     reuses them (a new model compiles its own)."""
+    from megamoe.layers.dispatch import compile_ready
+
+    compile_ready()
     return torch.compile(_step)
 
 
