@@ -17,9 +17,9 @@ pages mapped in are bounded by the budget (``--no-map``: positioned reads into c
 mapping nothing, the way a GPU brings experts in).
 
 Both runs also hold what any megamoe process holds before it builds a model (the interpreter,
-torch and the imports: ~0.56 GiB, printed as ``base``); the larger the model, the less it
-weighs in X (the default model is the size at which X meets its target: see
-docs/performance.md). The ratio net of it is printed beside X as extra information.
+torch and the imports: ~0.55 GiB, printed as ``base``); the larger the model, the less it
+weighs in X (docs/performance.md). The ratio net of it is printed beside X as extra
+information.
 
 Both runs' host allocator is glibc with its mmap threshold fixed at ``--heap-mmap-kib``
 (``MALLOC_MMAP_THRESHOLD_``, default 1 MiB; 0: glibc's default): blocks of that size or more
