@@ -298,10 +298,12 @@ class _LoopExperts(torch.autograd.Function):
         x, idx, probs, w1, w2, pre = ctx.saved_tensors
         dout = dout.contiguous()
         dx = torch.zeros_like(x)
-        # every expert with rows writes its whole weight gradient; only empty ones need zeros
-        dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+        # every expert with rows writes its whole weight gradient; only empty ones need zeros.
+        # Frozen weights get none (LoRA, tiered experts: w1/w2 may be views of a whole store)
+        need_w = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
+        dw1, dw2 = (torch.empty_like(w1), torch.empty_like(w2)) if need_w else (None, None)
         dprobs = None if probs is None else torch.empty_like(probs)
-        for e in (e for e, n in enumerate(ctx.counts) if n == 0):
+        for e in (e for e, n in enumerate(ctx.counts) if n == 0 and need_w):
             dw1[e].zero_()
             dw2[e].zero_()
         for blk, experts in expert_blocks(ctx.counts, BLOCK_ROWS):
@@ -313,12 +315,13 @@ class _LoopExperts(torch.autograd.Function):
                                              ctx.limit, ctx.fuse)
             if dp is not None:
                 dprobs[blk] = dp
-            for e, sl in experts:
-                torch.mm(dy[sl].t(), act[sl], out=dw2[e])
             rows = x.index_select(0, idx[blk])
+            if need_w:
+                for e, sl in experts:
+                    torch.mm(dy[sl].t(), act[sl], out=dw2[e])
+                    torch.mm(d_pre[sl].t(), rows[sl], out=dw1[e])
             d_rows = torch.empty_like(rows)
             for e, sl in experts:
-                torch.mm(d_pre[sl].t(), rows[sl], out=dw1[e])
                 torch.mm(d_pre[sl], w1[e], out=d_rows[sl])
             dx.index_add_(0, idx[blk], d_rows)
         return dx, None, dprobs, dw1, dw2, None, None, None, None

@@ -86,6 +86,41 @@ def test_loop_kernel_without_autograd_equals_its_autograd_form(limit):
         got = swiglu_experts("loop", x, idx, counts, probs, w1, w2, 11, limit)
     assert torch.equal(got, ref.detach())
 
+def test_loop_kernel_makes_no_weight_gradient_for_frozen_experts():
+    """Frozen weights (LoRA elsewhere, tiered experts whose w1/w2 are views of a whole layer in
+    a mapped store): the loop kernel's backward allocates nothing of their size, and the input
+    gradient is the one computed with the weights trainable."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megamoe.layers.grouped_gemm import swiglu_experts
+
+    gen = torch.Generator().manual_seed(2)
+    counts = [3, 0, 5, 0, 4]
+    x = torch.randn(11, H, generator=gen)
+    idx = torch.randint(0, 11, (sum(counts),), generator=gen)
+    w1, w2 = torch.randn(5, 16, H, generator=gen) * 0.3, torch.randn(5, H, 8, generator=gen) * 0.3
+    shapes = []
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            shapes.extend(tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out])
+                          if isinstance(t, torch.Tensor))
+            return out
+
+    grads = []
+    for trainable in (True, False):
+        xg = x.clone().requires_grad_()
+        y = swiglu_experts("loop", xg, idx, counts, None, w1.clone().requires_grad_(trainable),
+                           w2.clone().requires_grad_(trainable), 11)
+        with Shapes():
+            y.pow(2).sum().backward()
+        grads.append(xg.grad)
+        assert (tuple(w1.shape) in shapes) == trainable and (tuple(w2.shape) in shapes) == trainable
+        shapes.clear()
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_auto_kernel_on_cpu_is_the_loop():
     from megamoe.layers.grouped_gemm import resolve_kernel
 

@@ -152,7 +152,9 @@ def _tiered_pair(tmp_path, budget_mib: float, kernel: str = "auto", expert_adapt
                                                map=mapped)
         model = LanguageModel(c)
         load_checkpoint(store_dir, model.groups, [model], load_rng=False)
-        apply_lora(model, LoRAConfig(rank=4, alpha=8.0, expert_adapters=expert_adapters))
+        lora = LoRAConfig(rank=4, alpha=8.0, expert_adapters=expert_adapters if expert_adapters != "none" else
+                          "per_expert", exclude=["*.experts"] if expert_adapters == "none" else [])
+        apply_lora(model, lora)
         randomize_adapters(model)
         models.append(model.to(device))
     return models[0], models[1], open_expert_store([models[1]], models[1].groups)
@@ -184,11 +186,14 @@ def check_tiered_matches_resident(resident, tiered, store) -> None:
                                                                 ("reference", 0.05, "shared", "disk", False),
                                                                 ("loop", 1.0, "shared", "disk", True),
                                                                 ("loop", 1.0, "shared", "disk", False),
-                                                                ("loop", 0.05, "per_expert", "host", False)])
+                                                                ("loop", 0.05, "per_expert", "host", False),
+                                                                ("loop", 0.05, "none", "disk", True)])
 def test_tiered_layer_forward_and_backward_match_resident(tmp_path, kernel, budget, adapters, tier, mapped):
     """One expert per call without a cache (0.004 MiB), several per call with a cache, all
-    cached, the host tier; experts mapped in place or copied into slots: outputs and every
-    adapter gradient as with resident experts."""
+    cached, the host tier; experts mapped in place or copied into slots; no adapters on the
+    experts (the frozen kernel's backward then makes no weight gradient: with mapped views
+    that would be a whole layer's experts per call): outputs and every adapter gradient as
+    with resident experts."""
     resident, tiered, store = _tiered_pair(tmp_path, budget, kernel, adapters, tier, mapped)
     assert store.mapped == mapped
     check_tiered_matches_resident(resident, tiered, store)
