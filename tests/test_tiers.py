@@ -178,6 +178,12 @@ def check_tiered_matches_resident(resident, tiered, store) -> None:
     assert store.stats()["misses"] > 0
     assert not any(p.device.type != "meta" for n, p in tiered.named_parameters() if n.endswith("_weight")
                    and ".experts." in n)
+    with torch.no_grad():  # forwards without a backward (decoding) leave no record behind
+        tiered(ids)
+        recorded = len(store.calls)
+        for _ in range(3):
+            tiered(ids)
+        assert len(store.calls) == recorded
 
 
 @pytest.mark.parametrize("kernel,budget,adapters,tier,mapped", [("loop", 0.004, "per_expert", "disk", True),

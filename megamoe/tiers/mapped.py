@@ -26,9 +26,10 @@ holds the rank's local experts, no ETP slice, no expert placement applied at rea
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
-import os
+import sys
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -46,8 +47,9 @@ MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ = 3, 4, 22  # <sys/mman.h> (POP
 try:  # a CDLL call releases the GIL: a disk read does not stall Python
     _libc = ctypes.CDLL(None, use_errno=True)
     _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    AVAILABLE = True
-except (OSError, AttributeError, TypeError):  # no POSIX madvise here: the store copies
+    # the advice values are Linux's, and elsewhere MADV_DONTNEED need not drop pages from the RSS
+    AVAILABLE = sys.platform.startswith("linux")
+except (OSError, AttributeError, TypeError):  # no madvise here: the store copies
     _libc, AVAILABLE = None, False
 _POPULATE = [MADV_POPULATE_READ]  # falls back to MADV_WILLNEED where the kernel lacks it
 
@@ -57,10 +59,12 @@ def map_in(addr: int, nbytes: int) -> None:
     start = addr - addr % PAGE
     length = addr + nbytes - start
     if _libc.madvise(start, length, _POPULATE[0]) != 0 and _POPULATE[0] == MADV_POPULATE_READ:
-        log.info("madvise(MADV_POPULATE_READ) failed (%s): expert pages are read ahead with MADV_WILLNEED",
-                 os.strerror(ctypes.get_errno()))
-        _POPULATE[0] = MADV_WILLNEED
-        _libc.madvise(start, length, MADV_WILLNEED)
+        err = ctypes.get_errno()
+        if err == errno.EINVAL:  # a kernel before 5.14: read ahead instead, pages fault in when touched
+            log.info("madvise(MADV_POPULATE_READ) is not supported here: expert pages are read ahead "
+                     "with MADV_WILLNEED")
+            _POPULATE[0] = MADV_WILLNEED
+        _libc.madvise(start, length, MADV_WILLNEED)  # else (a signal, memory pressure): this time only
 
 
 def _huge_page() -> int:
@@ -77,10 +81,11 @@ HUGE = _huge_page()
 
 def map_out(addr: int, nbytes: int, lo: int, hi: int) -> None:
     """Unmap [addr, addr + nbytes) widened to whole huge pages (what mapping it in may have
-    mapped), within the mapping [lo, hi). A neighbour's pages unmapped on the way are mapped
-    again when touched: the file is never written, so no value changes."""
-    start = max(addr // HUGE * HUGE, lo)
-    end = min(-(-(addr + nbytes) // HUGE) * HUGE, -(-hi // PAGE) * PAGE)
+    mapped), within the file's mapping [lo, hi) (lo: the mapping's start, file offset 0;
+    never past it: DONTNEED on anonymous memory would zero it). A neighbour's pages unmapped
+    on the way are mapped again when touched: the file is never written, so no value changes."""
+    start = max(lo + (addr - lo) // HUGE * HUGE, lo)  # folios are aligned on file offsets: from lo
+    end = min(lo + -(-(addr + nbytes - lo) // HUGE) * HUGE, -(-hi // PAGE) * PAGE)
     if end > start:
         _libc.madvise(start, end - start, MADV_DONTNEED)
 
@@ -128,28 +133,26 @@ class MappedExperts(Prefetcher):
             out.append((w[e].data_ptr(), w[e].nbytes, whole.data_ptr(), whole.data_ptr() + whole.nbytes()))
         return out
 
-    def _map(self, key) -> None:
-        for addr, n, _, _ in self._ranges(key):
+    def _map_one(self, key) -> None:
+        """Map ``key`` in and record it (unmapping the oldest past the capacity)."""
+        ranges = self._ranges(key)
+        for addr, n, _, _ in ranges:
             map_in(addr, n)
-            self.stats["read_bytes"] += n
-
-    def _record(self, key) -> None:
-        """Note ``key`` as mapped (most recent) and unmap the oldest past the capacity; under the lock."""
-        self.mapped[key] = None
-        self.mapped.move_to_end(key)
-        over = len(self.mapped) - self.size
-        if over <= 0:
-            return
-        oldest = []
-        for k in self.mapped:  # least recent first; stop once enough are found
-            if k not in self.busy:
-                oldest.append(k)
-                if len(oldest) == over:
-                    break
-        for old in oldest:
-            del self.mapped[old]
-            for r in self._ranges(old):
-                map_out(*r)
+        with self.lock:
+            self.stats["read_bytes"] += sum(r[1] for r in ranges)
+            self.mapped[key] = None
+            self.mapped.move_to_end(key)
+            over = len(self.mapped) - self.size
+            oldest = []
+            for k in self.mapped if over > 0 else ():  # least recent first; stop once enough are found
+                if k not in self.busy:
+                    oldest.append(k)
+                    if len(oldest) == over:
+                        break
+            for old in oldest:
+                del self.mapped[old]
+                for r in self._ranges(old):
+                    map_out(*r)
 
     def bring(self, layer: str, experts) -> tuple[torch.Tensor, torch.Tensor]:
         """Map ``layer``'s ``experts`` in (waiting for a prefetch under way): the layer's views."""
@@ -166,9 +169,7 @@ class MappedExperts(Prefetcher):
                     self.mapped.move_to_end(key)
             self.stats["hits" if hit else "misses"] += 1
             if not hit:
-                self._map(key)
-                with self.lock:
-                    self._record(key)
+                self._map_one(key)
         return self.views[layer]
 
     def _has(self, key) -> bool:
@@ -178,17 +179,17 @@ class MappedExperts(Prefetcher):
         with self.lock:
             if key in self.mapped:
                 return False
-        self._map(key)
-        with self.lock:
-            self._record(key)
+        self._map_one(key)
         return True
 
     def close(self) -> None:
-        """Unmap every expert's pages (the views stay valid: a later touch maps them again)."""
+        """Unmap every page of the store's files, also any a kernel touched after its expert was
+        unmapped (the views stay valid: a later touch maps them again)."""
         self._stop_prefetch()
         with self.lock:
-            for key in self.mapped:
-                for r in self._ranges(key):
-                    map_out(*r)
+            whole = {w.untyped_storage().data_ptr(): w.untyped_storage().nbytes()
+                     for pair in self.views.values() for w in pair}
+            for lo, n in whole.items():
+                map_out(lo, n, lo, lo + n)
             self.mapped.clear()
             self.busy = set()

@@ -45,7 +45,6 @@ from megamoe.parallel.groups import ParallelGroups
 from megamoe.tiers.cache import ExpertCache
 from megamoe.tiers.hf import hf_expert_sources, is_hf_dir
 from megamoe.tiers import mapped
-from megamoe.tiers.mapped import MappedExperts
 from megamoe.tiers.source import DiskSource, ExpertTensors, HostSource
 
 log = logging.getLogger(__name__)
@@ -82,7 +81,7 @@ class ExpertStore:
         self.shapes = shapes.pop()
         self.mapped = views is not None
         if self.mapped:  # the call's pages are among those mapped in: the whole budget
-            self.cache = MappedExperts(views, budget, prefetch=cfg.prefetch)
+            self.cache = mapped.MappedExperts(views, budget, prefetch=cfg.prefetch)
         else:  # the call's stacks are a buffer of their own: the rest is the cache
             capacity = max(0, budget - self.per_call * self.expert_bytes)
             self.cache = ExpertCache(capacity, device, dtype, self.shapes, self._load, prefetch=cfg.prefetch)
@@ -128,7 +127,10 @@ class ExpertStore:
         return y
 
     def _record_call(self, layer: str, experts) -> int:
-        """Note a kernel call in the step's forward order: its position."""
+        """Note a kernel call in the step's forward order: its position (-1 without autograd:
+        no backward will come to clear the record, e.g. every decode step of a generation)."""
+        if not torch.is_grad_enabled():
+            return -1
         self.calls.append((layer, tuple(experts)))
         return len(self.calls) - 1
 
@@ -140,8 +142,8 @@ class ExpertStore:
             self.cache.prefetch([(layer, e) for e in experts])
 
     def _bring_back(self, layer: str, experts, step: int) -> None:
+        self.cache.bring(layer, experts)  # first: marks them busy, so the prefetch cannot unmap them
         self._prefetch_before(step)
-        self.cache.bring(layer, experts)
 
     def stack(self, layer: str, experts) -> tuple[torch.Tensor, torch.Tensor]:
         """w1 [n, 2f/etp, h], w2 [n, h, f/etp] of local ``experts`` (on the cache's device), in
