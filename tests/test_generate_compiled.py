@@ -43,9 +43,10 @@ def prompts() -> list[list[int]]:
 @needs_compiler
 def test_compiled_decode_steps_are_one_graph_with_the_eager_tokens_and_logits():
     model, ps = hybrid_moe(), prompts()
-    breaks = sum(counters["graph_break"].values())
+    breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
     assert generate_batch(model, ps, 6, compile=True) == generate_batch(model, ps, 6)
     assert sum(counters["graph_break"].values()) == breaks  # the whole step is one graph
+    assert counters["stats"]["unique_graphs"] > graphs  # and it was compiled, not run eagerly
 
     ids, pad = left_pad(ps)
     step = compiled_forward(model)
@@ -79,6 +80,13 @@ def test_compiled_decode_refuses_a_custom_forward():
         generate_batch(model, prompts(), 2, compile=True, forward=model)
 
 
+def test_generate_refuses_compile_with_parallel_flags_before_loading(tmp_path):
+    from megamoe.commands.generate import main
+
+    with pytest.raises(ConfigError, match="--compile runs in one process"):
+        main([str(tmp_path / "not-loaded"), "--ids", "1,2", "--compile", "--tp", "2"])
+
+
 def test_the_opaque_experts_op_is_the_eager_dispatch_and_only_for_plain_experts():
     """``local_dispatch`` (what a compiled step calls) gives bitwise the eager single-rank
     dispatch's output, and declines (None: the dispatch then runs outside the graph) for experts
@@ -97,3 +105,7 @@ def test_the_opaque_experts_op_is_the_eager_dispatch_and_only_for_plain_experts(
     adapted = apply_lora(hybrid_moe(), LoRAConfig(rank=2, targets=["experts"])).get_submodule("layers.0.mlp.experts")
     with torch.no_grad():
         assert adapted.local_dispatch(x, weights, idx) is None
+    handle = experts.register_forward_hook(lambda *a: None)  # the op would skip the module's hooks
+    with torch.no_grad():
+        assert experts.local_dispatch(x, weights, idx) is None
+    handle.remove()

@@ -146,6 +146,8 @@ def load_for_layout(args):
         return load_model(args.model_dir, base=args.base, expert_store=store), None, True
     if store is not None:
         raise ConfigError("--expert-budget runs in one process (drop --tp/--pp/--ep/--etp/--cp)")
+    if args.compile:  # before loading: compiled decode steps run the whole model in one process
+        raise ConfigError("--compile runs in one process (drop --tp/--pp/--ep/--etp/--cp)")
     if args.image and parallel.pp > 1:
         raise ConfigError("--image with --pp > 1: the vision tower sits on the first stage only; use --pp 1")
     groups = inference_groups(parallel)
