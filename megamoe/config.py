@@ -450,10 +450,11 @@ class ExpertStoreConfig:
         ``megamoe.tiers.save_converted``); None: the run's ``checkpoint.load`` (fine-tuning) or
         the checkpoint being served.
     prefetch: read the next experts in a background thread while the current ones compute.
-    map: the ``disk`` tier on a CPU: kernels read routed experts in place from the store's
-        memory-mapped files, the budget bounding the pages mapped in (no copies); false, or
-        where the store cannot be viewed so (another dtype, an ETP slice, a placement applied
-        at read time, a GPU): positioned reads into the cache's slots.
+    map: the ``disk`` tier on a CPU (Linux): kernels read routed experts in place from the
+        store's memory-mapped files, the budget bounding the pages mapped in (no copies);
+        false, or where the store cannot be viewed so (another dtype, an ETP slice, a placement
+        applied at read time, a rank's experts in two EP pieces, one HF tensor per weight, a
+        GPU): positioned reads into the cache's slots.
     """
 
     budget_mib: Optional[float] = None

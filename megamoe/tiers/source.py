@@ -220,8 +220,10 @@ class ExpertTensors:
             entry, local = self._find(pieces, first)
             if local + n > entry.shape[0]:
                 return f"{entry.file.name}: the rank's experts span two EP pieces"
-            if entry.dtype != dtype or entry.start % dtype.itemsize:
+            if entry.dtype != dtype:
                 return f"{entry.file.name}: stored as {entry.dtype}, the model runs in {dtype}"
+            if entry.start % dtype.itemsize:
+                return f"{entry.file.name}: its tensor data starts unaligned for {dtype}"
             out.append(self.source.view(entry, local * shape[0] * shape[1], (n, *shape)))
         return tuple(out)
 
