@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megamoe.errors import CheckpointError
+from tests.dist import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 12
@@ -28,7 +29,7 @@ def pretrain_cmd(ckpt_dir: Path, *extra: str) -> list[str]:
 
 
 def env() -> dict:
-    e = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(random.randint(20000, 40000)))
+    e = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
     e.pop("RANK", None)
     e.pop("WORLD_SIZE", None)
     return e
@@ -53,7 +54,8 @@ def uninterrupted(tmp_path_factory) -> dict[int, float]:
 def test_kill9_then_resume_is_bitwise(tmp_path, uninterrupted):
     d = tmp_path / "ckpt"
     kill_at = random.Random(os.getpid()).randint(4, STEPS - 2)
-    proc = subprocess.Popen(pretrain_cmd(d), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "killed_run.log"
+    proc = subprocess.Popen(pretrain_cmd(d), env=env(), stdout=subprocess.DEVNULL, stderr=log.open("w"))
     metrics = d / "tb" / "metrics.jsonl"
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:
@@ -62,7 +64,7 @@ def test_kill9_then_resume_is_bitwise(tmp_path, uninterrupted):
             break
         time.sleep(0.05)
     proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before it could be killed: {log.read_text()[-2000:]}"
     subprocess.run(pretrain_cmd(d), check=True, env=env(), capture_output=True)
     resumed = losses(d)
     assert sorted(resumed) == list(range(1, STEPS + 1))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import random
 import re
 import shutil
 import subprocess
@@ -17,6 +16,7 @@ import torch
 
 from megamoe.errors import CheckpointError
 from megamoe.parallel.groups import ParallelGroups
+from tests.dist import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["data.kind=synthetic", "data.seq_len=32", "logging.progress=false", "logging.latency_interval=0"]
@@ -26,7 +26,7 @@ LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (INFO|WARNING) |(\[
 
 def env() -> dict:
     e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGAMOE_FUSION="off",
-             MASTER_PORT=str(random.randint(20000, 40000)))
+             MASTER_PORT=str(free_port()))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         e.pop(key, None)
     return e

@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.dist import free_port
 from tests.numerics import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -172,7 +172,7 @@ def test_lora_on_the_cuda_backend_matches_local_on_the_cpu():
 
 
 def _losses(tmp: Path, device: str, *extra: str) -> list[float]:
-    env = dict(os.environ, MASTER_PORT=str(random.randint(20000, 40000)), MEGAMOE_FUSION="off")
+    env = dict(os.environ, MASTER_PORT=str(free_port()), MEGAMOE_FUSION="off")
     subprocess.run([sys.executable, str(REPO / "tools/pretrain.py"), "--config", "tiny_hybrid_moe",
                     "train.steps=8", f"train.device={device}", "train.precision=fp32", f"checkpoint.dir={tmp}",
                     "logging.interval=1", "logging.progress=false", *extra], check=True, env=env,
