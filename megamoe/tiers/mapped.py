@@ -84,10 +84,16 @@ def map_out(addr: int, nbytes: int, lo: int, hi: int) -> None:
     mapped), within the file's mapping [lo, hi) (lo: the mapping's start, file offset 0;
     never past it: DONTNEED on anonymous memory would zero it). A neighbour's pages unmapped
     on the way are mapped again when touched: the file is never written, so no value changes."""
-    start = max(lo + (addr - lo) // HUGE * HUGE, lo)  # folios are aligned on file offsets: from lo
+    start = lo + (addr - lo) // HUGE * HUGE  # folios are aligned on file offsets: from lo
     end = min(lo + -(-(addr + nbytes - lo) // HUGE) * HUGE, -(-hi // PAGE) * PAGE)
     if end > start:
         _libc.madvise(start, end - start, MADV_DONTNEED)
+
+
+def _mapping(view: torch.Tensor) -> tuple[int, int]:
+    """[start, end) of the file mapping a view lies in (its storage is the whole mapping)."""
+    storage = view.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
 
 
 class MappedFile:
@@ -112,6 +118,8 @@ class MappedExperts(Prefetcher):
 
     def __init__(self, views: dict[str, tuple[torch.Tensor, torch.Tensor]], capacity: int, prefetch: bool = True):
         self.views = views
+        # each weight's file mapping [start, end) (its storage): what unmapping may widen into, never past
+        self.bounds = {layer: [_mapping(w) for w in pair] for layer, pair in views.items()}
         self.entry_bytes = max(w1[0].nbytes + w2[0].nbytes for w1, w2 in views.values())
         self.size = max(0, int(capacity) // self.entry_bytes)
         self.capacity = self.size * self.entry_bytes
@@ -127,11 +135,7 @@ class MappedExperts(Prefetcher):
     def _ranges(self, key):
         """(address, bytes, the mapping's first and end address) of an expert's two weights."""
         layer, e = key
-        out = []
-        for w in self.views[layer]:
-            whole = w.untyped_storage()  # the file's mapping
-            out.append((w[e].data_ptr(), w[e].nbytes, whole.data_ptr(), whole.data_ptr() + whole.nbytes()))
-        return out
+        return [(w[e].data_ptr(), w[e].nbytes, *b) for w, b in zip(self.views[layer], self.bounds[layer])]
 
     def _map_one(self, key) -> None:
         """Map ``key`` in and record it (unmapping the oldest past the capacity)."""
@@ -187,9 +191,7 @@ class MappedExperts(Prefetcher):
         unmapped (the views stay valid: a later touch maps them again)."""
         self._stop_prefetch()
         with self.lock:
-            whole = {w.untyped_storage().data_ptr(): w.untyped_storage().nbytes()
-                     for pair in self.views.values() for w in pair}
-            for lo, n in whole.items():
-                map_out(lo, n, lo, lo + n)
+            for lo, hi in {b for pair in self.bounds.values() for b in pair}:
+                map_out(lo, hi - lo, lo, hi)
             self.mapped.clear()
             self.busy = set()

@@ -9,11 +9,12 @@ needs a key being fetched waits for its future in ``pending`` rather than fetchi
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Hashable
 
 
-class Prefetcher:
+class Prefetcher(ABC):
     size: int
     stats: dict
 
@@ -22,11 +23,13 @@ class Prefetcher:
         self.lock = threading.Lock()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="megamoe-experts") if enabled and self.size else None
 
+    @abstractmethod
     def _has(self, key: Hashable) -> bool:
-        raise NotImplementedError
+        """Whether ``key`` is held already (under the lock)."""
 
+    @abstractmethod
     def _fetch(self, key: Hashable) -> bool:
-        raise NotImplementedError
+        """Bring ``key`` in on the background thread: True if it was brought."""
 
     def _prefetch_one(self, key: Hashable) -> None:
         try:
