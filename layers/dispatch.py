@@ -91,10 +91,15 @@ def dispatch_local(x, weights, idx, keep, experts, num_experts: int) -> torch.Te
     return _dispatch_pairs(x, weights, idx, keep, experts, num_experts)
 
 
-def _dispatch_pairs(x, weights, idx, keep, experts, num_experts: int) -> torch.Tensor:
+def local_pairs(weights, idx, keep, num_experts: int):
+    """The single-rank grid's (token, expert) pairs grouped by expert: (token of each pair [S],
+    rows per expert [E] ints, each pair's routing weight [S]); ``keep`` [T, k] | None."""
     order, counts = group_pairs(_dropped_to(idx, keep), num_experts, all_valid=keep is None)
-    token = order // idx.size(1)
-    probs = weights.reshape(-1).index_select(0, order)
+    return order // idx.size(1), counts, weights.reshape(-1).index_select(0, order)
+
+
+def _dispatch_pairs(x, weights, idx, keep, experts, num_experts: int) -> torch.Tensor:
+    token, counts, probs = local_pairs(weights, idx, keep, num_experts)
     return experts(x, token, counts, probs, x.size(0))
 
 

@@ -25,7 +25,7 @@ from megamoe.fusion import EAGER, Fusion
 from megamoe.params import mark_active_fraction
 from megamoe.parallel.sharding import Shard, mark_init, normal_init, set_sharding
 from megamoe.spec import BuildContext
-from megamoe.layers.dispatch import group_pairs
+from megamoe.layers.dispatch import local_pairs
 from megamoe.layers.grouped_gemm import resolve_kernel, swiglu_experts
 
 
@@ -107,9 +107,8 @@ def local_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1:
                   kernel: str, limit: float | None) -> torch.Tensor:
     """``dispatch_local`` with every pair kept (``megamoe.layers.dispatch``) on weights w1, w2:
     x [T, h], weights/idx [T, k] -> [T, h]. Eager inside (one graph node), unfused."""
-    order, counts = group_pairs(idx, w1.size(0), all_valid=True)
-    probs = weights.reshape(-1).index_select(0, order)
-    return swiglu_experts(kernel, x, order // idx.size(1), counts, probs, w1, w2, x.size(0), limit, False)
+    token, counts, probs = local_pairs(weights, idx, None, w1.size(0))
+    return swiglu_experts(kernel, x, token, counts, probs, w1, w2, x.size(0), limit, False)
 
 
 @local_experts.register_fake
