@@ -107,13 +107,11 @@ class StageForward:
             dist.send(out.contiguous(), self.stages[self.stage + 1], group=self.pp)
             logits = torch.empty(b, 1 if last_only else s, m.config.vocab_size, dtype=self.dtype, device=ids.device)
         else:
-            logits = m.gather_logits(out)
+            logits = m.gather_logits(out[:, -1:] if last_only else out)  # gather only what is kept
             if shard is not None:
                 logits = self.cp_logits(logits, shard, last_only)
             logits = (logits[:, -1:] if last_only else logits).contiguous()
-        if last > 0:
-            dist.broadcast(logits, self.stages[last], group=self.pp)
-        return logits
+        return comm.broadcast_tensor(logits, last, self.pp)
 
     def cp_logits(self, local: torch.Tensor, shard, last_only: bool) -> torch.Tensor:
         """[b, s_local, V] of this CP rank's chunks -> the full sequence's [b, S, V] (all-gathered),

@@ -42,11 +42,9 @@ def write_store(cfg: ModelConfig, out) -> str:
 
 def peak_rss() -> int:
     """This process's peak resident set (VmHWM: anonymous and mapped file pages), bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM")
+    from megamoe.memory import peak_rss_mib
+
+    return int(peak_rss_mib() * 2**20)
 
 
 def finetune(store: str, log_dir: str, budget_mib: float | None, parallel: dict | None = None,
