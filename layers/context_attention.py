@@ -246,8 +246,7 @@ def halo_window_attention(core, q, k, v, window: int, cp, documents: torch.Tenso
     tails = comm.gather_reduce_scatter(tails, 1, cp.group)  # [b, P * 2h, ...] rank-major
 
     def tail_of(chunk: int) -> torch.Tensor:
-        owner, back = (chunk, 0) if chunk < cp.size else (2 * cp.size - 1 - chunk, 1)
-        start = (2 * owner + back) * h
+        start = cp.gathered_slot(chunk) * h
         return tails[:, start:start + h]
 
     outs = []

@@ -74,12 +74,6 @@ def _unchunk(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.size(0) // 2, x.size(1) * 2, *x.shape[2:])
 
 
-def gathered_slot(cp, chunk: int) -> int:
-    """Where global chunk ``chunk`` sits in a rank-major all-gather of every rank's
-    [front | back] chunks (rank r holds chunks r and 2·CP-1-r)."""
-    return 2 * chunk if chunk < cp.size else 2 * (2 * cp.size - 1 - chunk) + 1
-
-
 def _recomputed(fn, *args):
     """fn(*args), keeping only its tensor inputs for backward and running it again there
     (non-reentrant checkpoint) while autograd records; plain otherwise (prefill)."""
@@ -198,7 +192,7 @@ class SequenceView:
         starts = []
         for c in range(2 * cp.size if self.state is not None else max(cp.chunk_ids()) + 1):
             starts.append(h)
-            R, M = every[:, gathered_slot(cp, c)].split([dv, local.size(-1) - dv], dim=-1)
+            R, M = every[:, cp.gathered_slot(c)].split([dv, local.size(-1) - dv], dim=-1)
             h = (transitions[:, c] * h if transitions is not None else M @ h) + R
         if self.state is not None:
             self.state[key] = h
@@ -240,11 +234,11 @@ def conv_halo(x: torch.Tensor, width: int, cp, start: torch.Tensor | None = None
     tails = x.reshape(b, 2, n, c)[:, :, n - width:]                                  # [b, 2, width, C]
     every = gather_reduce_scatter(tails.contiguous(), 1, cp.group)                # [b, 2CP, width, C]
     front, back = cp.chunk_ids()
-    halo = every[:, [gathered_slot(cp, max(front - 1, 0)), gathered_slot(cp, back - 1)]]
+    halo = every[:, [cp.gathered_slot(max(front - 1, 0)), cp.gathered_slot(back - 1)]]
     if front == 0:
         first = torch.zeros_like(halo[:, :1]) if start is None else start.to(halo.dtype).unsqueeze(1)
         halo = torch.cat([first, halo[:, 1:]], dim=1)
-    return halo, every[:, gathered_slot(cp, 2 * cp.size - 1)]
+    return halo, every[:, cp.gathered_slot(2 * cp.size - 1)]
 
 
 def masked_conv(x: torch.Tensor, weight: torch.Tensor, resets: torch.Tensor | None,

@@ -67,6 +67,11 @@ class ContextShard:
         """The two chunk numbers (0 .. 2·CP-1) that ``rank`` (default: this rank) holds, front first."""
         return _chunk_ids(self.size, self.rank if rank is None else rank)
 
+    def gathered_slot(self, chunk: int) -> int:
+        """Where global chunk ``chunk`` sits in a rank-major all-gather of every rank's
+        [front | back] chunks (the inverse of ``chunk_ids``)."""
+        return 2 * chunk if chunk < self.size else 2 * (2 * self.size - 1 - chunk) + 1
+
     def chunk_bounds(self, rank: int | None = None) -> list[tuple[int, int]]:
         """[(start, end), (start, end)]: global token ranges of the local chunks, in local order."""
         n = self.chunk_len
