@@ -207,16 +207,17 @@ def stage_activations(cfg, stages: list[list[int]], micro_batch: int, seq: int, 
     streams = cfg.hyper_connections.streams if cfg.hyper_connections is not None else 1
     stream = micro_batch * seq * streams * cfg.hidden_size * act / (tp if sp else 1)  # input [b, s(/tp), (n,) h]
     kinds = cfg.parsed_layout().layers
-    split = {kind: {k: v * grow for k, v in _split(parts, tp, sp).items()} for kind, parts in per_kind.items()}
+    routed = routed_bytes(cfg.moe, micro_batch * seq / tp, act, etp) if cfg.moe is not None else 0.0
+    parts_of = {}  # kind -> (mixer with its norm, MLP with its norm) bytes
+    for kind, parts in per_kind.items():
+        b = {k: v * grow for k, v in _split(parts, tp, sp).items()}
+        moe = routed if kind.endswith("e") else 0.0  # the MoE splits its tokens over TP (with or without SP)
+        parts_of[kind] = (b["input_norm"] + b["mixer"], b.get("pre_mlp_norm", 0.0) + b.get("mlp", 0.0) + moe)
     rows = []
     for s, ids in enumerate(stages):
         kept, transient, working = 0.0, 0.0, 0.0
         for i in ids:
-            b = dict(split[str(kinds[i])])
-            if kinds[i].mlp == "e":  # the MoE splits its tokens over TP (with or without SP)
-                b["mlp"] += routed_bytes(cfg.moe, micro_batch * seq / tp, act, etp)
-            mixer = b["input_norm"] + b["mixer"]
-            mlp = b.get("pre_mlp_norm", 0.0) + b.get("mlp", 0.0)
+            mixer, mlp = parts_of[str(kinds[i])]
             working = max(working, mixer, mlp)
             if "layer" in recompute:
                 kept += stream
