@@ -125,7 +125,7 @@ class AllToAllDispatcher:
         if self.ep_size * self.etp_size == 1:
             return dispatch_local(x, weights, idx, keep, experts, self.num_experts)
         ep, n_local = self.ep_size, self.num_local
-        order, counts = group_pairs(_dropped_to(idx, keep), self.num_experts)
+        order, counts = group_pairs(_dropped_to(idx, keep), self.num_experts, all_valid=keep is None)
         token = order // idx.size(1)
         send_x = x.index_select(0, token)
         send_p = weights.reshape(-1).index_select(0, order)
