@@ -37,13 +37,16 @@ def model_tensors(model) -> dict[str, torch.Tensor]:
     return dict(model.state_dict(keep_vars=True))
 
 
-def _plan(family: Family, cfg: ModelConfig, hf_config: dict, available: set[str] | None) -> list[Entry]:
+def plan_entries(family: Family, cfg: ModelConfig, hf_config: dict, available: set[str] | None) -> list[Entry]:
+    """The family's mapping table expanded for ``cfg``: one entry per megamoe tensor (its HF
+    tensors and rule); ``available``: the HF tensor names a checkpoint holds (None: any)."""
     return expand(family.rules(cfg, hf_config), cfg, hf_config, available)
 
 
 # ---- HF -> megamoe -------------------------------------------------------------------------
 
-def _open_hf(hf_dir) -> tuple[HFCheckpoint, Family, ModelConfig]:
+def open_hf(hf_dir) -> tuple[HFCheckpoint, Family, ModelConfig]:
+    """(the checkpoint's headers, its family, the megamoe config) of an HF directory."""
     ck = HFCheckpoint(hf_dir)
     family = get_family(ck.config.get("model_type"), str(Path(hf_dir) / "config.json"))
     cfg = family.config_from_hf(ck.config)
@@ -55,7 +58,7 @@ def _checked_plan(ck: HFCheckpoint, family: Family, cfg: ModelConfig, meta_tenso
     """The mapping table expanded for this checkpoint, its coverage and shapes checked, and every
     source of a floating-point megamoe tensor in a format the family converts (no silent casts
     of integer or quantised weights)."""
-    entries = _plan(family, cfg, ck.config, ck.names)
+    entries = plan_entries(family, cfg, ck.config, ck.names)
     skipped, why = family.skipped(ck.config, ck.names) if family.skipped else (set(), "")
     if skipped:
         log.warning("%s: %d tensors not converted: %s", ck.path, len(skipped), why)
@@ -86,7 +89,7 @@ def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequenc
     ``model(input_ids)`` returns logits [b, t, V]. The HF origin is kept on ``model.hf_origin``
     so ``to_hf`` can write the same family back.
     """
-    ck, family, cfg = _open_hf(hf_dir)
+    ck, family, cfg = open_hf(hf_dir)
     _set_placement(cfg, placement)
     groups = groups or ParallelGroups()
     with torch.device("meta"):
@@ -116,7 +119,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int =
     tiered experts (``model.moe.expert_store``) read them from there (``megamoe.tiers.hf``)."""
     start = time.time()
     check_replaceable(Path(out_dir), overwrite, is_checkpoint_dir, "checkpoint")  # before any reading
-    ck, family, cfg = _open_hf(hf_dir)
+    ck, family, cfg = open_hf(hf_dir)
     _set_placement(cfg, placement)
     parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp)
     layout = validate_model_parallel(cfg, parallel)
@@ -181,7 +184,7 @@ def _hf_plan(entries: list[Entry], dtype_of) -> list[tuple[str, torch.dtype, tup
 def _write_hf(out_dir, family: Family, cfg: ModelConfig, hf_config: dict | None, shapes_dtypes,
               read_full, overwrite: bool, progress: bool, shard_bytes: int = 5 << 30) -> Path:
     config = family.config_to_hf(cfg, hf_config)
-    entries = _plan(family, cfg, config, None)
+    entries = plan_entries(family, cfg, config, None)
     check_plan(entries, {n: s for n, (s, _) in shapes_dtypes.items()}, None, "export")
     planned = _hf_plan(entries, shapes_dtypes.__getitem__)
     bar = tqdm(total=len(entries), desc=f"export {family.model_type}", unit="tensor", disable=not progress)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from megamoe.convert.api import _open_hf, _plan
+from megamoe.convert.api import open_hf, plan_entries
 from megamoe.convert.table import Entry, Experts
 from megamoe.errors import CheckpointError
 from megamoe.placement import _order_for
@@ -78,8 +78,8 @@ def _rule(entry: Entry) -> Experts | None:
 def hf_expert_sources(root: str | Path, layers: dict, etp: tuple[int, int], placement: dict | None = None
                       ) -> tuple[DiskSource, dict]:
     """(the source, {layer name: reader}) for the tiered ``layers`` from the HF directory ``root``."""
-    ck, family, cfg = _open_hf(root)  # reads every shard's header: a missing or truncated shard fails here, named
-    entries = {e.mm: e for e in _plan(family, cfg, ck.config, ck.names)}
+    ck, family, cfg = open_hf(root)  # reads every shard's header: a missing or truncated shard fails here, named
+    entries = {e.mm: e for e in plan_entries(family, cfg, ck.config, ck.names)}
     disk = DiskSource(root, files=ck.files, prefix="")
     readers = {}
     for name, m in layers.items():
