@@ -372,7 +372,6 @@ class GDNConfig:
     # training chunk length of the torch op, a power of two (all give the same result); None:
     # 32 for head dims up to 64, else 64 (the faster of the two on CPU, measured)
     chunk_size: Optional[int] = None
-    use_fla: bool = True  # read by no backend (the cuda backend uses fla wherever it is installed)
 
     def resolved_chunk_size(self) -> int:
         if self.chunk_size is not None:
@@ -411,7 +410,6 @@ class KDAConfig:
     gate_lower_bound: Optional[float] = None  # safe gate bound, < 0 (glm5_next: -5); None: softplus gate
     norm_eps: Optional[float] = None  # gated output RMSNorm; None: model.norm_eps
     chunk_size: int = 64
-    use_fla: bool = True
 
     def rank(self) -> int:
         return self.head_dim if self.gate_rank is None else self.gate_rank

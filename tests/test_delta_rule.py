@@ -115,34 +115,40 @@ def test_bad_initial_state_shape_names_it():
 
 
 def test_fla_never_imported_on_cpu(tmp_path, monkeypatch):
-    """With an importable (booby-trapped) fla on the path, CPU tensors still never import it."""
+    """With an importable (booby-trapped) fla on the path, the cuda backend's ops on CPU tensors
+    run the torch forms and never import it."""
     import importlib.util
 
-    from megamoe.layers.linear_attention.common import delta_rule, fla_usable
+    from megamoe.layers.backends.cuda import CudaBackend
 
     (tmp_path / "fla").mkdir()
     (tmp_path / "fla" / "__init__.py").write_text("raise ImportError('fla must not be imported on CPU')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert importlib.util.find_spec("fla") is not None  # the trap is visible
-    assert not fla_usable(torch.device("cpu"))
+    backend = CudaBackend()
+    op, lightning = backend.delta_rule(None), backend.lightning(None)
     q, k, v, g, beta, _ = make_inputs(5, True)
     ref, _ = chunk_delta_rule(q, k, v, g, beta)
-    got, _ = delta_rule(q, k, v, g, beta, use_fla=True)
-    delta_rule(q, k, v, g, beta, decode=True, use_fla=True)
+    got, _ = op.chunked(q, k, v, g, beta)
+    op.recurrent(q, k, v, g, beta)
+    lightning.chunked(q, k, q, torch.full((q.size(2),), 0.1))
+    lightning.recurrent(q, k, q, torch.full((q.size(2),), 0.1))
     assert "fla" not in sys.modules
     assert rel_err(got, ref) == 0.0
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
 def test_fla_matches_chunked_on_cuda(per_channel):
-    from megamoe.layers.linear_attention.common import delta_rule, fla_usable
+    """The cuda backend's chunked op (fla) from a given state against the torch op."""
+    from megamoe.layers.backends.cuda import CudaBackend, fla_installed
 
-    if not fla_usable(torch.device("cuda")):
+    if not fla_installed():
         pytest.skip("fla is not installed")
     inputs = [x.cuda() for x in make_inputs(200, per_channel, seed=11)]
     ref, ref_state = chunk_delta_rule(*inputs[:5], initial_state=inputs[5])
-    got, state = delta_rule(*inputs[:5], initial_state=inputs[5], use_fla=True)
+    got, state = CudaBackend().delta_rule(None).chunked(*inputs[:5], initial_state=inputs[5])
     assert rel_err(got, ref) <= 1e-3 and rel_err(state, ref_state) <= 1e-3
 
 

@@ -28,7 +28,7 @@ from megamoe.layers.backends.cpu import ChunkedDeltaRule, ChunkedLightning, CpuB
 from megamoe.layers.experts import GroupedExperts
 from megamoe.layers.fp8 import fp8_linear
 from megamoe.layers.fp8_experts import swiglu_experts_fp8
-from megamoe.layers.linear_attention.common import expand_key_heads
+from megamoe.layers.linear_attention.delta_rule import expand_key_heads
 
 FP8_RECIPES = ("torch",)  # the Transformer Engine recipes (delayed, current, blockwise, mxfp8) need TE
 
@@ -49,56 +49,66 @@ def missing() -> str | None:
 
 # ---- linear attention through fla ---------------------------------------------------------
 
-class FlaDeltaRule(ChunkedDeltaRule):
-    """fla's chunked / fused-recurrent gated delta rule (GDN: g [b, t, hv]; KDA: g [b, t, h, dk]).
-    fla wants one key head per value head and one dtype for q, k, v; states in fp32."""
+def fla_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, decode: bool = False):
+    """The gated delta rule through fla: its chunked op, or its fused-recurrent op for decoding.
 
-    def _fla(self, q, k, v, g, beta, scale, initial_state, decode: bool):
-        q, k = (x.to(v.dtype) for x in expand_key_heads(q, k, v.size(2)))
-        if g.dim() == 4:
-            from fla.ops.kda import chunk_kda as chunk, fused_recurrent_kda as recurrent
-        else:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
-            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as recurrent
-        state = None if initial_state is None else initial_state.float()
-        return (recurrent if decode else chunk)(q, k, v, g.float(), beta.to(v.dtype), scale=scale,
-                                                initial_state=state, output_final_state=True)
+    q, k [b, t, hk, dk]; v [b, t, hv, dv]; g [b, t, hv] (GDN) or [b, t, hv, dk] (KDA) log-decays;
+    beta [b, t, hv]; initial_state [b, hv, dk, dv] or None -> (o [b, t, hv, dv], state fp32).
+    fla wants one key head per value head and one dtype for q, k, v; states in fp32. Every
+    argument goes by keyword: fla's fused-recurrent GDN is (q, k, v, g, gk, gv, beta, ...), so a
+    positional beta would land in gk, and its ``**kwargs`` swallow a misspelt name silently.
+    """
+    q, k = (x.to(v.dtype) for x in expand_key_heads(q, k, v.size(2)))
+    if g.dim() == 4:
+        from fla.ops.kda import chunk_kda as chunk, fused_recurrent_kda as recurrent
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as recurrent
+    state = None if initial_state is None else initial_state.float()
+    return (recurrent if decode else chunk)(q=q, k=k, v=v, g=g.float(), beta=beta.to(v.dtype), scale=scale,
+                                            initial_state=state, output_final_state=True)
+
+
+def fla_lightning(q, k, v, slope, *, initial_state=None, decode: bool = False):
+    """Lightning attention as fla's simple GLA with a per-head constant decay ``g_gamma = -slope``:
+    S_t = exp(-slope) S_{t-1} + k_t^T v_t, o_t = q_t S_t (scale 1). q, k, v [b, t, h, d];
+    slope [h] -> (o [b, t, h, d] in v's dtype, state [b, h, d, d] fp32). Keywords as above."""
+    from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+
+    fn = fused_recurrent_simple_gla if decode else chunk_simple_gla
+    state = None if initial_state is None else initial_state.float()
+    o, s = fn(q=q, k=k.to(q.dtype), v=v.to(q.dtype), g_gamma=-slope.float(), scale=1.0, initial_state=state,
+              output_final_state=True)
+    return o.to(v.dtype), s
+
+
+class FlaDeltaRule(ChunkedDeltaRule):
+    """``fla_delta_rule`` on CUDA tensors where fla is installed, the CPU backend's ops otherwise."""
 
     def chunked(self, q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
                 recompute: bool = False):
         if _on_fla(q):
-            return self._fla(q, k, v, g, beta, scale, initial_state, decode=False)
+            return fla_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state)
         return super().chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
                                recompute=recompute)
 
     def recurrent(self, q, k, v, g, beta, *, scale=None, initial_state=None):
         if _on_fla(q):
-            return self._fla(q, k, v, g, beta, scale, initial_state, decode=True)
+            return fla_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state, decode=True)
         return super().recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state)
 
 
 class FlaLightning(ChunkedLightning):
-    """Lightning attention as fla's simple GLA with a per-head constant decay:
-    S_t = exp(-slope) S_{t-1} + k_t^T v_t, o_t = q_t S_t (scale 1)."""
-
-    @staticmethod
-    def _fla(q, k, v, slope, initial_state, decode: bool):
-        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
-
-        fn = fused_recurrent_simple_gla if decode else chunk_simple_gla
-        state = None if initial_state is None else initial_state.float()
-        o, s = fn(q, k.to(q.dtype), v.to(q.dtype), g_gamma=-slope.float(), scale=1.0, initial_state=state,
-                  output_final_state=True)
-        return o.to(v.dtype), s
+    """``fla_lightning`` on CUDA tensors where fla is installed, the CPU backend's ops otherwise."""
 
     def chunked(self, q, k, v, slope, initial_state=None, block: int = 64, resets=None):
         if _on_fla(q) and resets is None:  # packed documents: the torch form (it masks per token)
-            return self._fla(q, k, v, slope, initial_state, decode=False)
+            return fla_lightning(q, k, v, slope, initial_state=initial_state)
         return super().chunked(q, k, v, slope, initial_state, block=block, resets=resets)
 
     def recurrent(self, q, k, v, slope, initial_state=None):
         if _on_fla(q):
-            return self._fla(q, k, v, slope, initial_state, decode=True)
+            return fla_lightning(q, k, v, slope, initial_state=initial_state, decode=True)
         return super().recurrent(q, k, v, slope, initial_state)
 
 

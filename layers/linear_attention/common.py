@@ -1,12 +1,11 @@
 """Pieces the delta-rule mixers share: per-head and conv parameters, short causal conv with
-decode state, L2 norm, op dispatch (fla on CUDA, else the torch ops).
+decode state, L2 norm, the delta-rule role's call (its recurrent step or chunked form).
 
 Shapes: x [b, t, channels]; conv weight [channels, kernel]; conv state [b, kernel - 1, channels]
 (the last inputs seen, oldest first).
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import torch
@@ -16,8 +15,6 @@ from torch import nn
 from megamoe.fusion import call, fused
 from megamoe.parallel.sharding import Shard, mark_init, set_sharding
 from megamoe.spec import BuildContext, ForwardInfo
-from megamoe.layers.linear_attention.chunk_delta import chunk_delta_rule
-from megamoe.layers.linear_attention.delta_rule import expand_key_heads, recurrent_delta_rule
 
 
 @fused
@@ -227,24 +224,6 @@ def l2norm_reference(x: torch.Tensor, eps: float = 1e-6, scale: float = 1.0, hea
     return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps) * scale
 
 
-def fla_usable(device: torch.device) -> bool:
-    """fla's Triton kernels only on CUDA, and only when installed; never imported otherwise."""
-    return device.type == "cuda" and importlib.util.find_spec("fla") is not None
-
-
-def fla_delta_rule(q, k, v, g, beta, initial_state, decode: bool, scale=None):
-    """The same op through fla (imported lazily, CUDA only). fla wants one key head per value head."""
-    q, k = (x.to(v.dtype) for x in expand_key_heads(q, k, v.size(2)))  # fla wants one dtype
-    if g.dim() == 4:
-        from fla.ops.kda import chunk_kda as chunk, fused_recurrent_kda as recurrent
-    else:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as recurrent
-    fn = recurrent if decode else chunk
-    state = None if initial_state is None else initial_state.float()
-    return fn(q, k, v, g.float(), beta.to(v.dtype), scale=scale, initial_state=state, output_final_state=True)
-
-
 def run_delta_rule(op, q, k, v, g, beta, *, scale=None, initial_state=None, decode: bool = False,
                    chunk_size: int = 64, recompute: bool = False):
     """A backend's delta-rule role: its recurrent step while decoding, its chunked form otherwise."""
@@ -252,17 +231,3 @@ def run_delta_rule(op, q, k, v, g, beta, *, scale=None, initial_state=None, deco
         return op.recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     return op.chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
                       recompute=recompute)
-
-
-def delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, decode: bool = False, chunk_size: int = 64,
-               use_fla: bool = True, recompute: bool = False, fuse: bool = False):
-    """Pick the op: fla when asked for and usable, else the recurrent step while decoding and the
-    chunked form otherwise. Shapes as in ``megamoe.layers.linear_attention.delta_rule``; ``scale``
-    multiplies q (default dk^-0.5; 1.0 when the caller has scaled q already); ``fuse``: the chunked
-    op's fused kernels (``megamoe.fusion``)."""
-    if use_fla and fla_usable(q.device):
-        return fla_delta_rule(q, k, v, g, beta, initial_state, decode, scale)
-    if decode:
-        return recurrent_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state)
-    return chunk_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
-                            recompute=recompute, fuse=fuse)
