@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "families":
         get_family("qwen3")  # loads the registry
         for name, fam in sorted(FAMILIES.items()):
-            print(f"{name:<16} {fam.architecture}  {fam.notes}")
+            fp8 = "  [maps FP8: block-scaled e4m3]" if fam.maps_fp8 else ""
+            print(f"{name:<16} {fam.architecture}  {fam.notes}{fp8}")
     elif args.command == "export-peft":
         from megamoe.files import check_replaceable, is_checkpoint_dir
         from megamoe.lora import export_peft_checkpoint

@@ -13,6 +13,7 @@ from megamoe.config import ModelConfig, ParallelConfig, validate_model_parallel
 from megamoe.convert.family import Family, get_family
 from megamoe.convert.hf_io import HFCheckpoint, write_hf_dir
 from megamoe.convert.mm_format import FORMAT, ConvertedCheckpoint, write_checkpoint
+from megamoe.convert.quant import FP8_DTYPES, DequantizedHF, quant_format
 from megamoe.convert.st_io import DTYPE_CODES
 from megamoe.convert.table import Entry, check_plan, expand
 from megamoe.errors import CheckpointError, ConfigError
@@ -45,12 +46,22 @@ def plan_entries(family: Family, cfg: ModelConfig, hf_config: dict, available: s
 
 # ---- HF -> megamoe -------------------------------------------------------------------------
 
-def open_hf(hf_dir) -> tuple[HFCheckpoint, Family, ModelConfig]:
-    """(the checkpoint's headers, its family, the megamoe config) of an HF directory."""
+def open_hf(hf_dir) -> tuple[HFCheckpoint | DequantizedHF, Family, ModelConfig]:
+    """(the checkpoint's headers, its family, the megamoe config) of an HF directory. An FP8
+    checkpoint (``quantization_config``, ``megamoe.convert.quant``) is seen dequantised to the
+    model's ``params_dtype``: its tensors read as they would from a dequantised copy."""
     ck = HFCheckpoint(hf_dir)
-    family = get_family(ck.config.get("model_type"), str(Path(hf_dir) / "config.json"))
+    source = str(Path(hf_dir) / "config.json")
+    family = get_family(ck.config.get("model_type"), source)
     cfg = family.config_from_hf(ck.config)
     cfg.validate()
+    fmt = quant_format(ck.config, source)
+    if fmt is not None:
+        return DequantizedHF(ck, fmt, getattr(torch, cfg.params_dtype), family), family, cfg
+    fp8 = sorted(n for n, d in ck.dtypes.items() if d in FP8_DTYPES)
+    if fp8:  # values without a declared format: their scales cannot be applied
+        raise CheckpointError(f"{ck.path}: tensor {fp8[0]} is {ck.dtypes[fp8[0]]} but {source} has no "
+                              f"quantization_config naming its format; dequantise the checkpoint first")
     return ck, family, cfg
 
 
@@ -64,14 +75,16 @@ def _checked_plan(ck: HFCheckpoint, family: Family, cfg: ModelConfig, meta_tenso
         log.warning("%s: %d tensors not converted: %s", ck.path, len(skipped), why)
     shapes = {n: tuple(t.shape) for n, t in meta_tensors.items()}
     check_plan(entries, shapes, {n: s for n, s in ck.shapes.items() if n not in skipped}, str(ck.path))
+    allowed = family.weight_dtypes - FP8_DTYPES  # FP8 only through its format (dequantised: never seen here)
     for e in entries:
         if not meta_tensors[e.mm].dtype.is_floating_point:
             continue
         for name in e.hf:
-            if ck.dtypes[name] not in family.weight_dtypes:
+            if ck.dtypes[name] not in allowed:
                 raise CheckpointError(f"{ck.path}: tensor {name} is {ck.dtypes[name]}, which {family.model_type} "
-                                      f"does not convert (integer or quantised weights; expected one of "
-                                      f"{', '.join(sorted(family.weight_dtypes))}); dequantise the checkpoint first")
+                                      f"does not convert without a quantization_config naming its format (integer "
+                                      f"or quantised weights; expected one of {', '.join(sorted(allowed))}); "
+                                      f"dequantise the checkpoint first")
     return entries
 
 

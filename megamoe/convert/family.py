@@ -12,6 +12,10 @@ from megamoe.convert.table import Rule
 from megamoe.errors import CheckpointError
 
 
+FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
+WITH_FP8 = FLOAT_DTYPES | {"F8_E4M3"}  # + block-scaled e4m3 (megamoe.convert.quant)
+
+
 @dataclass(frozen=True)
 class Family:
     model_type: str
@@ -24,9 +28,13 @@ class Family:
     # e.g. a vision tower megamoe cannot express; the import logs the reason instead of failing
     skipped: Callable[[dict, set[str]], tuple[set[str], str]] | None = None
     # safetensors dtypes the table's transforms take for a floating-point megamoe tensor; integer
-    # or quantised (F8, I8 ...) weights would need their scales applied, which a family that
-    # supports them declares here with rules that do it
-    weight_dtypes: frozenset = frozenset({"F32", "F16", "BF16", "F64"})
+    # or quantised (F8, I8 ...) weights need their scales applied: a family whose released
+    # checkpoints ship FP8 lists F8_E4M3 (WITH_FP8), read through megamoe.convert.quant
+    weight_dtypes: frozenset = FLOAT_DTYPES
+
+    @property
+    def maps_fp8(self) -> bool:
+        return "F8_E4M3" in self.weight_dtypes
 
 
 FAMILIES: dict[str, Family] = {}

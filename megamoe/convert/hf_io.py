@@ -35,6 +35,7 @@ class HFCheckpoint:
         self.path = Path(path)
         self.config = read_config(self.path)
         self.files = self._shard_map()
+        self.scales: dict[str, str] = {}  # quantised tensor -> its scale: none as stored (megamoe.convert.quant)
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, str] = {}
         for file in sorted(set(self.files.values())):

@@ -93,7 +93,7 @@ def hf_expert_sources(root: str | Path, layers: dict, etp: tuple[int, int], plac
                                   "convert with megamoe-convert import-hf and use that checkpoint as the store")
         for e in pair:
             for hf in e.hf:
-                if ck.dtypes[hf] not in family.weight_dtypes:
+                if ck.dtypes[hf] not in family.weight_dtypes or hf in ck.scales:
                     raise CheckpointError(f"{Path(root) / ck.files[hf]}: tensor {hf} is {ck.dtypes[hf]}, which the "
                                           "expert store does not read (integer or quantised weights)")
         order = _order_for(f"{name}.gate_up_weight", placement or {},

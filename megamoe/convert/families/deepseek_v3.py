@@ -17,7 +17,7 @@ import re
 from megamoe.config import MLAConfig, MLPConfig, ModelConfig, MoEConfig, YarnConfig
 from megamoe.convert.families.common import (base_hf_config, dense_mlp_rules, dtype_name, embedding_rules, moe_rules,
                                              norm_rules, rope_theta, rope_to_hf, yarn_from_hf)
-from megamoe.convert.family import Family, hf_get, register
+from megamoe.convert.family import WITH_FP8, Family, hf_get, register
 from megamoe.convert.table import Rule, Same
 from megamoe.errors import CheckpointError
 
@@ -225,4 +225,4 @@ def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
 
 DEEPSEEK_V3 = register(Family("deepseek_v3", "DeepseekV3ForCausalLM", config_from_hf, config_to_hf, rules,
                               notes="MLA + sigmoid group-limited MoE with the aux-free expert bias",
-                              skipped=mtp_skipped))
+                              skipped=mtp_skipped, weight_dtypes=WITH_FP8))

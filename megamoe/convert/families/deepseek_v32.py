@@ -15,7 +15,7 @@ from megamoe.convert.families.common import dense_mlp_rules, embedding_rules, no
 from megamoe.convert.families.deepseek_v3 import (base_model_config, base_to_hf, deepseek_moe_rules, expressible,
                                                   mla_from_hf, mla_rules, mla_to_hf, mlp_letters, mlp_types_to_hf,
                                                   mtp_skipped)
-from megamoe.convert.family import Family, hf_get, register
+from megamoe.convert.family import WITH_FP8, Family, hf_get, register
 from megamoe.convert.table import Rule, Same
 from megamoe.errors import CheckpointError
 
@@ -68,4 +68,4 @@ def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
 
 DEEPSEEK_V32 = register(Family("deepseek_v32", "DeepseekV32ForCausalLM", config_from_hf, config_to_hf, rules,
                                notes="deepseek_v3 + DSA lightning indexer (letter D)",
-                               skipped=mtp_skipped))
+                               skipped=mtp_skipped, weight_dtypes=WITH_FP8))

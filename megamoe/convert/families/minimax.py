@@ -24,7 +24,7 @@ from megamoe.convert.families.common import (attention_rules, base_hf_config, dt
 from megamoe.convert.families.deepseek_v3 import check_silu, expressible
 from megamoe.convert.families.qwen3 import attention_from_hf, attention_to_hf, common_to_hf
 from megamoe.convert.families.qwen3_moe import check_moe_routing, moe_from_hf, moe_to_hf
-from megamoe.convert.family import Family, hf_get, register
+from megamoe.convert.family import WITH_FP8, Family, hf_get, register
 from megamoe.convert.table import Ctx, Rule, Same, fmt
 from megamoe.errors import CheckpointError
 from megamoe.layers.lightning import lightning_slopes
@@ -180,4 +180,5 @@ def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
 
 
 MINIMAX = register(Family("minimax", "MiniMaxForCausalLM", config_from_hf, config_to_hf, rules,
-                          notes="lightning + softmax GQA, softmax top-k MoE, scaled post-norm residual"))
+                          notes="lightning + softmax GQA, softmax top-k MoE, scaled post-norm residual",
+                          weight_dtypes=WITH_FP8))
