@@ -114,3 +114,24 @@ def test_te_names_what_is_missing():
         get_backend("te", fp8="delayed")
     assert str(e.value) == f"model.backend='te' is unavailable here: {why}"
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("store", [False, True], ids=["resident", "tiered"])
+@pytest.mark.parametrize("name", ["cuda", "te"])
+def test_the_gpu_backends_build_every_layer_kind_anywhere(registry, name, store):
+    """The cuda and te backends' classes build a model of every mixer and MLP kind on any machine
+    (their kernels are imported at the first call, not at build): a role override that lost an
+    argument of the base role (te's grouped_experts had no ``store=``) fails here, not on a GPU."""
+    from megamoe.config import ExpertStoreConfig, MoEConfig
+    from megamoe.layers.backends.cuda import CudaBackend
+    from megamoe.layers.backends.te import TEBackend
+    from megamoe.layers.tiered_experts import TieredExperts
+    from megamoe.model import LanguageModel
+
+    registry(f"{name}_probe", {"cuda": CudaBackend, "te": TEBackend}[name])
+    expert_store = ExpertStoreConfig(budget_mib=1.0 if store else None)
+    cfg = tiny_model("GeKeLdAdMdDdSdId", backend=f"{name}_probe",
+                     moe=MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=16, expert_store=expert_store))
+    model = LanguageModel(cfg)
+    experts = [m.experts for m in model.modules() if hasattr(m, "experts")]
+    assert len(experts) == 2 and all(isinstance(e, TieredExperts) == store for e in experts)

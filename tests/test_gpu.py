@@ -133,6 +133,25 @@ def test_tiered_experts_on_cuda_match_resident(tmp_path, tier):
     store.close()
 
 
+def test_tiered_cache_refill_waits_for_the_copy_out_of_its_slot():
+    """One slot: expert 1 is copied out on the current stream behind a long sleep, then expert 2
+    evicts it and is read into the same slot on the side stream. The refill must wait for the
+    queued copy out (it did not: expert 1's copy read expert 2's values)."""
+    from megamoe.tiers.cache import ExpertCache
+
+    shapes = ((512, 256), (256, 256))
+    cache = ExpertCache(sum(a * b for a, b in shapes) * 4, "cuda", torch.float32, shapes,
+                        lambda key, w1, w2: (w1.fill_(key), w2.fill_(key)), prefetch=False)
+    assert cache.size == 1
+    outs = {key: [torch.zeros(s, device="cuda") for s in shapes] for key in (1, 2)}
+    torch.cuda._sleep(2 ** 28)  # about 0.1 s on the current stream: the copies out queue behind it
+    cache.copy(1, *outs[1])
+    cache.copy(2, *outs[2])
+    torch.cuda.synchronize()
+    assert all((o == key).all() for key in (1, 2) for o in outs[key]), {k: o[0][0, 0].item() for k, o in outs.items()}
+    cache.close()
+
+
 def _check_against_bf16(linear, x, w, tol=6e-2):
     """An FP8 GEMM ``linear(x, w)``: output and both input gradients within ``tol`` of bf16's."""
     got = [linear(x, w)]

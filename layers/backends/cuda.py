@@ -163,6 +163,11 @@ class CudaBackend(CpuBackend):
     def replicated_cls(self):
         return FP8ReplicatedLinear if self.fp8 else ReplicatedLinear
 
+    @property
+    def experts_fp8(self) -> bool:
+        """Whether the routed experts run FP8 grouped GEMMs (``FP8GroupedExperts``)."""
+        return self.fp8 is not None
+
     def delta_rule(self, ctx: BuildContext):
         return FlaDeltaRule(self.fusion)
 
@@ -175,9 +180,9 @@ class CudaBackend(CpuBackend):
         kernel otherwise, e.g. on the CPU in the contract tests). Tiered experts (an enabled
         ``store``) come to the device through the store's side stream and run the
         high-precision kernels (FP8 copies of stored experts are not made)."""
-        if self.fp8 and store is not None and store.enabled:
+        if self.experts_fp8 and store is not None and store.enabled:
             raise ConfigError("model.moe.expert_store with train.fp8: tiered experts run in high precision; "
                               "unset one of them")
         return self.experts_module(ctx, num_experts, ffn_hidden_size, kernel=kernel, active_fraction=active_fraction,
                                    swiglu_limit=swiglu_limit, store=store,
-                                   cls=FP8GroupedExperts if self.fp8 else GroupedExperts)
+                                   cls=FP8GroupedExperts if self.experts_fp8 else GroupedExperts)

@@ -31,8 +31,7 @@ from megamoe.errors import ConfigError
 from megamoe.fusion import EAGER, Fusion
 from megamoe.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from megamoe.spec import BuildContext
-from megamoe.layers.backends.cuda import CudaBackend, FP8GroupedExperts
-from megamoe.layers.experts import GroupedExperts
+from megamoe.layers.backends.cuda import CudaBackend
 
 TE_RECIPES = ("delayed", "current", "blockwise", "mxfp8")
 
@@ -144,6 +143,10 @@ class TEBackend(CudaBackend):
     def __repr__(self) -> str:
         return f"TEBackend(fusion={self.fusion.mode!r}, fp8={self.te_fp8!r})"
 
+    @property
+    def experts_fp8(self) -> bool:  # the cuda backend's grouped_experts builds them (tiered store included)
+        return self.te_fp8 is not None
+
     def _with_gemm(self, linear):
         # a plain attribute (not a submodule): the TE module's state stays out of megamoe's state dicts
         object.__setattr__(linear, "te_gemm", TEGemm(self.recipe))
@@ -157,10 +160,3 @@ class TEBackend(CudaBackend):
 
     def replicated_linear(self, ctx: BuildContext, in_features, out_features, **kw):
         return self._with_gemm(super().replicated_linear(ctx, in_features, out_features, **kw))
-
-    def grouped_experts(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str = "auto",
-                        active_fraction: float = 1.0, swiglu_limit: float | None = None):
-        cls = FP8GroupedExperts if self.te_fp8 else GroupedExperts
-        return cls(ctx, num_experts, ffn_hidden_size, kernel=kernel, active_fraction=active_fraction,
-                   swiglu_limit=swiglu_limit, fusion=self.fusion)
-

@@ -16,8 +16,11 @@ into ``out1``/``out2`` when no slot is free). ``prefetch`` queues reads into slo
 background thread. A slot being copied from or read into is never evicted.
 
 On a GPU the pools live on the device; reads land in a pinned host buffer and are copied on
-a side CUDA stream whose event the current stream waits for before it reads the slot (this
-path cannot run on the CPU machines the tests use).
+a side CUDA stream whose event the current stream waits for before it reads the slot; the
+other way round, a refill of a slot waits on the side stream for the event recorded after the
+last copy out of it (the host releases a slot as soon as that copy is queued, so without the
+wait the refill could overwrite the slot before the queued copy has read it). This path
+cannot run on the CPU machines the tests use (tests/test_gpu.py runs it).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ class ExpertCache(Prefetcher):
         self.slots: OrderedDict[Hashable, int] = OrderedDict()
         self.busy: dict[int, int] = {}  # slot -> copies in progress
         self.events: dict[int, object] = {}  # slot -> the side stream's copy event (GPU)
+        self.reads: dict[int, object] = {}  # slot -> the event after the last copy out of it (GPU)
         self.size = n
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -73,6 +77,9 @@ class ExpertCache(Prefetcher):
             host = tuple(torch.empty(s, dtype=self.dtype, pin_memory=True) for s in self.shapes)
             self.load(key, *host)
             with torch.cuda.stream(self.stream):
+                read = self.reads.pop(slot, None)
+                if read is not None:  # a copy out of the slot may still be queued: it goes first
+                    self.stream.wait_event(read)
                 for dst, src in zip(self.pool, host):
                     dst[slot].copy_(src, non_blocking=True)
                 event = torch.cuda.Event()
@@ -138,6 +145,10 @@ class ExpertCache(Prefetcher):
                     torch.cuda.current_stream(self.device).wait_event(done[0])
             out1.copy_(self.pool[0][slot])
             out2.copy_(self.pool[1][slot])
+            if self.cuda:  # recorded before the slot is released: a refill waits for it
+                read = torch.cuda.Event()
+                read.record(torch.cuda.current_stream(self.device))
+                self.reads[slot] = read
         finally:
             with self.lock:
                 self.busy[slot] -= 1
@@ -158,4 +169,5 @@ class ExpertCache(Prefetcher):
         with self.lock:
             self.slots.clear()
             self.events.clear()
+            self.reads.clear()
             self.free = list(range(len(self.pool[0])))
