@@ -91,6 +91,36 @@ def test_fp8_release_with_several_padded_blocks(tmp_path):
     assert (model(IDS) - want).abs().max() <= ATOL
 
 
+@torch.no_grad()
+def test_export_fp8_blocks_reads_back_in_transformers(tmp_path):
+    """import (dequantised, fp32) -> export-hf --fp8-blocks 128: the release's tensors come back
+    as e4m3 + weight_scale_inv with the release's quantization_config, the values equal the
+    release's (each block requantised from its own dequantised values), transformers' logits
+    equal megamoe's; without --fp8-blocks the export is plain (no quantization_config)."""
+    from transformers import AutoModelForCausalLM
+    from megamoe.convert import export_hf
+
+    fp8_dir, quantised = fp8_checkpoint(tiny("deepseek_v3"), tmp_path)
+    ckpt = import_hf(fp8_dir, tmp_path / "mm", progress=False)
+    model = load_converted(ckpt)
+    out = export_hf(ckpt, tmp_path / "back", fp8_blocks=128, progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == json.loads((fp8_dir / "config.json").read_text())["quantization_config"]
+    back = {}
+    for f in out.glob("*.safetensors"):
+        back.update(load_file(f))
+    assert {n for n, t in back.items() if t.dtype == torch.float8_e4m3fn} == set(quantised)
+    fmt = QuantFormat((128, 128))
+    for name, (q, s) in quantised.items():
+        got = dequantize(back[name], back[name[:-6] + "weight_scale_inv"], fmt, torch.float32)
+        assert torch.allclose(got, dequantize(q, s, fmt, torch.float32), rtol=1e-6, atol=0), name
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert (hf(input_ids=IDS).logits - model(IDS)).abs().max() <= ATOL
+    plain = export_hf(ckpt, tmp_path / "plain", progress=False)
+    assert "quantization_config" not in json.loads((plain / "config.json").read_text())
+    assert (AutoModelForCausalLM.from_pretrained(plain).eval()(input_ids=IDS).logits - model(IDS)).abs().max() <= ATOL
+
+
 # ---- refusals: one line naming the tensor or field --------------------------------------------
 
 def _edit(fp8_dir, config=None, tensors=None):

@@ -1,7 +1,7 @@
 """Convert checkpoints between HF and megamoe, streaming one tensor at a time.
 
     megamoe-convert import-hf HF_DIR OUT_DIR [--tp N --ep N --etp N --pp N] [--placement FILE] [--experts-in-hf]
-    megamoe-convert export-hf CKPT_DIR OUT_DIR [--family MODEL_TYPE]
+    megamoe-convert export-hf CKPT_DIR OUT_DIR [--family MODEL_TYPE] [--fp8-blocks 128]
     megamoe-convert export-hf LORA_CKPT_DIR OUT_DIR --merge      # base + adapters merged, one HF model
     megamoe-convert export-peft LORA_CKPT_DIR OUT_DIR [--family MODEL_TYPE]
     megamoe-convert families
@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> None:
     exp.add_argument("--merge", action="store_true",
                      help="CKPT_DIR is a LoRA checkpoint: write its base with the adapters merged in")
     exp.add_argument("--base", help=BASE_HELP)
+    exp.add_argument("--fp8-blocks", type=number_in(int, 1), metavar="B",
+                     help="write the family's FP8 format: e4m3 weights with a float32 weight_scale_inv per BxB "
+                          "block (128 as released) and quantization_config; weights kept in FP8 (import-hf "
+                          "--keep-fp8) and not touched by a fine-tune are written as they were")
     for s in (imp, exp):
         s.add_argument("--overwrite", action="store_true", help="replace OUT_DIR (only a checkpoint megamoe or HF wrote)")
         s.add_argument("--shard-gib", type=number_in(float, 0.001), default=2.0, help="maximum shard size (GiB)")
@@ -98,7 +102,7 @@ def export(args):
     meta = read_meta(checkpoint_path(args.ckpt_dir))
     if not meta.get("lora"):
         return export_hf(args.ckpt_dir, args.out_dir, family=args.family, overwrite=args.overwrite,
-                         shard_bytes=shard_bytes)
+                         shard_bytes=shard_bytes, fp8_blocks=args.fp8_blocks)
     if not args.merge:
         raise ConfigError(f"{args.ckpt_dir}: a LoRA checkpoint holds adapters only; pass --merge to write its base "
                           f"with the adapters merged in, or use export-peft for a PEFT adapter")
@@ -106,7 +110,8 @@ def export(args):
     if not (args.family or getattr(model, "hf_origin", None)):
         raise CheckpointError(f"{args.ckpt_dir}: the base weights did not come from an HF checkpoint; name the HF "
                               f"family to export to with --family")
-    return to_hf(model, args.out_dir, family=args.family, overwrite=args.overwrite, shard_bytes=shard_bytes)
+    return to_hf(model, args.out_dir, family=args.family, overwrite=args.overwrite, shard_bytes=shard_bytes,
+                 fp8_blocks=args.fp8_blocks)
 
 
 def cli() -> None:

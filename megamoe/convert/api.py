@@ -13,7 +13,8 @@ from megamoe.config import ModelConfig, ParallelConfig, validate_model_parallel
 from megamoe.convert.family import Family, get_family
 from megamoe.convert.hf_io import HFCheckpoint, write_hf_dir
 from megamoe.convert.mm_format import FORMAT, ConvertedCheckpoint, write_checkpoint
-from megamoe.convert.quant import FP8_DTYPES, DequantizedHF, quant_format
+from megamoe.convert.quant import (FP8_DTYPES, DequantizedHF, QuantFormat, fp8_plan, fp8_record, fp8_stream,
+                                   quant_format, set_quantization_config)
 from megamoe.convert.st_io import DTYPE_CODES
 from megamoe.convert.table import Entry, check_plan, expand
 from megamoe.errors import CheckpointError, ConfigError
@@ -120,6 +121,8 @@ def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequenc
         with torch.no_grad():
             dest.copy_(shard_full(full.to(dest.dtype), dest, groups))
     model.hf_origin = {"model_type": family.model_type, "config": ck.config, "path": str(Path(hf_dir).resolve())}
+    if ck.scales:
+        model.hf_origin["fp8"] = fp8_record(ck)
     return model.eval()
 
 
@@ -152,6 +155,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int =
     hf = {"model_type": family.model_type, "config": ck.config, "path": str(Path(hf_dir).resolve())}
     if not experts:
         hf["experts_in_hf"] = True  # megamoe.tiers reads the routed experts from hf["path"]
+    if ck.scales:
+        hf["fp8"] = fp8_record(ck)  # an export with --fp8-blocks writes these tensors in FP8 again
     meta = {"step": 0, "model": config_to_dict(cfg), "hf": hf,
             "trainer_state": {}}
     bar = tqdm(total=len(planned), desc=f"import {family.model_type}", unit="tensor", disable=not progress)
@@ -195,11 +200,21 @@ def _hf_plan(entries: list[Entry], dtype_of) -> list[tuple[str, torch.dtype, tup
 
 
 def _write_hf(out_dir, family: Family, cfg: ModelConfig, hf_config: dict | None, shapes_dtypes,
-              read_full, overwrite: bool, progress: bool, shard_bytes: int = 5 << 30) -> Path:
+              read_full, overwrite: bool, progress: bool, shard_bytes: int = 5 << 30,
+              fp8_blocks: int | None = None, fp8_origin: dict | None = None) -> Path:
+    """``fp8_blocks``: write the tensors an FP8 release quantises (those ``fp8_origin`` recorded
+    at import, else every linear weight of the layers) as e4m3 + ``weight_scale_inv`` per
+    ``fp8_blocks`` square block, with config.json's ``quantization_config``."""
+    if fp8_blocks is not None and not family.maps_fp8:
+        raise CheckpointError(f"--fp8-blocks: {family.model_type} has no FP8 format (megamoe-convert families)")
     config = family.config_to_hf(cfg, hf_config)
+    fmt = QuantFormat((fp8_blocks, fp8_blocks)) if fp8_blocks else None
+    set_quantization_config(config, fmt)
     entries = plan_entries(family, cfg, config, None)
     check_plan(entries, {n: s for n, (s, _) in shapes_dtypes.items()}, None, "export")
-    planned = _hf_plan(entries, shapes_dtypes.__getitem__)
+    planned, quantised = _hf_plan(entries, shapes_dtypes.__getitem__), set()
+    if fmt is not None:
+        planned, quantised = fp8_plan(planned, fmt, fp8_origin)
     bar = tqdm(total=len(entries), desc=f"export {family.model_type}", unit="tensor", disable=not progress)
 
     def stream():
@@ -208,7 +223,8 @@ def _write_hf(out_dir, family: Family, cfg: ModelConfig, hf_config: dict | None,
             yield from zip(e.hf, (o.contiguous() for o in outs))
             bar.update(1)
 
-    path = write_hf_dir(out_dir, config, planned, stream(), shard_bytes=shard_bytes, overwrite=overwrite)
+    tensors = fp8_stream(stream(), quantised, fmt) if fmt is not None else stream()
+    path = write_hf_dir(out_dir, config, planned, tensors, shard_bytes=shard_bytes, overwrite=overwrite)
     bar.close()
     return path
 
@@ -224,11 +240,12 @@ def _base_tensors(model) -> dict[str, torch.Tensor]:
 
 def to_hf(model, out_dir: str | Path, *, family: str | None = None, hf_config: dict | None = None,
           groups: ParallelGroups | None = None, overwrite: bool = False, progress: bool = False,
-          shard_bytes: int = 5 << 30) -> Path:
+          shard_bytes: int = 5 << 30, fp8_blocks: int | None = None) -> Path:
     """Write ``model`` as an HF checkpoint that ``transformers`` loads with its Auto classes.
 
     The family comes from ``family``, else from the model's HF origin (``from_hf``). Under a
     parallel layout every rank must call it (tensors are gathered); rank 0 writes.
+    ``fp8_blocks``: the family's FP8 format with that block size (``megamoe.convert.quant``).
     """
     origin = getattr(model, "hf_origin", None) or {}
     fam = get_family(family or origin.get("model_type"), "to_hf")
@@ -237,7 +254,8 @@ def to_hf(model, out_dir: str | Path, *, family: str | None = None, hf_config: d
     tensors = _base_tensors(model)
     shapes = {n: (tuple(full_shape(t, groups)), t.dtype) for n, t in tensors.items()}
     return _write_hf(out_dir, fam, model.config, hf_config, shapes,
-                     lambda n: gather_full(tensors[n], groups), overwrite, progress, shard_bytes)
+                     lambda n: gather_full(tensors[n], groups), overwrite, progress, shard_bytes,
+                     fp8_blocks, origin.get("fp8"))
 
 
 def open_megamoe_checkpoint(path: str | Path):
@@ -262,8 +280,10 @@ def open_megamoe_checkpoint(path: str | Path):
 
 
 def export_hf(ckpt_dir: str | Path, out_dir: str | Path, *, family: str | None = None,
-              overwrite: bool = False, progress: bool = True, shard_bytes: int = 5 << 30) -> Path:
-    """A megamoe checkpoint (converted or from training) -> an HF directory."""
+              overwrite: bool = False, progress: bool = True, shard_bytes: int = 5 << 30,
+              fp8_blocks: int | None = None) -> Path:
+    """A megamoe checkpoint (converted or from training) -> an HF directory (``fp8_blocks``: in
+    the family's FP8 format with that block size)."""
     meta, cfg, tensors, read_full = open_megamoe_checkpoint(ckpt_dir)
     origin = meta.get("hf") or {}
     if not (family or origin.get("model_type")):
@@ -273,4 +293,5 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, *, family: str | None =
     # tensors are exported in the model's parameter dtype (model.params_dtype)
     shapes = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
     return _write_hf(out_dir, fam, cfg, origin.get("config"), shapes,
-                     lambda n: read_full(n).to(shapes[n][1]), overwrite, progress, shard_bytes)
+                     lambda n: read_full(n).to(shapes[n][1]), overwrite, progress, shard_bytes,
+                     fp8_blocks, origin.get("fp8"))

@@ -21,6 +21,7 @@ an F8 tensor without its scale) is refused with one line naming the tensor or fi
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -197,3 +198,63 @@ class DequantizedHF:
 
     def largest_bytes(self) -> int:
         return self.ck.largest_bytes()
+
+
+# ---- which HF tensors a release quantises ------------------------------------------------------
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
+# without a record of the original: the linear weights of the layers, as DeepSeek and MiniMax
+# ship them (not the norms, the router, DeepSeek-V3.2's indexer head weights)
+_UNQUANTISED = re.compile(r"norm|\.gate\.weight$|weights_proj|e_score_correction_bias|_bias$|\.bias$")
+
+
+def name_pattern(name: str) -> str:
+    """``model.layers.3.mlp.experts.17.up_proj.weight`` -> ``model.layers.*.mlp.experts.*.up_proj.weight``."""
+    return _INDEX.sub("*", name)
+
+
+def fp8_record(ck) -> dict:
+    """What an import keeps of an FP8 checkpoint's format: the block and which tensors were FP8
+    (as name patterns), so an export writes the same tensors in FP8."""
+    return {"block": list(ck.fmt.block) if ck.fmt.block else None,
+            "tensors": sorted({name_pattern(n) for n in ck.scales})}
+
+
+def quantised_in_release(name: str, shape: tuple, record: dict | None) -> bool:
+    """Whether an export with FP8 blocks writes HF tensor ``name`` as FP8: as the original
+    checkpoint had it (``record``), else every linear weight of the layers."""
+    if record is not None:
+        return name_pattern(name) in set(record["tensors"])
+    return len(shape) >= 2 and ".layers." in name and not _UNQUANTISED.search(name)
+
+
+def fp8_plan(planned: list[tuple[str, torch.dtype, tuple]], fmt: QuantFormat, record: dict | None
+             ) -> tuple[list[tuple[str, torch.dtype, tuple]], set[str]]:
+    """An export's (name, dtype, shape) plan with the tensors the release quantises as e4m3 plus
+    their float32 scales right after them; returns it and the quantised names."""
+    out, quantised = [], set()
+    for name, dtype, shape in planned:
+        if dtype.is_floating_point and quantised_in_release(name, shape, record):
+            quantised.add(name)
+            out += [(name, E4M3, shape), (scale_name(name), torch.float32, fmt.scale_shape(shape))]
+        else:
+            out.append((name, dtype, shape))
+    return out, quantised
+
+
+def fp8_stream(tensors, quantised: set[str], fmt: QuantFormat):
+    """(name, tensor) pairs with the ``quantised`` ones as (name, e4m3), (scale name, scale)."""
+    for name, t in tensors:
+        if name in quantised:
+            q, s = quantize_blocks(t, fmt.block)
+            yield name, q
+            yield scale_name(name), s
+        else:
+            yield name, t
+
+
+def set_quantization_config(config: dict, fmt: QuantFormat | None) -> None:
+    """config.json declares ``fmt`` (None: unquantised, so an original's declaration goes)."""
+    config.pop("quantization_config", None)
+    if fmt is not None:
+        config["quantization_config"] = fmt.config()
