@@ -1,7 +1,8 @@
 """Softmax self-attention with GQA (layout letters ``A`` and, with a sliding window, ``S``).
 
 Options: sigmoid output gate computed from the query projection (Qwen3-Next full attention),
-QK-norm (RMSNorm over head_dim), partial rotary, QKV bias, YaRN RoPE scaling
+QK-norm (RMSNorm over head_dim, or over all heads at once, MiniMax-M2: the backend's
+``sharded_norm``, whose statistics are all-reduced over TP), partial rotary, QKV bias, YaRN RoPE scaling
 (``attention.yarn``: frequencies and the cos/sin factor as HF's ``rope_type='yarn'``; the
 softmax scale is unchanged, as in HF's Qwen/Llama attention).
 
@@ -13,7 +14,8 @@ Fused QKV layout, one block per KV group g (so TP splits whole groups)::
     [ q_{g,0} (gate_{g,0}) ... q_{g,n-1} (gate_{g,n-1}) | k_g | v_g ]
 
 Parameters per layer: hidden * (heads*(1+gate) + 2*kv_heads) * head_dim  (QKV)
-                      + heads * head_dim * hidden  (output) [+ 2*head_dim QK-norm].
+                      + heads * head_dim * hidden  (output) [+ 2*head_dim QK-norm;
+                      scope all: (heads + kv_heads) * head_dim].
 """
 from __future__ import annotations
 
@@ -47,7 +49,11 @@ class SelfAttention(nn.Module):
         b = ctx.backend
         self.linear_qkv = b.column_linear(ctx, ctx.hidden_size, cfg.kv_heads() * self.group_width,
                                           bias=cfg.qkv_bias)
-        if cfg.qk_norm:
+        self.qk_norm_all = cfg.qk_norm_scope == "all"
+        if cfg.qk_norm and self.qk_norm_all:  # one norm over all heads: statistics over TP
+            self.q_norm = b.sharded_norm(ctx, cfg.num_heads * d)
+            self.k_norm = b.sharded_norm(ctx, cfg.kv_heads() * d)
+        elif cfg.qk_norm:
             self.q_norm = b.norm(ctx, d, head_sharded=True)
             self.k_norm = b.norm(ctx, d, head_sharded=True)
         else:
@@ -72,12 +78,16 @@ class SelfAttention(nn.Module):
             q, gate = q.split([d, d], dim=-1)
             gate = gate.reshape(bsz, s, self.heads * d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.qk_normed(q, self.q_norm), self.qk_normed(k, self.k_norm)
         if self.yarn.factor > 1:  # YaRN frequencies and cos/sin scale (as HF's rope_type='yarn')
             cos, sin = cached_yarn_cos_sin(info, self.rot_dim, self.theta, self.yarn)
         else:
             cos, sin = cached_cos_sin(info, self.rot_dim, self.theta, sections=self.mrope_section)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
+
+    def qk_normed(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """x [b, s, heads, d] normed per head, or (``qk_norm_scope: all``) over all heads at once."""
+        return norm(x.flatten(2)).view_as(x) if self.qk_norm_all else norm(x)
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
         cp = context_shard(info)  # with a cache: a prefill under CP

@@ -1,4 +1,5 @@
-"""DeepSeek sparse attention on MLA: letters ``D`` (DeepSeek-V3.2) and ``I`` (GLM-5 indexed).
+"""DeepSeek sparse attention on MLA: letters ``D`` (DeepSeek-V3.2, GLM-5), ``R`` (GLM-5's shared
+indexer) and ``I`` (GLM-5-Next indexed).
 
 A lightning indexer picks, per query, the keys the attention may see; the attention is MLA
 restricted to them. Indexer (its own light heads, computed without gradient as in HF: it
@@ -7,8 +8,11 @@ is trained by its own objective, not through the selection)::
     q_i = W_iq q_latent  [b, s, Hi, Di]      k_i = LayerNorm(W_ik x)  [b, T, Di]
     score[s, t] = sum_h (W_w x_s)_h / sqrt(Hi) * relu(q_i[s, h] . k_i[t] / sqrt(Di))
 
-``D``: the first qk_rope_head_dim indexer channels get rotate-half RoPE; each query keeps its
-``topk`` best causal keys. ``I`` (GLM-5, no RoPE): keys are scored in pools of ``kpool``
+``D``: the first qk_rope_head_dim indexer channels get RoPE (``indexer.rope``: rotate-half for
+DeepSeek-V3.2, interleaved pairs for GLM-5); each query keeps its ``topk`` best causal keys.
+``R`` (GLM-5 ``indexer_types: shared``): no indexer; the layer attends over the selection of
+the nearest ``D`` layer before it in the same forward (``info.memo``, keyed by that layer's
+number, so a recomputed layer finds the same selection in backward). ``I`` (GLM-5, no RoPE): keys are scored in pools of ``kpool``
 consecutive tokens (pool key = channel-wise softmax(W_pg x + ape)-weighted mean of its keys);
 only complete pools whose last token is visible compete, ``topk / kpool`` of them are kept
 and expanded to their tokens, and the incomplete visible tail pool is always added.
@@ -33,7 +37,7 @@ passes of ``context_attention.tile_rows(T)`` queries, so its [b, rows, Hi, T] sc
 bounded at long contexts.
 
 Parameters per layer: MLA's + r_q*Hi*Di + h*Di + 2*Di (LayerNorm) + h*Hi
-  [+ kpool*Di + Di*h for I].
+  [+ kpool*Di + Di*h for I; R: MLA's only].
 """
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ from megamoe.errors import ConfigError
 from megamoe.layers.context_attention import (check_documents, context_shard, document_mask, tile_rows,
                                                tiled_sparse_latent_attention)
 from megamoe.layers.mla import MultiLatentAttention
-from megamoe.layers.rotary import apply_rotary, cached_yarn_cos_sin
+from megamoe.layers.rotary import apply_rotary, apply_rotary_interleaved, cached_yarn_cos_sin
 from megamoe.parallel import comm
 from megamoe.parallel.context import position_in_document
 from megamoe.parallel.sharding import const_init, mark_init
@@ -93,6 +97,9 @@ def sparse_latent_attention(q_lat, q_rope, c, k_rope, idx, scale: float):
     return torch.einsum("bshk,bskr->bshr", p, c_sel)
 
 
+SELECTION = "dsa_selection"  # info.memo key (with the layer number) of a D layer's selection
+
+
 class PoolTable(NamedTuple):
     """GLM-5's candidate pools: keys [b, N, Di], first token [N], and for packed documents
     ok [b, N] (starts a complete pool of its document), documents [b, T], in_doc [b, T]."""
@@ -124,13 +131,13 @@ class Indexer(nn.Module):
     """The lightning indexer: x [b, s, h], q_latent [b, s, r_q] -> key indices [b, s, K].
 
     Replicated over TP (every rank selects the same keys); ``pooled`` selects GLM-5's k-pool
-    form. ``rope_dim`` channels are rotated (``D``; 0 for ``I``).
+    form. ``rope_dim`` channels are rotated as ``cfg.rope`` says (``D``; 0 for ``I``).
     """
 
     def __init__(self, cfg: DSAConfig, ctx: BuildContext, q_lora_rank: int, rope_dim: int, pooled: bool):
         super().__init__()
         self.heads, self.dim, self.topk = cfg.num_heads, cfg.head_dim, cfg.topk
-        self.rope_dim, self.pooled, self.kpool = rope_dim, pooled, cfg.kpool if pooled else 1
+        self.rope_dim, self.rope, self.pooled, self.kpool = rope_dim, cfg.rope, pooled, cfg.kpool if pooled else 1
         b = ctx.backend
         self.linear_q = b.replicated_linear(ctx, q_lora_rank, self.heads * self.dim, sequence_parallel=False)
         self.linear_k = b.replicated_linear(ctx, ctx.hidden_size, self.dim)
@@ -153,8 +160,7 @@ class Indexer(nn.Module):
         q = self.linear_q(q_latent).view(bsz, s, self.heads, self.dim)
         k = self.k_norm(self.linear_k(x))  # [b, s, Di]
         if self.rope_dim:
-            cos, sin = cos_sin
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k.unsqueeze(2), cos, sin).squeeze(2)
+            q, k = self.rotate(q, cos_sin), self.rotate(k.unsqueeze(2), cos_sin).squeeze(2)
         gate = self.linear_pool_gate(x) if self.pooled else None
         if cp is not None:  # the whole sequence's keys (and pool gates), global order
             k, gate = cp.gather(k), (cp.gather(gate) if self.pooled else None)
@@ -173,6 +179,15 @@ class Indexer(nn.Module):
                              None if valid is None else valid[..., a:a + rows, :], documents, table)
                  for a in range(0, s, rows)]
         return torch.cat(parts, dim=1)
+
+    def rotate(self, x: torch.Tensor, cos_sin) -> torch.Tensor:
+        """x [b, s, heads, Di] with its first ``rope_dim`` channels rotated (``indexer.rope``).
+        Interleaved pairs come out de-interleaved, the same permutation for queries and keys."""
+        cos, sin = cos_sin
+        if self.rope == "half":
+            return apply_rotary(x, cos, sin)
+        rot = apply_rotary_interleaved(x[..., :self.rope_dim], cos, sin)
+        return torch.cat([rot, x[..., self.rope_dim:]], dim=-1)
 
     def select(self, q, k, gate, weights, qpos, pad, valid, documents, table):
         """The selection of some queries (``forward``'s tensors cut to their rows): indices [b, rows, K]."""
@@ -264,12 +279,18 @@ class SparseMLA(MultiLatentAttention):
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
         cp = context_shard(info)  # with a cache: a prefill under CP
         q_nope, q_rope, q_latent, c, k_rope = self.project(x, info)
-        # the indexer rotates rotate-half with MLA's (YaRN) tables
+        # the indexer rotates with MLA's (YaRN) tables
         cos_sin = cached_yarn_cos_sin(info, self.dr, self.theta, self.yarn) if self.indexer.rope_dim else None
         state = None if info.cache is None else info.cache.layer(self.layer_number)
         # under CP the indexer keys and the latents are all-gathered (``cached_latents``): idx
         # indexes the whole sequence, and each rank attends its own queries over it
         idx = self.indexer(x, q_latent, cos_sin, state, info.cache, cp, info.documents)
+        info.memo[(SELECTION, self.layer_number)] = idx  # for the R layers after this one
+        return self.attend(x, info, q_nope, q_rope, c, k_rope, idx)
+
+    def attend(self, x, info: ForwardInfo, q_nope, q_rope, c, k_rope, idx: torch.Tensor) -> torch.Tensor:
+        """MLA over the selected keys idx [b, s, K] (indices into the cached/gathered latents)."""
+        cp = context_shard(info)
         if self.dense_reference:
             c_all, kr_all = self.cached_latents(c, k_rope, info)
             k, v = self.expand(c_all, kr_all)
@@ -286,5 +307,29 @@ class SparseMLA(MultiLatentAttention):
         return self.finish(out, x)
 
 
+class SharedSelectionMLA(SparseMLA):
+    """GLM-5's ``shared`` indexer layer (letter ``R``): MLA over the keys the nearest earlier
+    ``D`` layer of this forward selected; it has no indexer of its own. x: [b, s, h] -> same."""
+
+    def __init__(self, cfg: MLAConfig, ctx: BuildContext, layer_number: int = 0):
+        MultiLatentAttention.__init__(self, cfg, ctx, layer_number)
+        self.dense_reference = False
+        self.sparse_core = ctx.backend.sparse_latent_attention(ctx)
+
+    def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
+        q_nope, q_rope, _, c, k_rope = self.project(x, info)
+        return self.attend(x, info, q_nope, q_rope, c, k_rope, shared_selection(info, self.layer_number))
+
+
+def shared_selection(info: ForwardInfo, layer_number: int) -> torch.Tensor:
+    """The selection [b, s, K] of the nearest ``D`` layer before ``layer_number`` in this forward."""
+    earlier = [key[1] for key in info.memo if key[0] == SELECTION and key[1] < layer_number]
+    if not earlier:
+        raise ConfigError(f"layer {layer_number} ('R') reuses the selection of an earlier 'D' layer, but none ran "
+                          "before it in this forward (model.layout: put a D layer first in its pipeline stage)")
+    return info.memo[(SELECTION, max(earlier))]
+
+
 register_mixer("D", ModuleSpec(SparseMLA))
+register_mixer("R", ModuleSpec(SharedSelectionMLA))
 register_mixer("I", ModuleSpec(SparseMLA, params={"pooled": True}))

@@ -36,7 +36,7 @@ def check_choice(path: str, value, allowed) -> None:
 @dataclass
 class YarnConfig:
     """YaRN RoPE scaling, as HF ``rope_type: yarn`` (DeepSeek-V3, Qwen3, GLM configs); factor 1 = off.
-    ``model.attention.yarn`` (A, S) and ``model.mla.yarn`` (M, D, I).
+    ``model.attention.yarn`` (A, S) and ``model.mla.yarn`` (M, D, R, I).
 
     original_max_position: pre-training length; beta_fast / beta_slow: rotation counts that
     bound the interpolation ramp; mscale / mscale_all_dim: attention temperature terms
@@ -65,7 +65,8 @@ class AttentionConfig:
     num_heads: int = 8
     num_kv_heads: Optional[int] = None  # None: same as num_heads (MHA)
     head_dim: Optional[int] = None  # None: hidden_size // num_heads
-    qk_norm: bool = False  # RMSNorm over head_dim on q and k (Qwen3)
+    qk_norm: bool = False  # RMSNorm on q and k (Qwen3)
+    qk_norm_scope: str = "head"  # the QK-norm's span: head (each head's head_dim) | all (all heads at once, MiniMax-M2)
     output_gate: bool = False  # sigmoid gate on the attention output, from q_proj (Qwen3-Next)
     qkv_bias: bool = False
     rope_theta: float = 10000.0
@@ -102,6 +103,7 @@ class AttentionConfig:
               f"rotary dim head_dim*factor={rot} must be a positive even number")
         check(self.rope_theta > 0, f"{path}.rope_theta", self.rope_theta, "must be > 0")
         check(self.sliding_window >= 0, f"{path}.sliding_window", self.sliding_window, "must be >= 0")
+        check_choice(f"{path}.qk_norm_scope", self.qk_norm_scope, ("head", "all"))
         if self.mrope_section is not None:
             check(sum(self.mrope_section) * 2 == rot, f"{path}.mrope_section", self.mrope_section,
                   f"sections must sum to rotary_dim/2={rot // 2}")
@@ -290,18 +292,20 @@ class DSAConfig:
     topk: int = 2048  # HF index_topk (tokens)
     kpool: int = 1  # HF index_kpool ('I' layers)
     select_tail: bool = True  # HF index_kpool_always_select_tail ('I' layers)
+    rope: str = "half"  # 'D' layers' indexer RoPE: half (rotate-half, DeepSeek-V3.2) | interleaved (GLM-5)
 
     def validate(self, hidden_size: int, path: str = "model.mla.indexer") -> None:
         for name in ("num_heads", "head_dim", "topk", "kpool"):
             check_positive(f"{path}.{name}", getattr(self, name))
         check(self.topk % self.kpool == 0, f"{path}.topk", self.topk, f"must be divisible by kpool={self.kpool}")
+        check_choice(f"{path}.rope", self.rope, ("half", "interleaved"))
         check(self.kpool == 1 or self.select_tail, f"{path}.select_tail", self.select_tail,
               "must be true when kpool > 1 (else the first tokens would see no key)")
 
 
 @dataclass
 class MLAConfig:
-    """Multi-head latent attention (letters M, D, I): DeepSeek-V3, Kimi, Ling, GLM-5.
+    """Multi-head latent attention (letters M, D, R, I): DeepSeek-V3, Kimi, Ling, GLM-5.
 
     q = W_qb norm(W_qa x) (or W_q x when ``q_lora_rank`` is None); the keys/values come from a
     shared latent c = norm(W_kva x)[:kv_lora_rank] expanded per head by W_kvb, plus one
@@ -626,7 +630,7 @@ class ModelConfig:
     mlp: MLPConfig = field(default_factory=MLPConfig)
     moe: Optional[MoEConfig] = None  # routed experts (layout letter e)
     lightning: Optional[LightningConfig] = None  # letter L
-    mla: Optional[MLAConfig] = None  # letters M, D, I
+    mla: Optional[MLAConfig] = None  # letters M, D, R, I
     gdn: Optional[GDNConfig] = None  # letter G
     kda: Optional[KDAConfig] = None  # letter K
     scaled_residual: Optional[ScaledResidualConfig] = None  # MiniMax residual (see the class)
@@ -659,6 +663,7 @@ class ModelConfig:
             self.fusion = {"True": "on", "False": "off"}.get(str(self.fusion), self.fusion)
             check_choice(f"{path}.fusion", self.fusion, FUSION_MODES)
         layout = parse_layout(self.layout, f"{path}.layout")
+        check_selection_sources(layout, [list(range(layout.num_layers))], f"{path}.layout")
         self._validate_sections(layout, path)
         self._validate_residual(path)
         if self.moe is not None and self.moe.placement:
@@ -750,5 +755,17 @@ def validate_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> Lay
         sub.validate_parallel(parallel, f"model.{name}")
     if model.vision is not None:
         model.vision.validate_parallel(parallel, "model.vision")
-    layout.stages(parallel.pp * parallel.vpp)
+    check_selection_sources(layout, layout.stages(parallel.pp * parallel.vpp), "model.layout")
     return layout
+
+
+def check_selection_sources(layout: Layout, stages: list, path: str) -> None:
+    """An ``R`` layer reuses the selection of an earlier indexer layer (D, I) of its own pipeline
+    stage (selections do not travel between stages)."""
+    for stage in stages:
+        seen = False
+        for i in stage:
+            letter = layout.layers[i].mixer
+            seen = seen or letter in "DI"
+            check(letter != "R" or seen, path, layout.text,
+                  f"layer {i} ('R') needs an earlier D or I layer in its pipeline stage to reuse the selection of")

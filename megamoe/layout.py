@@ -29,6 +29,7 @@ MIXERS: dict[str, tuple[str, str]] = {
     "M": ("multi-head latent attention (MLA)", "mla"),
     "D": ("MLA with DeepSeek sparse attention (DSA)", "mla"),
     "I": ("MLA with pooled DeepSeek sparse attention (GLM-5 indexed)", "mla"),
+    "R": ("MLA with DSA reusing the selection of the previous D layer (GLM-5 shared indexer)", "mla"),
 }
 MLPS: dict[str, tuple[str, str | None]] = {
     "d": ("dense SwiGLU MLP", "mlp"),

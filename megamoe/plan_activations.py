@@ -119,15 +119,14 @@ def _fused_attention(layer):
             mixer.sparse_core = core
 
 
-def _traced_kind(layer, cfg, seq: int, act: int, params: set[int]) -> dict[str, tuple[float, float]]:
+def _traced_kind(layer, cfg, seq: int, act: int, params: set[int], info) -> dict[str, tuple[float, float]]:
     """One sequence of ``seq`` tokens through ``layer``: per part, (bytes saved of the part's
-    input, bytes of the rest), unsharded; the MoE's routed experts are left to ``routed_bytes``."""
-    from megamoe.spec import ForwardInfo
-
+    input, bytes of the rest), unsharded; the MoE's routed experts are left to ``routed_bytes``.
+    ``info``: the ``ForwardInfo`` of every kind traced, in layer order (an ``R`` layer reuses the
+    selection an earlier ``D`` layer's trace left in its memo)."""
     dtype = next(layer.parameters()).dtype
     scale = act / torch.empty((), dtype=dtype).element_size()
     x = torch.empty(1, seq, cfg.hidden_size, dtype=dtype)
-    info = ForwardInfo(positions=torch.arange(seq).expand(1, seq))
     out = {}
     for part in PARTS:
         module = getattr(layer, part, None)
@@ -171,13 +170,17 @@ def traced_kinds(cfg, seq: int, act: int) -> tuple[int, dict[str, dict]]:
     seq = min(seq, TRACE_TOKENS)
     key = (repr(cfg), seq, act)
     if key not in _TRACED:
+        from megamoe.spec import ForwardInfo
+
         kinds = {}
         for i, kind in enumerate(cfg.parsed_layout().layers):
             kinds.setdefault(str(kind), i)
         mode, model = _fake_layers(cfg, kinds)
         params = {id(p.untyped_storage()) for p in model.parameters()}
         with mode:
-            _TRACED[key] = {k: _traced_kind(model.layers[str(i)], cfg, seq, act, params) for k, i in kinds.items()}
+            info = ForwardInfo(positions=torch.arange(seq).expand(1, seq))
+            _TRACED[key] = {k: _traced_kind(model.layers[str(i)], cfg, seq, act, params, info)
+                            for k, i in sorted(kinds.items(), key=lambda item: item[1])}
     return seq, _TRACED[key]
 
 

@@ -1,6 +1,7 @@
-"""DeepSeek sparse attention (D: DeepSeek-V3.2, I: GLM-5 pooled): the sparse path equals the
-dense-mask reference forward and backward, the selection is the brute-force top-k, decoding
-equals the full forward, and both match transformers given the same weights."""
+"""DeepSeek sparse attention (D: DeepSeek-V3.2, I: GLM-5 pooled, R: GLM-5's shared indexer): the
+sparse path equals the dense-mask reference forward and backward, the selection is the
+brute-force top-k, decoding equals the full forward, and D and I match transformers given the
+same weights (R and D's interleaved indexer RoPE: tests/test_convert_glm5_minimax_m.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -157,3 +158,59 @@ def test_matches_glm5_next_indexed_attention():
     with torch.no_grad():
         want = hf(x, attention_mask=torch.ones(2, 14, dtype=torch.bool))[0]
         assert max_abs(full_forward(ours, x), want) <= 1e-5
+
+
+def shared_pair(rope: str = "interleaved"):
+    """A D layer (layer 1, indexer RoPE ``rope``) and the R layer 2 that reuses its selection."""
+    cfg = model("D", indexer=dataclasses.replace(HF_INDEXER, kpool=1, rope=rope))
+    return build_mixer("D", cfg, layer_number=1), build_mixer("R", cfg, layer_number=2, seed=7)
+
+
+def test_shared_selection_layer_attends_over_the_full_layers_selection():
+    """R (no indexer of its own) equals an MLA restricted to D's selection, computed sparse and
+    dense-mask, forward and every gradient; it reuses the nearest earlier D layer's selection
+    and, with none before it, says so in one line."""
+    from megamoe.errors import ConfigError
+    from megamoe.layers.dsa import SELECTION
+
+    full, shared = shared_pair()
+    assert not any(n.startswith("indexer.") for n, _ in shared.named_parameters())
+    dense = build_mixer("R", model("D"), layer_number=2, seed=7)
+    dense.dense_reference = True
+    x = x_of(8, t=13)
+    info = ForwardInfo(positions=torch.arange(13)[None].expand(2, -1))
+    with torch.no_grad():
+        full(x, info)
+    idx = info.memo[(SELECTION, 1)]
+    info.memo[(SELECTION, 0)] = torch.zeros_like(idx)  # an earlier layer's: not the nearest
+    outs = []
+    for layer in (shared, dense):
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi, info)
+        (y * y).sum().backward()
+        outs.append((y, xi.grad))
+    assert rel_err(outs[0][0], outs[1][0]) <= REL and rel_err(outs[0][1], outs[1][1]) <= REL
+    for (name, a), b in zip(shared.named_parameters(), dense.parameters()):
+        assert rel_err(a.grad, b.grad) <= REL, name
+    with pytest.raises(ConfigError, match=r"layer 2 \('R'\) reuses the selection") as err:
+        shared(x, ForwardInfo(positions=info.positions))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("rope", ["half", "interleaved"])
+def test_shared_selection_decoding_equals_full_forward(rope):
+    """D then R, decoded token by token after a prefill, equal the full forward of the pair."""
+    from megamoe.cache import InferenceCache
+
+    full, shared = shared_pair(rope)
+    x = x_of(9, t=10)
+    with torch.no_grad():
+        pos = torch.arange(10)[None].expand(2, -1)
+        info = ForwardInfo(positions=pos)
+        want = shared(full(x, info), info)
+        cache, got = InferenceCache(2), []
+        for a, b in ((0, 4), *((t, t + 1) for t in range(4, 10))):
+            step = ForwardInfo(positions=pos[:, a:b], cache=cache)
+            got.append(shared(full(x[:, a:b], step), step))
+            cache.advance(b - a)
+    assert rel_err(torch.cat(got, dim=1), want) <= REL

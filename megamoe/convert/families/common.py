@@ -185,7 +185,10 @@ def moe_rules(prefix: str, letters: str = "e", *, stacked_prefix: str | None = N
                 per_expert=lambda t, ctx: t[0], split_expert=lambda w, ctx: [w], row_blocks=True),
     ]
     if expert_bias:
-        rules.append(Same(f"{mlp}.router.expert_bias", f"{prefix}.{expert_bias}", when=letters))
+        bias = Same(f"{mlp}.router.expert_bias", f"{prefix}.{expert_bias}", when=letters)
+        if st != prefix:  # e.g. MiniMax-M2: block_sparse_moe.e_score_correction_bias (hub) or mlp.* (stacked)
+            bias = OneOf(bias, Same(f"{mlp}.router.expert_bias", f"{st}.{expert_bias}", when=letters))
+        rules.append(bias)
     if shared:
         rules += [Cat(f"{mlp}.shared_experts.linear_fc1.weight",
                       (f"{prefix}.{shared}.gate_proj.weight", f"{prefix}.{shared}.up_proj.weight"), when=letters),
