@@ -1,0 +1,123 @@
+"""The cuda backend's fla calls through Triton's interpreter, on CPU tensors (marked ``interpret``;
+run by tools/fla_interpret.sh, skipped everywhere else: the main test environment has no fla).
+
+Each role of the cuda backend that calls fla (the delta rule's chunked and fused-recurrent
+forms for GDN and KDA, Lightning as fla's simple GLA) against the ``local`` backend's
+recurrence on the same inputs: outputs, final states and, where fla has a backward, every
+input gradient (the fused-recurrent GDN and KDA ops are forward-only in fla: decoding).
+Tiny shapes (the interpreter runs each program instance in numpy); lengths 5 (one partial
+chunk) and 70 (across fla's 64-token chunk); two value heads per key head for GDN; an
+initial state throughout. Tolerance 1e-5 (fp32, measured ~1e-6: only the order of the sums
+differs). The backend is told that its CPU tensors are fla's (``_on_fla``), so the calls are
+exactly those it makes on a GPU.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.numerics import rel_err
+
+pytestmark = [pytest.mark.interpret,
+              pytest.mark.skipif(importlib.util.find_spec("fla") is None or os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="fla through Triton's interpreter: bash tools/fla_interpret.sh")]
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def fla_on_cpu(monkeypatch):
+    from megamoe.layers.backends import cuda
+
+    monkeypatch.setattr(cuda, "_on_fla", lambda t: True)
+
+
+def _ops(role: str):
+    from megamoe.layers.backends.cuda import CudaBackend
+    from megamoe.layers.backends.local import LocalBackend
+
+    return getattr(CudaBackend(), role)(None), getattr(LocalBackend(), role)(None)
+
+
+def _run(fn, inputs, grads: bool, seed: int = 7):
+    """fn(*inputs) -> (o, state): [o, state] plus, with ``grads``, every input's gradient for a
+    fixed random cotangent on both."""
+    leaves = [x.clone().requires_grad_(grads) for x in inputs]
+    o, state = fn(*leaves)
+    out = [o.detach(), state.detach()]
+    if grads:
+        gen = torch.Generator().manual_seed(seed)
+        loss = (o * torch.randn(o.shape, generator=gen)).sum() + (state * torch.randn(state.shape, generator=gen)).sum()
+        out += torch.autograd.grad(loss, leaves)
+    return out
+
+
+def _check(got, want, names):
+    errs = {n: rel_err(a, b) for n, a, b in zip(names, got, want)}
+    assert len(got) == len(want) and all(torch.isfinite(a).all() for a in got), errs
+    assert max(errs.values()) <= TOL, errs
+
+
+def _delta_inputs(t: int, kda: bool, seed: int = 0):
+    """q, k [1, t, hk, 16]; v [1, t, hv, 16]; g [1, t, hv] or [1, t, hv, 16]; beta; h0 [1, hv, 16, 16]."""
+    gen = torch.Generator().manual_seed(seed)
+    hk, hv, d = (2, 2, 16) if kda else (1, 2, 16)
+    q = F.normalize(torch.randn(1, t, hk, d, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(1, t, hk, d, generator=gen), dim=-1)
+    v = torch.randn(1, t, hv, d, generator=gen)
+    g = -torch.rand((1, t, hv, d) if kda else (1, t, hv), generator=gen)
+    beta = torch.rand(1, t, hv, generator=gen)
+    h0 = torch.randn(1, hv, d, d, generator=gen) * 0.3
+    return [q, k, v, g, beta, h0]
+
+
+NAMES = ("out", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+@pytest.mark.parametrize("t", [5, 70])
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_chunked_delta_rule(t, kda):
+    mine, ref = _ops("delta_rule")
+    scale = None if kda else 1.0  # the GDN mixer scales q itself; KDA leaves it to the op
+    inputs = _delta_inputs(t, kda)
+    got = _run(lambda *x: mine.chunked(*x[:5], scale=scale, initial_state=x[5]), inputs, True)
+    want = _run(lambda *x: ref.chunked(*x[:5], scale=scale, initial_state=x[5]), inputs, True)
+    _check(got, want, NAMES)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_decode_delta_rule(t, kda):
+    """fla's fused-recurrent ops (decode steps; forward only). Before the keyword call, the GDN
+    form put beta into fla's ``gk`` and gave NaN."""
+    mine, ref = _ops("delta_rule")
+    scale = None if kda else 1.0
+    inputs = _delta_inputs(t, kda, seed=1)
+    got = _run(lambda *x: mine.recurrent(*x[:5], scale=scale, initial_state=x[5]), inputs, False)
+    want = _run(lambda *x: ref.recurrent(*x[:5], scale=scale, initial_state=x[5]), inputs, False)
+    _check(got, want, NAMES)
+
+
+def test_decode_continues_the_chunked_state():
+    """A prefill through the chunked op, then a decode step from its state: the recurrence's."""
+    mine, ref = _ops("delta_rule")
+    q, k, v, g, beta, _ = _delta_inputs(9, False, seed=2)
+    _, state = mine.chunked(q[:, :8], k[:, :8], v[:, :8], g[:, :8], beta[:, :8], scale=1.0)
+    o, final = mine.recurrent(q[:, 8:], k[:, 8:], v[:, 8:], g[:, 8:], beta[:, 8:], scale=1.0, initial_state=state)
+    want_o, want_state = ref.chunked(q, k, v, g, beta, scale=1.0)
+    _check([o, final], [want_o[:, 8:], want_state], NAMES)
+
+
+@pytest.mark.parametrize("t,form", [(5, "chunked"), (70, "chunked"), (1, "recurrent"), (3, "recurrent")])
+def test_lightning(t, form):
+    mine, ref = _ops("lightning")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, t, 2, 16, generator=gen) * 0.3 for _ in range(3))
+    h0 = torch.randn(1, 2, 16, 16, generator=gen) * 0.3
+    slope = torch.tensor([0.5, 0.05])
+    got = _run(lambda *x: getattr(mine, form)(*x[:3], slope, x[3]), [q, k, v, h0], True)
+    want = _run(lambda *x: getattr(ref, form)(*x[:3], slope, x[3]), [q, k, v, h0], True)
+    _check(got, want, ("out", "state", "dq", "dk", "dv", "dh0"))
