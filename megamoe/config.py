@@ -221,6 +221,7 @@ class VisionConfig:
     recompute: bool = False  # timm gradient checkpointing in the encoder blocks (memory for time)
     projector: str = "mlp"
     merge_size: int = 2  # merger only
+    projector_norm_eps: float = 1e-6  # merger's LayerNorm (Qwen 1e-6, Kimi-K2.5 1e-5)
     projector_hidden: Optional[int] = None  # mlp only; None: the LM hidden size
     image_token_id: int = -1
     lr_scale: float = 1.0  # encoder learning rate = lr * lr_scale (see megamoe.multimodal.param_groups)
@@ -233,6 +234,7 @@ class VisionConfig:
               "name a timm model, e.g. vit_base_patch16_224")
         check_choice(f"{path}.projector", self.projector, ("mlp", "merger"))
         check_positive(f"{path}.merge_size", self.merge_size)
+        check(self.projector_norm_eps > 0, f"{path}.projector_norm_eps", self.projector_norm_eps, "must be > 0")
         if self.projector_hidden is not None:
             check_positive(f"{path}.projector_hidden", self.projector_hidden)
         check(self.lr_scale >= 0, f"{path}.lr_scale", self.lr_scale, "must be >= 0")

@@ -23,9 +23,16 @@ from megamoe.parallel.sharding import KEEP, mark_init
 from megamoe.vision.checkpoint import load_encoder_weights
 
 
+def register_native_towers() -> None:
+    """Towers timm lacks, written in timm's style in megamoe.vision, join timm's registry (on first
+    use: importing timm's model zoo costs every process that never builds a tower)."""
+    import megamoe.vision.kimi_vit  # noqa: F401
+
+
 def _create(cfg: VisionConfig, path: str):
     import timm
 
+    register_native_towers()
     if not timm.is_model(cfg.encoder):
         raise ConfigError(f"{path}.encoder={cfg.encoder!r} is not a timm model (see timm.list_models())")
     kwargs = {"pretrained": False, "num_classes": 0, **cfg.encoder_args}

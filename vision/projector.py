@@ -5,7 +5,7 @@ Both take patch features ``x [b, gh*gw, d]`` on a ``(gh, gw)`` grid (row-major) 
 
 - ``MLPProjector`` (LLaVA): one LM token per patch, Linear(d, hid) - GELU - Linear(hid, out).
   Parameters: d*hid + hid + hid*out + out.
-- ``PatchMerger`` (Qwen-VL): LayerNorm(d), each k x k block of patches concatenated (row-major
+- ``PatchMerger`` (Qwen-VL, Kimi-K2.5): LayerNorm(d) (eps ``projector_norm_eps``), each k x k block of patches concatenated (row-major
   inside the block) into one k*k*d vector, Linear(k²d, k²d) - GELU - Linear(k²d, out); one LM
   token per block, so k*k fewer tokens. Parameter names (norm, fc1, fc2) match timm's
   ``Qwen3VitPatchMerger``, so the merger of an HF Qwen3.5 checkpoint loads as-is.
@@ -70,5 +70,5 @@ def build_projector(cfg: VisionConfig, dim: int, out: int, init_std: float = 0.0
     if cfg.projector == "mlp":
         return MLPProjector(dim, out, cfg.projector_hidden or out, init_std)
     if cfg.projector == "merger":
-        return PatchMerger(dim, out, cfg.merge_size, init_std)
+        return PatchMerger(dim, out, cfg.merge_size, init_std, eps=cfg.projector_norm_eps)
     raise ConfigError(f"model.vision.projector={cfg.projector!r} is invalid: allowed: mlp, merger")

@@ -217,10 +217,17 @@ def config_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
     return out
 
 
+def text_rules(cfg: ModelConfig, model: str = "model.", head: str = "lm_head.weight", layers: str = "layers"
+               ) -> list[Rule]:
+    """The deepseek_v3 text model with its modules under ``model`` (kimi_k25 nests it)."""
+    layer = f"{model}{layers}.{{L}}"
+    return [*embedding_rules(cfg, prefix=model, head=head), *norm_rules(layer, "M"),
+            *mla_rules(f"{layer}.self_attn", "M", cfg), *dense_mlp_rules(f"{layer}.mlp"),
+            *deepseek_moe_rules(f"{layer}.mlp")]
+
+
 def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
-    layer = "model.layers.{L}"
-    return [*embedding_rules(cfg), *norm_rules(layer, "M"), *mla_rules(f"{layer}.self_attn", "M", cfg),
-            *dense_mlp_rules(f"{layer}.mlp"), *deepseek_moe_rules(f"{layer}.mlp")]
+    return text_rules(cfg)
 
 
 DEEPSEEK_V3 = register(Family("deepseek_v3", "DeepseekV3ForCausalLM", config_from_hf, config_to_hf, rules,
