@@ -35,7 +35,7 @@ import torch
 from megamoe.config import ModelConfig
 from megamoe.convert.families import deepseek_v3
 from megamoe.convert.families.common import base_hf_config, text_config
-from megamoe.convert.family import Family, register
+from megamoe.convert.family import WITH_FP8, Family, register
 from megamoe.convert.table import Cat, Fn, Rule, Same, alternatives
 from megamoe.errors import CheckpointError, ConfigError
 
@@ -150,4 +150,4 @@ def skipped(hf: dict, names: set[str]) -> tuple[set[str], str]:
 KIMI_K25 = register(Family("kimi_k25", "Kimi_K25ForConditionalGeneration", config_from_hf, config_to_hf, rules,
                            notes="deepseek_v3 text (MLA + 384-expert group-limited MoE) under MoonViT "
                            f"(megamoe's timm-style {ENCODER}) and its 2x2 patch merger; images, not video",
-                           skipped=skipped))
+                           skipped=skipped, weight_dtypes=WITH_FP8))
