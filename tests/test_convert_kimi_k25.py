@@ -185,3 +185,42 @@ def test_lora_finetune_lowers_loss_with_frozen_routing(tmp_path):
     after = {n: t for r in routers(model) for n, t in r.state_dict().items()}
     assert losses[-1] < 0.5 * losses[0], losses[::10]
     assert frozen.keys() == after.keys() and all(torch.equal(frozen[n], after[n]) for n in frozen)
+
+
+def test_released_size_preset_counts_on_meta():
+    """megamoe/recipes/kimi_k25.yaml: a fresh process builds it on meta in < 30 s and < 2 GiB,
+    and its counts equal a hand count (the language model as moe_1t's, MoonViT and the merger by
+    their formulas); the language model's 32.9B active and the tower's 417M are the release's
+    "32B active" and "MoonViT 400M"."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    from megamoe.config import validate_model_parallel
+    from megamoe.recipe import load_recipe
+    from tests.test_moe import hand_count_moe_1t
+
+    code = textwrap.dedent("""
+        import json, time
+        from megamoe.memory import peak_rss_mib
+        from megamoe.plan import budget
+        from megamoe.recipe import load_recipe
+        cfg = load_recipe("kimi_k25").model
+        t = time.time()
+        b = budget(cfg)
+        print(json.dumps({"total": b.total, "active": b.active, "seconds": time.time() - t, "rss_mib": peak_rss_mib()}))
+    """)
+    out = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                    text=True).stdout.strip().splitlines()[-1])
+    recipe = load_recipe("kimi_k25")
+    validate_model_parallel(recipe.model, recipe.parallel)
+    lm_total, lm_active = hand_count_moe_1t(recipe.model)
+    d, depth, f, p, (gh, gw) = 1152, 27, 4304, 14, (64, 64)
+    tower = 3 * p * p * d + d + gh * gw * d + depth * (4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d) + 2 * d
+    k2d, h = 4 * d, recipe.model.hidden_size
+    merger = 2 * d + k2d * k2d + k2d + k2d * h + h
+    assert tower == 416_866_032 and 30e9 < lm_active < 33e9 and 1.0e12 < lm_total < 1.03e12
+    assert out["total"] == lm_total + tower + merger == 1_026_879_376_368
+    assert out["active"] == pytest.approx(lm_active + tower + merger, rel=1e-12)
+    assert out["seconds"] < 30 and out["rss_mib"] < 2048, out
