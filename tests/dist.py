@@ -36,6 +36,8 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megamoe.parallel.groups import release_groups
+
     while True:
         item = tasks.get()
         if item is None:
@@ -45,6 +47,10 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001  (report everything, including assertion errors)
             results.put((rank, False, traceback.format_exc()))
+        # every test builds its own layouts: their gloo groups' threads (each waking every 10 ms)
+        # would pile up in these long-lived workers and burn a core by the end of the suite.
+        # All ranks release together, so the collective group teardown stays in step.
+        release_groups()
     dist.destroy_process_group()
 
 

@@ -19,7 +19,7 @@ from megamoe.config import ParallelConfig
 from megamoe.errors import ConfigError
 
 # process group -> its names in the grid ("dp_cp", or "dp+dp_cp" when two fields share one
-# group), for the communication monitor; groups are never destroyed (see _GRIDS), so ids stay valid
+# group), for the communication monitor; kept as long as the grid (see _GRIDS, release_groups)
 _NAMES: dict[int, str] = {}
 
 
@@ -167,6 +167,28 @@ def build_groups(parallel: ParallelConfig, timeout_s: float | None = None) -> Pa
         _GRIDS[key] = _build(parallel, timeout_s)
         _name_groups(_GRIDS[key])
     return _GRIDS[key]
+
+
+def release_groups() -> int:
+    """Destroy every process group of this process except the default (world) one: the grids
+    ``build_groups`` cached and megatron-core's state with them. Returns how many were destroyed.
+
+    For long-lived processes that switch layouts (the test suite's worker pools): each gloo group
+    keeps a transport thread that wakes every 10 ms, so hundreds of dead layouts' groups cost a
+    core. Models built on a released grid must not be used afterwards.
+    """
+    if not dist.is_initialized():
+        return 0
+    ps = _parallel_state()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    _GRIDS.clear()
+    _NAMES.clear()
+    # megatron-core keeps no list of the groups it made; torch's registry is the only complete one
+    groups = [g for g in list(dist.distributed_c10d._world.pg_map) if g is not dist.group.WORLD]
+    for group in groups:
+        dist.destroy_process_group(group)
+    return len(groups)
 
 
 def _build(parallel: ParallelConfig, timeout_s: float | None = None) -> ParallelGroups:
