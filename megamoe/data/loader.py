@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
+from megamoe.data.blend import Blend, parse_blend
 from megamoe.data.captions import ImageCaptionDataset, ImageTokens
 from megamoe.data.chat import resolve_template
 from megamoe.data.config import DataConfig
@@ -28,7 +29,7 @@ from megamoe.data.samples import SEQUENCE_KEYS, collate
 from megamoe.data.sampling import BatchLayout, global_order
 from megamoe.data.sft import PackedSFTDataset, SFTDataset
 from megamoe.data.tokenizer import Tokenizer, load_tokenizer
-from megamoe.errors import ConfigError
+from megamoe.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -59,30 +60,82 @@ def load_generator(spec: str):
 
 
 def build_dataset(cfg: DataConfig, tokenizer: Optional[Tokenizer] = None,
-                  image_tokens: Optional[ImageTokens] = None) -> Dataset:
-    """The dataset ``cfg.kind`` describes; ``image_tokens`` overrides ``cfg.image_tokens``."""
+                  image_tokens: Optional[ImageTokens] = None, paths: Optional[Sequence[str]] = None) -> Dataset:
+    """The dataset ``cfg.kind`` describes over ``paths`` (default ``cfg.paths``): a ``Blend`` when
+    they carry weights (Megatron's ``[w1, path1, w2, path2, ...]``, see ``megamoe.data.blend``);
+    ``image_tokens`` overrides ``cfg.image_tokens``."""
     cfg.validate()
     tokenizer = tokenizer or build_tokenizer(cfg)
+    field = "data.paths" if paths is None else "eval.paths"
+    names, weights = parse_blend(cfg.paths if paths is None else paths, field)
+    if weights is None:
+        return _one_dataset(cfg, tokenizer, image_tokens, names)
+    blend = Blend([_one_dataset(cfg, tokenizer, image_tokens, [name]) for name in names], weights, names)
+    log.info("%s: a blend of %s", field, blend.describe())
+    return blend
+
+
+def _one_dataset(cfg: DataConfig, tokenizer: Tokenizer, image_tokens: Optional[ImageTokens],
+                 paths: Sequence[str]) -> Dataset:
     if cfg.kind == "synthetic":
         from megamoe.data.synthetic import SyntheticDataset
 
         return SyntheticDataset(tokenizer.vocab_size, cfg.seq_len, seed=cfg.seed)
     if cfg.kind == "pretrain":
-        dataset = PackedDataset(cfg.paths, cfg.seq_len, tokenizer, reset_at_eos=cfg.reset_at_eos,
+        dataset = PackedDataset(paths, cfg.seq_len, tokenizer, reset_at_eos=cfg.reset_at_eos,
                                 eos_mask_loss=cfg.eos_mask_loss)
         log.info("pretrain data: %d windows of %d tokens from %d token file(s); %s", len(dataset), cfg.seq_len,
-                 len(cfg.paths), dataset.describe())
+                 len(paths), dataset.describe())
         return dataset
     if cfg.kind == "sft":
         template = resolve_template(cfg.chat_template, tokenizer)
         kind = PackedSFTDataset if cfg.pack else SFTDataset
-        return kind(cfg.paths, tokenizer, cfg.seq_len, template, cfg.truncation)
+        return kind(paths, tokenizer, cfg.seq_len, template, cfg.truncation)
     kwargs = dict(image_token=cfg.image_token, image_tokens=image_tokens or cfg.image_tokens,
                   truncation=cfg.truncation)
     if cfg.generator is not None:
         pairs = load_generator(cfg.generator)(num_samples=cfg.generator_samples, seed=cfg.seed)
         return ImageCaptionDataset.from_pairs(pairs, tokenizer, cfg.seq_len, name=cfg.generator, **kwargs)
-    return ImageCaptionDataset.from_jsonl(cfg.paths, tokenizer, cfg.seq_len, **kwargs)
+    return ImageCaptionDataset.from_jsonl(paths, tokenizer, cfg.seq_len, **kwargs)
+
+
+def holdout(dataset: Dataset, fraction: float) -> tuple[Dataset, Dataset]:
+    """(training, validation): the last ``fraction`` of the dataset, deterministic and disjoint.
+    Token streams are cut at a document start (no token in both), a blend is cut per dataset
+    (both halves keep the weights), record datasets by record (the tail of the files' order)."""
+    if isinstance(dataset, Blend):
+        return dataset.holdout(fraction, holdout)
+    if isinstance(dataset, PackedDataset):
+        return dataset.holdout(fraction)
+    n = len(dataset)
+    k = int(round(n * fraction))
+    if not 0 < k < n:
+        raise DataError(f"eval.split={fraction} of {n} samples leaves {k} for validation and {n - k} for training; "
+                        "both need at least one")
+    return Subset(dataset, range(n - k)), Subset(dataset, range(n - k, n))
+
+
+def build_datasets(cfg: DataConfig, tokenizer: Optional[Tokenizer] = None, image_tokens: Optional[ImageTokens] = None,
+                   eval_paths: Sequence[str] = (), eval_split: float = 0.0) -> tuple[Dataset, Optional[Dataset]]:
+    """Training and validation datasets: validation from ``eval_paths`` (the same kind, tokenizer
+    and seq_len; weights allowed), or the held-out last ``eval_split`` of the training data, or none."""
+    tokenizer = tokenizer or build_tokenizer(cfg)
+    train = build_dataset(cfg, tokenizer, image_tokens)
+    if eval_paths:
+        return train, build_dataset(cfg, tokenizer, image_tokens, paths=eval_paths)
+    if eval_split > 0:
+        train, valid = holdout(train, eval_split)
+        log.info("validation: the last %g of the training data held out (%d samples; %d left to train on)",
+                 eval_split, len(valid), len(train))
+        return train, valid
+    return train, None
+
+
+def sample_items(dataset: Dataset, samples: np.ndarray, seed: int, shuffle: bool) -> np.ndarray:
+    """Dataset items of global sample indices: a blend's weighted order, else ``global_order``."""
+    if isinstance(dataset, Blend):
+        return dataset.order(samples, seed, shuffle)
+    return global_order(samples, len(dataset), seed, shuffle)
 
 
 class StepSampler:
@@ -124,7 +177,7 @@ class TrainData:
 
     def step_indices(self, consumed_samples: int) -> list[np.ndarray]:
         """Dataset items of this rank's micro-batches in the step starting at ``consumed_samples``."""
-        return [global_order(m, self.num_items, self.seed, self.shuffle)
+        return [sample_items(self.dataset, m, self.seed, self.shuffle)
                 for m in self.layout.micro_batches(consumed_samples)]
 
     def __call__(self, consumed_samples: int) -> list[dict]:

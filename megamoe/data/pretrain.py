@@ -1,6 +1,7 @@
 """Sequence packing for pretraining: fixed windows over the concatenated documents.
 
-The token stream of a token file is its documents back to back, each ending with EOS. Sample j
+The token stream of a token file (a megamoe token directory, or a Megatron indexed dataset's
+``.bin``, see ``megamoe.data.indexed``) is its documents back to back, each ending with EOS. Sample j
 is the window ``stream[j*s : j*s + s + 1]`` (s = seq_len): ``input_ids = window[:-1]``,
 ``labels = window[1:]``. Consecutive windows share one token, so every token after the first is
 a target exactly once; a window may span document boundaries. Windows never span two token
@@ -22,28 +23,22 @@ default). Options, as Megatron's flags of the same meaning:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from megamoe.data.tokenizer import Tokenizer
-from megamoe.data.tokfile import TokenFile
 from megamoe.errors import DataError
 from megamoe.parallel.context import position_in_document
 from megamoe.parallel.cross_entropy import IGNORE_INDEX
 
 
-def stream_eos_id(files: Sequence[TokenFile]) -> int:
-    """The EOS id that ends every document of ``files``, from their headers (which
-    ``check_tokenizer`` matches against the run's tokenizer)."""
-    ids = {}
-    for f in files:
-        ids[str(f.path)] = f.header.get("tokenizer", {}).get("eos_id")
-        if not isinstance(ids[str(f.path)], int) or f.header.get("append_eos") is not True:
-            raise DataError(f"{f.path}: header does not say which EOS ends each document (tokenizer.eos_id, "
-                            "append_eos); data.reset_at_eos and data.eos_mask_loss need it")
+def stream_eos_id(sources: Sequence, tokenizer: Optional[Tokenizer] = None) -> int:
+    """The EOS id that ends every document of ``sources`` (token directories: their headers, which
+    ``check_tokenizer`` matches against the run's tokenizer; indexed datasets: the tokenizer's)."""
+    ids = {str(src.path): src.eos_id(tokenizer) for src in sources}
     if len(set(ids.values())) > 1:
         raise DataError(f"{', '.join(ids)}: documents end with different EOS ids {sorted(set(ids.values()))}")
     return next(iter(ids.values()))
@@ -57,24 +52,41 @@ def document_layout(input_ids: torch.Tensor, eos_id: int) -> tuple[torch.Tensor,
     return documents, position_in_document(documents[None])[0]
 
 
+class Stream(NamedTuple):
+    """Tokens ``[begin, end)`` of one token source (a token directory or an indexed dataset)."""
+
+    source: object
+    begin: int
+    end: int
+
+    def windows(self, seq_len: int) -> int:
+        return max(0, (self.end - self.begin - 1) // seq_len)
+
+
 class PackedDataset(Dataset):
-    """Windows of ``seq_len + 1`` tokens from one or more token directories, in file order.
+    """Windows of ``seq_len + 1`` tokens from one or more token sources, in file order: megamoe
+    token directories or Megatron indexed datasets (``prefix`` of ``prefix.bin`` + ``.idx``).
 
     ``item -> {"input_ids": LongTensor[s], "labels": LongTensor[s]}``, plus ``documents`` and
-    ``positions`` (LongTensor[s]) with ``reset_at_eos``."""
+    ``positions`` (LongTensor[s]) with ``reset_at_eos``. ``holdout(fraction)`` splits every
+    source at a document start into a training and a validation dataset that share no token."""
 
     def __init__(self, paths: Sequence[str | Path], seq_len: int, tokenizer: Optional[Tokenizer] = None, *,
-                 reset_at_eos: bool = False, eos_mask_loss: bool = False):
-        self.files = [TokenFile(p) for p in paths]
-        for f in self.files:
-            f.check_tokenizer(tokenizer)
-        self.seq_len, self.reset_at_eos, self.eos_mask_loss = seq_len, reset_at_eos, eos_mask_loss
-        self.eos_id = stream_eos_id(self.files) if reset_at_eos or eos_mask_loss else None
-        counts = [max(0, (f.num_tokens - 1) // seq_len) for f in self.files]
+                 reset_at_eos: bool = False, eos_mask_loss: bool = False, streams: Sequence[Stream] = ()):
+        from megamoe.data.indexed import open_token_source
+
+        self.streams = list(streams) or [Stream(src, 0, src.num_tokens)
+                                          for src in (open_token_source(p, tokenizer) for p in paths)]
+        self.tokenizer, self.seq_len = tokenizer, seq_len
+        self.reset_at_eos, self.eos_mask_loss = reset_at_eos, eos_mask_loss
+        sources = [st.source for st in self.streams]
+        self.eos_id = stream_eos_id(sources, tokenizer) if reset_at_eos or eos_mask_loss else None
+        counts = [st.windows(seq_len) for st in self.streams]
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         if self.starts[-1] == 0:
-            total = sum(f.num_tokens for f in self.files)
-            raise DataError(f"{', '.join(map(str, paths))}: {total} tokens, fewer than seq_len+1={seq_len + 1}")
+            total = sum(st.end - st.begin for st in self.streams)
+            names = ", ".join(str(src.path) for src in sources)
+            raise DataError(f"{names}: {total} tokens, fewer than seq_len+1={seq_len + 1}")
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -85,14 +97,33 @@ class PackedDataset(Dataset):
                  else "attention runs across EOS")
         return apart + (", no loss at EOS inputs" if self.eos_mask_loss else "")
 
+    def holdout(self, fraction: float) -> tuple["PackedDataset", "PackedDataset"]:
+        """(training, validation): the last ``fraction`` of every source's tokens, from the first
+        document start at or after the cut, is validation (Megatron's ``--split`` cuts by documents
+        in the same way); deterministic, and the two share no token."""
+        train, valid = [], []
+        for st in self.streams:
+            cut = st.source.doc_start_at_or_after(st.begin + int(round((st.end - st.begin) * (1.0 - fraction))))
+            cut = min(max(cut, st.begin), st.end)
+            for part, (a, b) in ((train, (st.begin, cut)), (valid, (cut, st.end))):
+                if b - a < self.seq_len + 1:
+                    raise DataError(f"{st.source.path}: eval.split={fraction} leaves {b - a} tokens for "
+                                    f"{'training' if part is train else 'validation'}, fewer than seq_len+1="
+                                    f"{self.seq_len + 1} (documents are not cut)")
+                part.append(Stream(st.source, a, b))
+        return self._with(train), self._with(valid)
+
+    def _with(self, streams: list[Stream]) -> "PackedDataset":
+        return PackedDataset((), self.seq_len, self.tokenizer, reset_at_eos=self.reset_at_eos,
+                             eos_mask_loss=self.eos_mask_loss, streams=streams)
+
     def window(self, index: int) -> np.ndarray:
         """The ``seq_len + 1`` tokens of sample ``index``."""
         if not 0 <= index < len(self):
             raise IndexError(index)
         f = int(np.searchsorted(self.starts, index, side="right")) - 1
-        begin = (index - int(self.starts[f])) * self.seq_len
-        return np.asarray(self.files[f].tokens[begin:begin + self.seq_len + 1], dtype=np.int64)
-
+        st = self.streams[f]
+        return st.source.read(st.begin + (index - int(self.starts[f])) * self.seq_len, self.seq_len + 1)
     def __getitem__(self, index: int) -> dict:
         w = torch.from_numpy(self.window(index))
         sample = {"input_ids": w[:-1], "labels": w[1:]}

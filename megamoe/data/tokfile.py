@@ -68,23 +68,14 @@ def write_token_file(inputs: Sequence[str | Path], output: str | Path, tokenizer
 
 def _write(tmp: Path, inputs: list[Path], tok: Tokenizer, fmt, text_key, add_bos, batch_docs, progress) -> dict:
     dtype = token_dtype(tok.vocab_size)
-    prefix = [tok.bos_id] if add_bos and tok.bos_id is not None else []
-    if add_bos and tok.bos_id is None:
-        raise DataError(f"tokenizer {tok.name} has no BOS token; add_bos is not possible")
     lengths: list[int] = []
-    sources = []
-    with _progress_bar(sum(p.stat().st_size for p in inputs if p.is_file()), progress) as bar, \
-            open(tmp / TOKENS, "wb") as f:
-        for path in inputs:
+    with open(tmp / TOKENS, "wb") as f:
+        sources = []
+        for path, docs in encoded_documents(inputs, tok, fmt, text_key, add_bos, batch_docs, progress):
             docs0, tokens0 = len(lengths), sum(lengths)
-            batch: list[tuple[int, str]] = []
-            for line, text in iter_documents(path, fmt, text_key, on_bytes=bar.update):
-                batch.append((line, text))
-                if len(batch) >= batch_docs:
-                    _flush(f, batch, tok, prefix, dtype, lengths, path)
-            _flush(f, batch, tok, prefix, dtype, lengths, path)
-            if len(lengths) == docs0:
-                raise data_error(path, None, "contains no documents")
+            for doc in docs:
+                f.write(doc.astype(dtype).tobytes())
+                lengths.append(len(doc))
             sources.append({"path": str(path), "documents": len(lengths) - docs0, "tokens": sum(lengths) - tokens0})
         f.flush()
         os.fsync(f.fileno())
@@ -92,14 +83,40 @@ def _write(tmp: Path, inputs: list[Path], tok: Tokenizer, fmt, text_key, add_bos
     np.cumsum(lengths, out=offsets[1:])
     np.save(tmp / DOCS, offsets)
     header = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "num_tokens": int(offsets[-1]),
-              "num_documents": len(lengths), "add_bos": bool(prefix), "append_eos": True,
+              "num_documents": len(lengths), "add_bos": bool(add_bos), "append_eos": True,
               "tokenizer": tok.identity(), "sources": sources, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     (tmp / HEADER).write_text(json.dumps(header, indent=1) + "\n")
     return header
 
 
-def _flush(f, batch: list, tok: Tokenizer, prefix: list, dtype: np.dtype, lengths: list, path: Path) -> None:
-    """Encode a batch of documents and append them (each ending with EOS) to the token stream."""
+def encoded_documents(inputs: Sequence[Path], tok: Tokenizer, fmt: str = "auto", text_key: str = "text",
+                      add_bos: bool = False, batch_docs: int = 512, progress: bool = True):
+    """``(path, documents)`` per input file, ``documents`` an iterator of int64 arrays
+    ``[BOS] + encode(text) + [EOS]`` (what both output formats store). A malformed record, an
+    id outside the vocabulary or a file without documents is a ``FILE:LINE`` ``DataError``."""
+    if add_bos and tok.bos_id is None:
+        raise DataError(f"tokenizer {tok.name} has no BOS token; add_bos is not possible")
+    prefix = [tok.bos_id] if add_bos else []  # (checked before the first output byte)
+    with _progress_bar(sum(Path(p).stat().st_size for p in inputs if Path(p).is_file()), progress) as bar:
+        for path in inputs:
+            yield path, _file_documents(Path(path), tok, prefix, fmt, text_key, batch_docs, bar)
+
+
+def _file_documents(path: Path, tok: Tokenizer, prefix: list, fmt, text_key, batch_docs: int, bar):
+    count, batch = 0, []
+    for line, text in iter_documents(path, fmt, text_key, on_bytes=bar.update):
+        batch.append((line, text))
+        if len(batch) >= batch_docs:
+            count += len(batch)
+            yield from _encode(batch, tok, prefix, path)
+    count += len(batch)
+    yield from _encode(batch, tok, prefix, path)
+    if count == 0:
+        raise data_error(path, None, "contains no documents")
+
+
+def _encode(batch: list, tok: Tokenizer, prefix: list, path: Path):
+    """Encode a batch of (line, text) documents, each ending with EOS."""
     if not batch:
         return
     encoded = tok.encode_batch([text for _, text in batch])
@@ -109,8 +126,7 @@ def _flush(f, batch: list, tok: Tokenizer, prefix: list, dtype: np.dtype, length
         doc = np.asarray(prefix + list(ids) + [tok.eos_id], dtype=np.int64)
         if doc.max() >= tok.vocab_size or doc.min() < 0:
             raise data_error(path, line, f"token id {int(doc.max())} outside vocab_size={tok.vocab_size}")
-        f.write(doc.astype(dtype).tobytes())
-        lengths.append(len(doc))
+        yield doc
     batch.clear()
 
 
@@ -149,6 +165,26 @@ class TokenFile:
 
     def document(self, d: int) -> np.ndarray:
         return np.asarray(self.tokens[self.doc_offsets[d]:self.doc_offsets[d + 1]])
+
+    def describe(self) -> str:
+        return f"{self.path} ({self.dtype.name})"
+
+    def read(self, begin: int, count: int) -> np.ndarray:
+        """Tokens ``[begin, begin + count)`` of the stream (int64)."""
+        return np.asarray(self.tokens[begin:begin + count], dtype=np.int64)
+
+    def doc_start_at_or_after(self, pos: int) -> int:
+        """The first document start >= token ``pos`` (``num_tokens`` past the last one)."""
+        return int(self.doc_offsets[int(np.searchsorted(self.doc_offsets, pos, side="left"))])
+
+    def eos_id(self, tokenizer: Optional[Tokenizer] = None) -> int:
+        """The EOS id that ends every document, from the header (which ``check_tokenizer`` matches
+        against the run's tokenizer)."""
+        eos = self.header.get("tokenizer", {}).get("eos_id")
+        if not isinstance(eos, int) or self.header.get("append_eos") is not True:
+            raise DataError(f"{self.path}: header does not say which EOS ends each document (tokenizer.eos_id, "
+                            "append_eos); data.reset_at_eos and data.eos_mask_loss need it")
+        return eos
 
     def check_tokenizer(self, tokenizer: Optional[Tokenizer]) -> None:
         """One-line error if this file was written by a different tokenizer."""

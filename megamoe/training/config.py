@@ -7,7 +7,8 @@ from megamoe.config import check, check_choice, check_positive
 
 PRECISIONS = ("auto", "fp32", "bf16")
 FP8_CHOICES = ("torch", "delayed", "current", "blockwise", "mxfp8")
-GUARDED = ("model", "lora", "data", "train", "optim")  # the sections resume guards compare
+GUARDED = ("model", "lora", "data", "eval", "train", "optim")  # the sections resume guards compare
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 @dataclass
@@ -95,6 +96,62 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Validation during training (Megatron's --eval-interval, --eval-iters, --split /
+    --valid-data-path): the loss and perplexity of held-out data every ``interval`` steps and
+    at the last step. Every evaluation reads the same samples: the first ``iters`` global
+    batches of the validation data's order (seeded by ``data.seed``)."""
+
+    interval: int = 0  # steps between evaluations; 0: never
+    iters: int = 10  # global batches (train.global_batch_size samples) per evaluation
+    # validation data: the same kind, tokenizer and seq_len as ``data``; Megatron's weighted form allowed
+    paths: List[str] = field(default_factory=list)
+    # or hold out the last ``split`` of the training data (each source cut at a document start)
+    split: float = 0.0
+    save_best: bool = False  # keep the checkpoint of the lowest validation loss in <checkpoint.dir>/best
+
+    def validate(self, path: str = "eval") -> None:
+        check(isinstance(self.interval, int) and self.interval >= 0, f"{path}.interval", self.interval,
+              "must be an integer >= 0 (0: never)")
+        check_positive(f"{path}.iters", self.iters)
+        check(0.0 <= self.split < 1.0, f"{path}.split", self.split, "must be in [0, 1)")
+        check(not (self.paths and self.split), f"{path}.split", self.split,
+              f"validation data comes from {path}.paths or {path}.split, not both")
+        check(self.interval == 0 or bool(self.paths) or self.split > 0, f"{path}.interval", self.interval,
+              f"needs validation data: set {path}.paths or {path}.split")
+        check(not self.save_best or self.interval > 0, f"{path}.save_best", self.save_best,
+              f"needs {path}.interval > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging beside TensorBoard (the same scalars); on when ``project`` is set.
+    Needs ``pip install megamoe[wandb]``; ``mode: offline`` writes the run under ``dir`` for a
+    later ``wandb sync``."""
+
+    project: Optional[str] = None
+    entity: Optional[str] = None
+    name: Optional[str] = None  # the run's name (default: W&B's)
+    group: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+    mode: str = "online"
+    dir: Optional[str] = None  # default: logging.dir
+
+    def validate(self, path: str = "logging.wandb") -> None:
+        check_choice(f"{path}.mode", self.mode, WANDB_MODES)
+        check(self.project is None or (isinstance(self.project, str) and bool(self.project.strip())),
+              f"{path}.project", self.project, "must be a non-empty name (or null: no W&B)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.project is not None and self.mode != "disabled"
+
+
+@dataclass
 class LoggingConfig:
     dir: Optional[str] = None  # TensorBoard log dir; None: <checkpoint.dir>/tb or runs/<time>
     interval: int = 1  # steps between scalar logs
@@ -102,8 +159,10 @@ class LoggingConfig:
     latency_interval: int = 10  # time every collective (per group, size, layer) on every N-th step; 0: never
     peak_tflops: Optional[float] = None  # for MFU; None: known GPUs, or a measured matmul peak on CPU
     progress: bool = True  # console progress bar
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # Weights & Biases (off unless wandb.project)
 
     def validate(self, path: str = "logging") -> None:
+        self.wandb.validate(f"{path}.wandb")
         check_positive(f"{path}.interval", self.interval)
         check_positive(f"{path}.heatmap_interval", self.heatmap_interval)
         check(self.latency_interval >= 0, f"{path}.latency_interval", self.latency_interval, "must be >= 0")

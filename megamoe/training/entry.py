@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Sequence
 
@@ -58,7 +59,7 @@ def adopt_checkpoint_model(recipe, overrides: Sequence[str] = ()) -> None:
 def run_training(recipe) -> dict:
     """Build tokenizer, dataset and trainer from ``recipe`` and train; returns a summary
     (last metrics and where the logs and checkpoints went) on every rank."""
-    from megamoe.data import build_dataset, build_tokenizer, check_vocab
+    from megamoe.data import build_datasets, build_tokenizer, check_vocab
     from megamoe.training.trainer import Trainer
 
     tokenizer = build_tokenizer(recipe.data)
@@ -66,17 +67,19 @@ def run_training(recipe) -> dict:
     trainer = Trainer(recipe)
     # image captions need the tower's count of placeholder tokens per image
     image_tokens = trainer.image_tokens if recipe.model.vision is not None else None
-    dataset = build_dataset(recipe.data, tokenizer, image_tokens=image_tokens)
+    dataset, valid = build_datasets(recipe.data, tokenizer, image_tokens, recipe.eval.paths, recipe.eval.split)
     log_dir = recipe.logging.dir or (str(Path(recipe.checkpoint.dir) / "tb") if recipe.checkpoint.dir else "runs")
     if trainer.rank == 0:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         (Path(log_dir) / "recipe.yaml").write_text(to_yaml(recipe))
         log.info("training %d steps on %d ranks (%s); logs in %s", recipe.train.steps, trainer.world,
                  trainer.groups.describe(), log_dir)
-    history = trainer.fit(log_dir, dataset)
+    history = trainer.fit(log_dir, dataset, valid)
     last = history[-1] if history else {}
+    evals = [h["eval_loss"] for h in history if "eval_loss" in h]
     return {"trainer": trainer, "log_dir": log_dir, "checkpoint_dir": recipe.checkpoint.dir,
-            "first_loss": history[0]["loss"] if history else None, "last": last, "steps": trainer.step}
+            "first_loss": history[0]["loss"] if history else None, "last": last, "steps": trainer.step,
+            "eval_loss": evals[-1] if evals else None}
 
 
 def finish(summary: dict) -> None:
@@ -97,4 +100,7 @@ def done_line(summary: dict) -> str:
     if summary["first_loss"] is None:
         return f"done: the checkpoint is at step {summary['steps']}, which train.steps does not exceed; nothing trained"
     last = summary["last"].get("loss", float("nan"))
-    return f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {last:.4f}"
+    line = f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> {last:.4f}"
+    if summary.get("eval_loss") is not None:
+        line += f", validation loss {summary['eval_loss']:.4f} (perplexity {math.exp(min(summary['eval_loss'], 700)):.2f})"
+    return line

@@ -32,7 +32,8 @@ def run_record(recipe) -> dict:
     """The parallel-independent settings a checkpoint records besides model and LoRA."""
     data = {k: v for k, v in config_to_dict(recipe.data).items() if k not in DATA_SKIP}
     train = config_to_dict(recipe.train)
-    return {"data": data, "train": {k: train[k] for k in TRAIN_KEYS if k in train}, "optim": config_to_dict(recipe.optim)}
+    return {"data": data, "train": {k: train[k] for k in TRAIN_KEYS if k in train}, "optim": config_to_dict(recipe.optim),
+            "eval": {"split": recipe.eval.split}}  # a held-out split changes the training samples
 
 
 def _plain(value):

@@ -1,5 +1,6 @@
-"""What training shows: TensorBoard scalars, expert-load heatmaps, communication-latency
-histograms, a metrics JSONL file and a console progress bar with ETA.
+"""What training shows: TensorBoard (and, with ``logging.wandb``, Weights & Biases) scalars,
+the expert-load figure, communication-latency histograms, validation loss, a metrics JSONL file
+and a console progress bar with ETA.
 
 Only the logging rank (global rank 0) writes; values it needs from other ranks are reduced
 by the trainer before ``log_step``.
@@ -19,21 +20,6 @@ from megamoe.memory import peak_rss_mib, rss_mib
 from megamoe.training.config import LoggingConfig
 
 log = logging.getLogger(__name__)
-
-# a perceptually ordered ramp (dark blue -> teal -> yellow) for heatmaps
-_RAMP = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]], dtype=np.float64)
-
-
-def heatmap_image(values: np.ndarray, cell: int = 8) -> np.ndarray:
-    """[rows, cols] non-negative values -> [rows*cell, cols*cell, 3] uint8 (max value = yellow)."""
-    v = np.asarray(values, dtype=np.float64)
-    top = v.max() if v.size and v.max() > 0 else 1.0
-    x = np.clip(v / top, 0, 1) * (len(_RAMP) - 1)
-    lo = np.floor(x).astype(int).clip(0, len(_RAMP) - 2)
-    frac = (x - lo)[..., None]
-    rgb = _RAMP[lo] * (1 - frac) + _RAMP[lo + 1] * frac
-    return np.repeat(np.repeat(rgb, cell, axis=0), cell, axis=1).astype(np.uint8)
-
 
 def memory_gib() -> dict[str, float]:
     """Current and peak host RSS, and peak CUDA memory when on GPU."""
@@ -115,19 +101,23 @@ def _trimmed(path: Path, start_step: int) -> Path:
 
 
 class Monitor:
-    """TensorBoard + JSONL + progress bar on the logging rank; a no-op elsewhere."""
+    """TensorBoard (+ W&B) + JSONL + progress bar on the logging rank; a no-op elsewhere.
+    ``figure_info``: ``{"ep": ..., "placement": ...}`` for the expert-load figure;
+    ``run_config``: the recipe as plain data (W&B's run config)."""
 
     def __init__(self, log_dir: str | Path, cfg: LoggingConfig, total_steps: int, start_step: int,
-                 enabled: bool):
+                 enabled: bool, figure_info: dict | None = None, run_config: dict | None = None):
+        from megamoe.training.sinks import TensorBoardSink, WandbSink
+
         self.cfg, self.enabled, self.total = cfg, enabled, total_steps
-        self.dir = Path(log_dir)
-        self.writer = self.bar = self.jsonl = None
+        self.dir, self.figure_info = Path(log_dir), figure_info or {}
+        self.sinks, self.bar, self.jsonl, self.shown = [], None, None, {}
         if not enabled:
             return
-        from torch.utils.tensorboard import SummaryWriter
-
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.writer = SummaryWriter(str(self.dir), purge_step=start_step if start_step else None)
+        self.sinks.append(TensorBoardSink(self.dir, start_step if start_step else None))
+        if cfg.wandb.enabled:
+            self.sinks.append(WandbSink(cfg.wandb, self.dir, run_config))
         self.jsonl = open(_trimmed(self.dir / "metrics.jsonl", start_step), "a")
         if cfg.progress:
             from tqdm import tqdm
@@ -141,9 +131,10 @@ class Monitor:
     def log_step(self, step: int, scalars: dict[str, float],
                  latencies: dict[str, list[tuple[float, int]]] | None = None,
                  expert_load: dict[int, torch.Tensor] | None = None,
-                 layer_scalars: dict[str, float] | None = None) -> None:
+                 layer_scalars: dict[str, float] | None = None, tagged: dict[str, float] | None = None) -> None:
         """``step`` is 1-based (the number of optimizer steps done). The JSONL line and the
-        progress bar follow every step; the events only steps where ``logs(step)``.
+        progress bar follow every step; the events only steps where ``logs(step)``, except
+        ``tagged`` (e.g. ``eval/loss``), which is written whenever given.
         ``latencies``: the communication samples (see ``comm_series``), on logging steps."""
         if not self.enabled:
             return
@@ -151,30 +142,56 @@ class Monitor:
         summary = comm_summary(by_group)
         self.jsonl.write(json.dumps({"step": step, **scalars, **summary}) + "\n")
         self.jsonl.flush()
-        if self.bar is not None:
-            self.bar.update(step - self.bar.n)
-            self.bar.set_postfix(loss=f"{scalars.get('loss', float('nan')):.4f}",
-                                 lr=f"{scalars.get('lr', 0):.2e}")
-        if not self.logs(step):
+        self._progress(step, scalars)
+        for k, v in (tagged or {}).items():
+            self._scalar(k, v, step)
+        if self.logs(step):
+            self._events(step, scalars, {**(layer_scalars or {}), **summary}, by_tag, by_group, expert_load)
+        for sink in self.sinks:
+            sink.flush(step)
+
+    def _scalar(self, tag: str, value: float, step: int) -> None:
+        for sink in self.sinks:
+            sink.scalar(tag, value, step)
+
+    def _progress(self, step: int, scalars: dict) -> None:
+        if self.bar is None:
             return
+        if "eval_loss" in scalars:
+            self.shown["val"] = f"{scalars['eval_loss']:.4f}"
+        self.bar.update(step - self.bar.n)
+        self.bar.set_postfix(loss=f"{scalars.get('loss', float('nan')):.4f}", lr=f"{scalars.get('lr', 0):.2e}",
+                             **self.shown)
+
+    def _events(self, step, scalars, tagged, by_tag, by_group, expert_load) -> None:
         for k, v in scalars.items():
-            self.writer.add_scalar(f"train/{k}", v, step)
-        for k, v in {**(layer_scalars or {}), **summary}.items():
-            self.writer.add_scalar(k, v, step)
-        for tag, ms in by_tag.items():  # which layer or phase
-            self.writer.add_histogram(f"latency_ms/{tag}", np.asarray(ms), step)
-        for tag, samples in by_group.items():  # which group and message size
-            self.writer.add_histogram(f"comm_ms/{tag}", np.asarray([s for s, _ in samples]), step)
+            if not k.startswith("eval_"):  # written as eval/loss, eval/ppl
+                self._scalar(f"train/{k}", v, step)
+        for k, v in tagged.items():
+            self._scalar(k, v, step)
+        for sink in self.sinks:
+            for tag, ms in by_tag.items():  # which layer or phase
+                sink.histogram(f"latency_ms/{tag}", np.asarray(ms), step)
+            for tag, samples in by_group.items():  # which group and message size
+                sink.histogram(f"comm_ms/{tag}", np.asarray([s for s, _ in samples]), step)
         if expert_load and (step % self.cfg.heatmap_interval == 0 or step == self.total):
-            layers = sorted(expert_load)
-            grid = np.stack([expert_load[i].detach().double().cpu().numpy() for i in layers])
-            self.writer.add_image("moe/expert_load", heatmap_image(grid), step, dataformats="HWC")
-        self.writer.flush()
+            self._expert_figure(step, expert_load)
+
+    def _expert_figure(self, step: int, expert_load: dict[int, torch.Tensor]) -> None:
+        """The figure as an image event and as ``expert_load/step_XXXXXXXX.png`` beside the events."""
+        from megamoe.training.figures import expert_load_figure, save_png
+
+        load = {n: t.detach().double().cpu().numpy() for n, t in expert_load.items()}
+        img, meta = expert_load_figure(load, step, **self.figure_info)
+        save_png(img, meta, self.dir / "expert_load" / f"step_{step:08d}.png")
+        hwc = np.asarray(img.convert("RGB"))
+        for sink in self.sinks:
+            sink.image("moe/expert_load", hwc, step)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
+        for sink in self.sinks:
+            sink.close()
         if self.jsonl is not None:
             self.jsonl.close()

@@ -81,6 +81,7 @@ class Trainer:
         self.first = self.stage_ids[0] == 0
         self.last = self.stage_ids[-1] == self.n_stages - 1
         self.step, self.consumed, self.nan_streak, self.skipped = 0, 0, 0, 0
+        self.best_eval_loss = math.inf  # eval.save_best: the lowest validation loss so far
         self.saved_step = None  # the step of the checkpoint last written or resumed from
         self.pending_save, self._async_group = None, None  # checkpoint.async_save
         self.hf_origin = None  # the HF family/config the weights came from, kept for export
@@ -197,10 +198,13 @@ class Trainer:
 
     def state(self) -> dict:
         return {"step": self.step, "consumed_samples": self.consumed, "nan_streak": self.nan_streak,
-                "skipped_steps": self.skipped}
+                "skipped_steps": self.skipped, "best_eval_loss": self.best_eval_loss}
 
-    def save(self) -> Path | None:
-        root = self.recipe.checkpoint.dir
+    def save(self, root: str | Path | None = None, keep_last: int | None = None) -> Path | None:
+        """A checkpoint of this step in ``checkpoint.dir`` (or ``root``: e.g. the best one, written
+        synchronously); ``keep_last`` defaults to ``checkpoint.keep_last``."""
+        best = root is not None
+        root = root or self.recipe.checkpoint.dir
         if not root:
             return None
         extra = {"model": config_to_dict(self.recipe.model), "hf": self.hf_origin, "run": run_record(self.recipe)}
@@ -208,15 +212,18 @@ class Trainer:
             base = self.base_weights and str(Path(self.base_weights).resolve())
             extra.update(lora=config_to_dict(self.recipe.lora), lora_base=base)
         c = self.recipe.checkpoint
+        asynchronous = c.async_save and not best
         self.phase = "checkpoint save"
         self.finish_save()  # one save in flight at a time
-        if c.async_save and self._async_group is None and self.world > 1:
+        if asynchronous and self._async_group is None and self.world > 1:
             self._async_group = dist.new_group(backend="gloo")  # the writer thread's own collectives
         out = ckpt.save_checkpoint(root, self.step, self.groups, self.chunks, self.optimizer, self.state(),
-                                   c.keep_last, extra, select=self._checkpoint_select(), asynchronous=c.async_save,
-                                   async_group=self._async_group)
+                                   keep_last or c.keep_last, extra, select=self._checkpoint_select(),
+                                   asynchronous=asynchronous, async_group=self._async_group)
+        if best:
+            return out
         self.saved_step = self.step
-        if c.async_save:
+        if asynchronous:
             self.pending_save = out
             return out.final
         return out
@@ -253,6 +260,7 @@ class Trainer:
             self.hf_origin = meta.get("hf", self.hf_origin)
             self.step, self.consumed = state["step"], state["consumed_samples"]
             self.nan_streak, self.skipped = state.get("nan_streak", 0), state.get("skipped_steps", 0)
+            self.best_eval_loss = state.get("best_eval_loss", math.inf)
             self.saved_step = self.step
             log.info("resumed from %s at step %d (%d samples consumed)", path, self.step, self.consumed)
             return
@@ -306,11 +314,30 @@ class Trainer:
                 (s / total_tokens).backward()
                 loss_sum += s.detach().double().cpu()
             return loss_sum
-        losses: list = []
+        losses = self._pipeline_run(micro, lambda logits, labels: self._loss_sum(logits, labels) / total_tokens)
+        for x in losses:
+            loss_sum += x.detach().double().cpu() * total_tokens.double().cpu()
+        return loss_sum
 
-        def loss_fn(logits, labels):
-            return self._loss_sum(logits, labels) / total_tokens
+    @torch.no_grad()
+    def forward_loss(self, micro: list[dict]) -> torch.Tensor:
+        """Sum of token losses of this rank's micro-batches, forward only (on the last stage, else
+        0; the validation loop's step)."""
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        if self.n_stages > 1:
+            for x in self._pipeline_run(micro, self._loss_sum, backward=False):
+                loss_sum += x.double().cpu()
+            return loss_sum
+        for mb in micro:
+            ids, extra = self._stage_inputs(mb)
+            with self._autocast():
+                logits = self.chunks[0].forward_stage(ids, **extra)
+            loss_sum += self._loss_sum(logits, mb["labels"].to(self.device)).double().cpu()
+        return loss_sum
 
+    def _pipeline_run(self, micro: list[dict], loss_fn, backward: bool = True) -> list:
+        """One pass of the pipeline schedule over ``micro`` (forward and backward, or forward
+        only); the last stage's ``loss_fn(logits, labels)`` per micro-batch."""
         if not hasattr(self, "_schedule"):
             bf16 = self.device.type == "cuda" and self.train.precision in ("auto", "bf16")
             self._schedule, self._stage_modules = build_schedule(
@@ -323,11 +350,11 @@ class Trainer:
             module.extra = [self._stage_inputs(mb)[1] if sid == 0 else self._sequence_inputs(mb) for mb in micro]
         args = [(mb["input_ids"].to(self.device),) for mb in micro] if self.first else None
         targets = [mb["labels"].to(self.device) for mb in micro] if self.last else None
+        losses: list = []
+        run = self._schedule.step if backward else self._schedule.eval
         with self._autocast(), timed_p2p():
-            self._schedule.step(arg_mbs=args, target_mbs=targets, losses=losses, return_outputs=False)
-        for x in losses:
-            loss_sum += x.detach().double().cpu() * total_tokens.double().cpu()
-        return loss_sum
+            run(arg_mbs=args, target_mbs=targets, losses=losses, return_outputs=False)
+        return losses
 
     def _timing(self):
         """The latency recorder on sampled steps, else nothing."""
@@ -417,7 +444,24 @@ class Trainer:
         return (f"step {self.step}: {self.nan_streak} consecutive steps had a non-finite gradient norm; stopped "
                 f"without saving, {kept}; lower optim.lr or inspect the data")
 
-    def _loop(self, data, monitor: Monitor, flops: float, peak: float, history: list) -> None:
+    def _report(self, monitor: Monitor, metrics: dict, evaluator) -> None:
+        """Evaluate when due, then log the step (the reports are collectives with host syncs:
+        only on steps that write them)."""
+        tagged = {}
+        if evaluator is not None and evaluator.due(self.step):
+            result = evaluator.run()
+            metrics.update(eval_loss=result["loss"], eval_ppl=result["ppl"])
+            tagged = {"eval/loss": result["loss"], "eval/ppl": result["ppl"]}
+        load, moe_scalars, latencies = {}, {}, {}
+        self.phase = "metrics report"
+        if monitor.logs(self.step):
+            load, moe_scalars = self.moe_report()
+            latencies = self._gather_latencies()
+        monitor.log_step(self.step, metrics, latencies, load, moe_scalars, tagged=tagged)
+        if tagged:
+            evaluator.maybe_save_best(tagged["eval/loss"])
+
+    def _loop(self, data, monitor: Monitor, flops: float, peak: float, history: list, evaluator=None) -> None:
         cfg = self.recipe
         while self.step < self.train.steps:
             metrics = self.train_step(data(self.consumed))
@@ -426,13 +470,7 @@ class Trainer:
                 self.finish_save()
             metrics.update(memory_gib())
             metrics["mfu"] = flops * metrics["tokens_per_s"] / (peak * 1e12 * self.world)
-            # the reports are collectives with host syncs: only on steps that write them
-            load, moe_scalars, latencies = {}, {}, {}
-            self.phase = "metrics report"
-            if monitor.logs(self.step):
-                load, moe_scalars = self.moe_report()
-                latencies = self._gather_latencies()
-            monitor.log_step(self.step, metrics, latencies, load, moe_scalars)
+            self._report(monitor, metrics, evaluator)
             history.append(metrics)
             if self.nan_streak >= self.train.nan_max_consecutive:
                 self.finish_save()
@@ -447,22 +485,34 @@ class Trainer:
                      self.train.steps)
         self.finish_save()
 
-    def fit(self, log_dir: str | Path | None = None, dataset=None) -> list[dict]:
-        """Train until ``train.steps``; returns the per-step metrics of this run."""
+    def fit(self, log_dir: str | Path | None = None, dataset=None, valid_dataset=None) -> list[dict]:
+        """Train until ``train.steps``, evaluating on ``valid_dataset`` as ``eval`` says; returns
+        the per-step metrics of this run (``eval_loss``/``eval_ppl`` on evaluation steps)."""
         self.dataset = dataset if dataset is not None else self.dataset
         if self.dataset is None:
             raise ConfigError("data: the trainer has no dataset")
         cfg = self.recipe
+        evaluator = None
+        if cfg.eval.enabled:
+            if valid_dataset is None:
+                raise ConfigError("eval.interval is set but the trainer has no validation dataset (eval.paths or "
+                                  "eval.split)")
+            from megamoe.training.evaluate import Evaluator
+
+            evaluator = Evaluator(self, valid_dataset, cfg.eval)
         layout = BatchLayout(self.train.global_batch_size, self.train.micro_batch_size, self.dp,
                              self.groups.rank("dp"))
         data = TrainData(self.dataset, layout, cfg.data.seed, cfg.data.shuffle, self.consumed, cfg.data.num_workers)
         log_dir = log_dir or cfg.logging.dir or (Path(cfg.checkpoint.dir) / "tb" if cfg.checkpoint.dir else "runs")
-        monitor = Monitor(log_dir, cfg.logging, self.train.steps, self.step, enabled=self.rank == 0)
+        moe = cfg.model.moe
+        figure = {"ep": cfg.parallel.ep, "placement": moe.placement if moe is not None else None}
+        monitor = Monitor(log_dir, cfg.logging, self.train.steps, self.step, enabled=self.rank == 0,
+                          figure_info=figure, run_config=config_to_dict(cfg) if cfg.logging.wandb.enabled else None)
         peak = peak_tflops(cfg.logging, self.device) if self.rank == 0 else 1.0
         flops = self.flops_per_token()
         history = []
         try:
-            self._loop(data, monitor, flops, peak, history)
+            self._loop(data, monitor, flops, peak, history, evaluator)
         except RuntimeError as e:  # torch's DistBackendError is one
             if isinstance(e, MegamoeError) or not is_collective_failure(e):
                 raise
