@@ -79,11 +79,14 @@ class SelfAttention(nn.Module):
             gate = gate.reshape(bsz, s, self.heads * d)
         if self.q_norm is not None:
             q, k = self.qk_normed(q, self.q_norm), self.qk_normed(k, self.k_norm)
-        if self.yarn.factor > 1:  # YaRN frequencies and cos/sin scale (as HF's rope_type='yarn')
-            cos, sin = cached_yarn_cos_sin(info, self.rot_dim, self.theta, self.yarn)
-        else:
-            cos, sin = cached_cos_sin(info, self.rot_dim, self.theta, sections=self.mrope_section)
+        cos, sin = self.cos_sin(info)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
+
+    def cos_sin(self, info: ForwardInfo):
+        """This layer's RoPE tables [b, s, rot] (shared with every layer of the same parameters)."""
+        if self.yarn.factor > 1:  # YaRN frequencies and cos/sin scale (as HF's rope_type='yarn')
+            return cached_yarn_cos_sin(info, self.rot_dim, self.theta, self.yarn)
+        return cached_cos_sin(info, self.rot_dim, self.theta, sections=self.mrope_section)
 
     def qk_normed(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """x [b, s, heads, d] normed per head, or (``qk_norm_scope: all``) over all heads at once."""

@@ -52,6 +52,7 @@ from megamoe.config import DSAConfig, MLAConfig
 from megamoe.errors import ConfigError
 from megamoe.layers.context_attention import (check_documents, context_shard, document_mask, tile_rows,
                                                tiled_sparse_latent_attention)
+from megamoe.layers.lightning_index import lightning_scores, select_topk
 from megamoe.layers.mla import MultiLatentAttention
 from megamoe.layers.rotary import apply_rotary, apply_rotary_interleaved, cached_yarn_cos_sin
 from megamoe.parallel import comm
@@ -63,15 +64,6 @@ from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
 def query_positions(s: int, total: int, device=None) -> torch.Tensor:
     """Positions of the s queries, the last s of ``total`` keys."""
     return torch.arange(total - s, total, device=device)
-
-
-def select_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
-    """scores, valid [b, s, N] -> indices [b, s, min(k, N)] of the best valid candidates, -1 where
-    fewer are valid. Ties go to the lower index (stable sort)."""
-    k = min(k, scores.size(-1))
-    scores = scores.masked_fill(~valid, float("-inf"))
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-    return order.masked_fill(~valid.gather(-1, order), -1)
 
 
 def indices_to_mask(idx: torch.Tensor, total: int) -> torch.Tensor:
@@ -202,8 +194,7 @@ class Indexer(nn.Module):
 
     def score(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """q [b, s, Hi, Di], keys [b, N, Di], weights [b, s, Hi] -> [b, s, N] (fp32)."""
-        per_head = F.relu(torch.einsum("bshd,bnd->bshn", q.float(), keys.float()) * self.dim ** -0.5)
-        return torch.einsum("bsh,bshn->bsn", weights, per_head)
+        return lightning_scores(q, keys, weights, scale=self.dim ** -0.5, relu=True)
 
     def select_pools_padded(self, q, k, gate, weights, qpos, pad):
         """GLM-5 selection for left-padded rows (pad [b]): pools are cut from each row's first real

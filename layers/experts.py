@@ -27,6 +27,7 @@ from megamoe.parallel.sharding import Shard, mark_init, normal_init, set_shardin
 from megamoe.spec import BuildContext
 from megamoe.layers.dispatch import local_pairs
 from megamoe.layers.grouped_gemm import resolve_kernel, swiglu_experts
+from megamoe.layers.mlp import SWIGLU, GLU
 
 
 class GroupedExperts(nn.Module):
@@ -37,7 +38,7 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str = "auto",
-                 active_fraction: float = 1.0, swiglu_limit: float | None = None, fusion: Fusion = EAGER):
+                 active_fraction: float = 1.0, glu: GLU = SWIGLU, fusion: Fusion = EAGER):
         super().__init__()
         self.fusion = fusion  # the building backend's policy for the loop kernel's SwiGLU passes
         ep, etp = ctx.groups.size("ep"), ctx.groups.size("etp")
@@ -47,7 +48,7 @@ class GroupedExperts(nn.Module):
         self.num_experts, self.num_local = num_experts, num_experts // ep
         self.hidden_size, self.ffn_hidden_size, self.etp_size = h, f, etp
         self.local_start = ctx.groups.rank("ep") * self.num_local
-        self.kernel, self.swiglu_limit = kernel, swiglu_limit
+        self.kernel, self.glu = kernel, glu  # the gated unit (megamoe.layers.mlp.GLU)
         kw = dict(dtype=ctx.dtype, device=ctx.device)
         self.gate_up_weight = nn.Parameter(torch.empty(self.num_local, 2 * f // etp, h, **kw))
         set_sharding(self.gate_up_weight, Shard(0, "ep"), Shard(1, "etp", parts=(f, f)))
@@ -67,7 +68,7 @@ class GroupedExperts(nn.Module):
         """The kernel on given weights: w1 [n, 2f/etp, h], w2 [n, h, f/etp] for the local
         ``experts`` (None: all of them, n = E/ep) with ``counts`` [n]. What subclasses extend
         (adapters) or feed differently (tiered storage)."""
-        return swiglu_experts(self.kernel, x, idx, counts, probs, w1, w2, out_rows, self.swiglu_limit,
+        return swiglu_experts(self.kernel, x, idx, counts, probs, w1, w2, out_rows, self.glu,
                               self.fusion.active(x.device))
 
     def local_dispatch(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
@@ -83,7 +84,7 @@ class GroupedExperts(nn.Module):
         if not own or self.num_local != self.num_experts or self.etp_size != 1 or (
                 torch.is_grad_enabled() and (x.requires_grad or self.gate_up_weight.requires_grad)):
             return None
-        return local_experts(x, weights, idx, self.gate_up_weight, self.down_weight, self.kernel, self.swiglu_limit)
+        return local_experts(x, weights, idx, self.gate_up_weight, self.down_weight, self.kernel, *self.glu)
 
     def expert_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """This rank's shapes of one expert's two weights: (2f/etp, h), (h, f/etp)."""
@@ -104,13 +105,13 @@ class GroupedExperts(nn.Module):
 
 @torch.library.custom_op("megamoe::local_experts", mutates_args=())
 def local_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                  kernel: str, limit: float | None) -> torch.Tensor:
+                  kernel: str, limit: float | None, alpha: float, up_shift: float) -> torch.Tensor:
     """``dispatch_local`` with every pair kept (``megamoe.layers.dispatch``) on weights w1, w2:
     x [T, h], weights/idx [T, k] -> [T, h]. Eager inside (one graph node), unfused."""
     token, counts, probs = local_pairs(weights, idx, None, w1.size(0))
-    return swiglu_experts(kernel, x, token, counts, probs, w1, w2, x.size(0), limit, False)
+    return swiglu_experts(kernel, x, token, counts, probs, w1, w2, x.size(0), GLU(limit, alpha, up_shift), False)
 
 
 @local_experts.register_fake
-def _(x, weights, idx, w1, w2, kernel, limit):
+def _(x, weights, idx, w1, w2, kernel, limit, alpha, up_shift):
     return x.new_empty(x.shape)  # contiguous [T, h], as every kernel returns

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.layers.fp8 import fp8_shapes_ok, quantize
-from megamoe.layers.mlp import clamp_gate_up
+from megamoe.layers.mlp import SWIGLU, GLU, glu_act
 
 ALIGN = 16  # rows: the scaled grouped GEMM's group alignment
 
@@ -110,7 +110,7 @@ def aligned_layout(counts: torch.Tensor, rows: int, align: int = ALIGN):
 
 
 def swiglu_experts_fp8(x, idx, counts: Sequence[int] | torch.Tensor, probs, w1, w2, out_rows: int,
-                       limit: float | None = None) -> torch.Tensor:
+                       glu: GLU = SWIGLU) -> torch.Tensor:
     """The SwiGLU expert kernel (signature and result as ``layers.grouped_gemm``'s reference)
     with FP8 grouped GEMMs. Widths that the scaled GEMM rejects (not multiples of 16) return
     None so the caller runs its high-precision kernel."""
@@ -126,8 +126,7 @@ def swiglu_experts_fp8(x, idx, counts: Sequence[int] | torch.Tensor, probs, w1, 
         p = None if p is None else p.new_zeros(bound, 1).index_copy(0, dest, p)
     else:
         dest, offs = None, torch.cumsum(counts, 0).to(torch.int32)
-    gate, up = clamp_gate_up(*fp8_grouped_linear(rows, w1, offs).chunk(2, dim=-1), limit)
-    act = F.silu(gate) * up
+    act = glu_act(fp8_grouped_linear(rows, w1, offs), glu)
     if p is not None:
         act = act * p
     y = fp8_grouped_linear(act, w2, offs)                                   # [S or bound, h]

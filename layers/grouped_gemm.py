@@ -2,7 +2,7 @@
 
 Every kernel computes the same thing (``reference`` is the readable definition)::
 
-    out = kernel(x, idx, counts, probs, w1, w2, out_rows, limit=None)
+    out = kernel(x, idx, counts, probs, w1, w2, out_rows, glu=SWIGLU)
 
     x      [N, h]      input rows
     idx    [S]         grouped row j reads x[idx[j]] and is added to out[idx[j]]
@@ -10,8 +10,9 @@ Every kernel computes the same thing (``reference`` is the readable definition):
     probs  [S] | None  weight of row j, applied to its intermediate activation
     w1     [E, 2f, h]  gate | up (nn.Linear layout: out x in)
     w2     [E, h, f]   down
-    out    [out_rows, h] = sum over rows j of  probs[j] * down_e(silu(gate_e x) * up_e x)
-    limit  float | None  GLM-5's clamp of gate (<= limit) and up ([-limit, limit]) before the SwiGLU
+    out    [out_rows, h] = sum over rows j of  probs[j] * down_e(act(gate_e x, up_e x))
+    glu    GLU           the gated unit ``act`` (``megamoe.layers.mlp``): silu(gate) * up, clamped
+                         (GLM-5-Next) or SwiGLU-OAI (MiniMax-M3)
 
 Applying ``probs`` to the intermediate instead of the output is exact (down is linear) and
 keeps it valid when f is split over expert-tensor-parallel ranks (the output is then a
@@ -41,13 +42,13 @@ import torch.nn.functional as F
 
 from megamoe.errors import ConfigError
 from megamoe.fusion import call, fused
-from megamoe.layers.mlp import clamp_gate_up
+from megamoe.layers.mlp import SWIGLU, GLU, clamp_gate_up, glu_act, glu_gate, glu_gate_grad, shifted
 
 KERNELS = ("reference", "grouped_mm", "loop")
 
 
 def swiglu_experts_reference(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: int,
-                             limit: float | None = None, fuse: bool = False) -> torch.Tensor:
+                             glu: GLU = SWIGLU, fuse: bool = False) -> torch.Tensor:
     """The definition: a loop over experts with plain autograd ops."""
     out = x.new_zeros(out_rows, x.size(-1))
     start = 0
@@ -55,8 +56,7 @@ def swiglu_experts_reference(x, idx, counts: Sequence[int], probs, w1, w2, out_r
         if n == 0:
             continue
         rows = idx[start:start + n]
-        gate, up = clamp_gate_up(*F.linear(x[rows], w1[e]).chunk(2, dim=-1), limit)
-        act = F.silu(gate) * up
+        act = glu_act(F.linear(x[rows], w1[e]), glu)
         if probs is not None:
             act = act * probs[start:start + n, None].to(act.dtype)
         out = out.index_add(0, rows, F.linear(act, w2[e]))
@@ -112,14 +112,13 @@ def _rows_aligned(t: torch.Tensor, *widths: int) -> bool:
 
 
 def swiglu_experts_grouped_mm(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: int,
-                              limit: float | None = None, fuse: bool = False) -> torch.Tensor:
+                              glu: GLU = SWIGLU, fuse: bool = False) -> torch.Tensor:
     if not _rows_aligned(x, x.size(-1), w2.size(-1)):  # h or f not a multiple of 16 bytes
-        return swiglu_experts_loop(x, idx, counts, probs, w1, w2, out_rows, limit, fuse)
+        return swiglu_experts_loop(x, idx, counts, probs, w1, w2, out_rows, glu, fuse)
     op = _grouped_mm_op()
     offs = torch.tensor(list(itertools.accumulate(counts)), device=x.device, dtype=torch.int32)
     rows = x.index_select(0, idx)
-    gate, up = clamp_gate_up(*op(rows, w1.transpose(1, 2), offs=offs).chunk(2, dim=-1), limit)
-    act = F.silu(gate) * up
+    act = glu_act(op(rows, w1.transpose(1, 2), offs=offs), glu)
     if probs is not None:
         act = act * probs[:, None].to(act.dtype)
     y = op(act, w2.transpose(1, 2), offs=offs)
@@ -139,89 +138,93 @@ def expert_slices(counts: Sequence[int]):
         start += n
 
 
-def swiglu_recompute(gate_up: torch.Tensor):
-    """(gate, up, silu(gate), silu(gate) * up) from saved pre-activations [n, 2f]."""
+def swiglu_recompute(gate_up: torch.Tensor, glu: GLU = SWIGLU):
+    """(gate, up, g, g * (up + shift)) with g = gate * sigmoid(alpha gate) from saved (clamped)
+    pre-activations [n, 2f]."""
     gate, up = gate_up.chunk(2, dim=-1)
-    silu = F.silu(gate)
-    return gate, up, silu, silu * up
+    g = glu_gate(gate, glu)
+    return gate, up, g, g * shifted(up, glu)
 
 
-def swiglu_act_(gate_up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """silu(gate) * up of pre-activations [n, 2f] (clamped in place with a limit) -> [n, f]."""
+def swiglu_act_(gate_up: torch.Tensor, glu: GLU) -> torch.Tensor:
+    """The gated unit of pre-activations [n, 2f] (clamped in place with a limit) -> [n, f]."""
     gate, up = gate_up.chunk(2, dim=-1)
-    if limit is not None:
-        gate.clamp_(max=limit)
-        up.clamp_(-limit, limit)
-    return F.silu(gate).mul_(up)
+    if glu.limit is not None:
+        gate.clamp_(max=glu.limit)
+        up.clamp_(-glu.limit, glu.limit)
+    return glu_gate(gate, glu).mul_(shifted(up, glu))
 
 
-def swiglu_pre_grad(d_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, silu: torch.Tensor,
-                    limit: float | None) -> torch.Tensor:
-    """d(gate|up) [n, 2f] from d(silu(gate) * up) [n, f] (overwritten); clamped entries (saved
-    pre-activations at the bound) pass no gradient."""
+def swiglu_pre_grad(d_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, g: torch.Tensor,
+                    glu: GLU) -> torch.Tensor:
+    """d(gate|up) [n, 2f] from d act [n, f] (overwritten), with g = glu_gate(gate); clamped
+    entries (saved pre-activations at the bound) pass no gradient."""
     d_pre = torch.empty(d_act.size(0), 2 * d_act.size(1), dtype=d_act.dtype, device=d_act.device)
     d_gate, d_up = d_pre.chunk(2, dim=-1)
-    torch.mul(d_act, silu, out=d_up)
-    torch.ops.aten.silu_backward.grad_input(d_act.mul_(up), gate, grad_input=d_gate)
-    if limit is not None:
-        d_gate.mul_(gate < limit)
-        d_up.mul_(up.abs() < limit)
+    torch.mul(d_act, g, out=d_up)
+    d_act.mul_(shifted(up, glu))
+    if glu.alpha == 1.0:
+        torch.ops.aten.silu_backward.grad_input(d_act, gate, grad_input=d_gate)
+    else:
+        torch.mul(d_act, glu_gate_grad(gate, glu), out=d_gate)
+    if glu.limit is not None:
+        d_gate.mul_(gate < glu.limit)
+        d_up.mul_(up.abs() < glu.limit)
     return d_pre
 
 
 @fused
-def swiglu_weighted(pre: torch.Tensor, p: torch.Tensor | None, limit: float | None) -> torch.Tensor:
-    """Fused: p * silu(gate) * up of pre-activations [n, 2f] (clamped with a limit; ``pre`` is
+def swiglu_weighted(pre: torch.Tensor, p: torch.Tensor | None, glu: GLU) -> torch.Tensor:
+    """Fused: p * act(gate, up) of pre-activations [n, 2f] (clamped with a limit; ``pre`` is
     left as it is) and row weights p [n, 1] | None -> [n, f]."""
-    gate, up = clamp_gate_up(*pre.chunk(2, dim=-1), limit)
-    act = F.silu(gate) * up
+    act = glu_act(pre, glu)
     return act if p is None else act * p
 
 
 @fused
-def swiglu_weighted_backward(d_act: torch.Tensor, pre: torch.Tensor, p: torch.Tensor | None, limit: float | None):
+def swiglu_weighted_backward(d_act: torch.Tensor, pre: torch.Tensor, p: torch.Tensor | None, glu: GLU):
     """Fused backward of ``swiglu_weighted`` from d(output) [n, f] -> (d(gate|up) [n, 2f],
     d p [n] | None, the output again [n, f] for the down weight's gradient). Clamped entries
     (at or beyond the bound) pass no gradient."""
     gate0, up0 = pre.chunk(2, dim=-1)
-    gate, up = clamp_gate_up(gate0, up0, limit)
-    sig = torch.sigmoid(gate)
-    silu = gate * sig
-    act = silu * up
+    gate, up = clamp_gate_up(gate0, up0, glu.limit)
+    sig = torch.sigmoid(glu.alpha * gate)
+    g = gate * sig
+    up = shifted(up, glu)
+    act = g * up
     dp = None
     if p is not None:
         dp = (d_act * act).sum(-1)
         d_act, act = d_act * p, act * p
-    d_up = d_act * silu
-    d_gate = d_act * up * sig * (1 + gate * (1 - sig))
-    if limit is not None:
-        d_gate, d_up = d_gate * (gate0 < limit), d_up * (up0.abs() < limit)
+    d_up = d_act * g
+    d_gate = d_act * up * sig * (1 + glu.alpha * gate * (1 - sig))
+    if glu.limit is not None:
+        d_gate, d_up = d_gate * (gate0 < glu.limit), d_up * (up0.abs() < glu.limit)
     return torch.cat([d_gate, d_up], dim=-1), dp, act
 
 
-def swiglu_forward(pre: torch.Tensor, p: torch.Tensor | None, limit: float | None, fuse: bool) -> torch.Tensor:
-    """p * SwiGLU of pre-activations [n, 2f] -> [n, f]: fused, or eagerly in place (a limit then
+def swiglu_forward(pre: torch.Tensor, p: torch.Tensor | None, glu: GLU, fuse: bool) -> torch.Tensor:
+    """p * act of pre-activations [n, 2f] -> [n, f]: fused, or eagerly in place (a limit then
     clamps ``pre`` itself, which is what ``swiglu_backward`` expects to find saved)."""
     if fuse:
-        return swiglu_weighted(pre, p, limit)
-    act = swiglu_act_(pre, limit)
+        return swiglu_weighted(pre, p, glu)
+    act = swiglu_act_(pre, glu)
     return act if p is None else act.mul_(p)
 
 
-def swiglu_backward(d_act: torch.Tensor, pre: torch.Tensor, p: torch.Tensor | None, limit: float | None,
-                    fuse: bool):
+def swiglu_backward(d_act: torch.Tensor, pre: torch.Tensor, p: torch.Tensor | None, glu: GLU, fuse: bool):
     """Backward of ``swiglu_forward`` (the same ``fuse``) from d(output) [n, f] (overwritten
-    eagerly) -> (d(gate|up) [n, 2f], d p [n] | None, the output [n, f]). The SwiGLU is
+    eagerly) -> (d(gate|up) [n, 2f], d p [n] | None, the output [n, f]). The unit is
     recomputed from the saved pre-activations."""
     if fuse:
-        return swiglu_weighted_backward(d_act, pre, p, limit)
-    gate, up, silu, act = swiglu_recompute(pre)
+        return swiglu_weighted_backward(d_act, pre, p, glu)
+    gate, up, g, act = swiglu_recompute(pre, glu)
     dp = None
     if p is not None:
         dp = torch.linalg.vecdot(d_act, act)
         act.mul_(p)
         d_act.mul_(p)
-    return swiglu_pre_grad(d_act, gate, up, silu, limit), dp, act
+    return swiglu_pre_grad(d_act, gate, up, g, glu), dp, act
 
 
 def expert_blocks(counts: Sequence[int], block_rows: int):
@@ -254,7 +257,7 @@ def _expert_mms(a: torch.Tensor, w_t: Sequence[torch.Tensor], experts, out: torc
 # x top-8 made the layer 1.3x slower; see docs/performance.md)
 BLOCK_ROWS = 4096
 # (token, expert) pairs up to which a forward without autograd (a decode step) and without a
-# SwiGLU limit runs torch's grouped GEMM instead: the same products (bitwise, on CPU fp32) in two
+# plain SwiGLU runs torch's grouped GEMM instead: the same products (bitwise, on CPU fp32) in two
 # ops instead of two per expert; at 16 pairs over 8 layers of 16 experts ~8-10% faster than the loop
 # (1 and 2 threads, docs/performance.md); larger batches were not measured, so they keep the loop
 DECODE_ROWS = 64
@@ -265,12 +268,12 @@ class _LoopExperts(torch.autograd.Function):
     SwiGLU pass over the block's rows (fused with ``fuse``), so the
     rows stay in cache while the number of small ops stays low. Saves only the gate|up
     pre-activations [S, 2f]; recomputes the SwiGLU and re-gathers the input rows in backward.
-    Eagerly with a ``limit`` the saved pre-activations are the clamped ones: a value at the
+    Eagerly with a ``glu.limit`` the saved pre-activations are the clamped ones: a value at the
     bound was clamped (or lay exactly on it, a measure-zero case) and gets no gradient; the
     fused pass clamps on the fly and masks the same entries."""
 
     @staticmethod
-    def run(x, idx, probs, w1, w2, counts, out_rows, limit, fuse):
+    def run(x, idx, probs, w1, w2, counts, out_rows, glu, fuse):
         """The forward's maths -> (out [out_rows, h], gate|up pre-activations [S, 2f]); called
         directly where nothing needs a gradient (decoding: no autograd node per layer)."""
         out = x.new_zeros(out_rows, x.size(-1))
@@ -279,17 +282,17 @@ class _LoopExperts(torch.autograd.Function):
         for blk, experts in expert_blocks(counts, BLOCK_ROWS):
             rows, pre_b = x.index_select(0, idx[blk]), pre[blk]
             _expert_mms(rows, w1t, experts, pre_b)
-            act = swiglu_forward(pre_b, None if probs is None else probs[blk, None], limit, fuse)
+            act = swiglu_forward(pre_b, None if probs is None else probs[blk, None], glu, fuse)
             y = torch.empty_like(rows)
             _expert_mms(act, w2t, experts, y)
             out.index_add_(0, idx[blk], y)
         return out, pre
 
     @staticmethod
-    def forward(ctx, x, idx, probs, w1, w2, counts, out_rows, limit, fuse):
+    def forward(ctx, x, idx, probs, w1, w2, counts, out_rows, glu, fuse):
         ctx.fuse = fuse
-        out, pre = _LoopExperts.run(x, idx, probs, w1, w2, counts, out_rows, limit, fuse)
-        ctx.counts, ctx.limit = counts, limit
+        out, pre = _LoopExperts.run(x, idx, probs, w1, w2, counts, out_rows, glu, fuse)
+        ctx.counts, ctx.glu = counts, glu
         ctx.save_for_backward(x, idx, probs, w1, w2, pre)
         return out
 
@@ -312,7 +315,7 @@ class _LoopExperts(torch.autograd.Function):
             for e, sl in experts:
                 torch.mm(dy[sl], w2[e], out=d_act[sl])
             d_pre, dp, act = swiglu_backward(d_act, pre[blk], None if probs is None else probs[blk, None],
-                                             ctx.limit, ctx.fuse)
+                                             ctx.glu, ctx.fuse)
             if dp is not None:
                 dprobs[blk] = dp
             rows = x.index_select(0, idx[blk])
@@ -336,17 +339,17 @@ class _SharedSwiGLUAdd(torch.autograd.Function):
     y, x [T, h]; w1 [2f, h]; w2 [h, f]; gate_w [1, h] | None."""
 
     @staticmethod
-    def run(y, x, w1, w2, gate_w, limit, fuse):
+    def run(y, x, w1, w2, gate_w, glu, fuse):
         """The forward's maths -> (output, pre-activations, gate p | None)."""
         pre = torch.mm(x, w1.t())
         p = None if gate_w is None else torch.sigmoid(torch.mm(x, gate_w.t()))  # [T, 1]
-        act = swiglu_forward(pre, p, limit, fuse)
+        act = swiglu_forward(pre, p, glu, fuse)
         return torch.addmm(y, act, w2.t()), pre, p
 
     @staticmethod
-    def forward(ctx, y, x, w1, w2, gate_w, limit, fuse):
-        ctx.fuse, ctx.limit = fuse, limit
-        out, pre, p = _SharedSwiGLUAdd.run(y, x, w1, w2, gate_w, limit, fuse)
+    def forward(ctx, y, x, w1, w2, gate_w, glu, fuse):
+        ctx.fuse, ctx.glu = fuse, glu
+        out, pre, p = _SharedSwiGLUAdd.run(y, x, w1, w2, gate_w, glu, fuse)
         ctx.save_for_backward(x, w1, w2, gate_w, pre, p)
         return out
 
@@ -355,7 +358,7 @@ class _SharedSwiGLUAdd(torch.autograd.Function):
         x, w1, w2, gate_w, pre, p = ctx.saved_tensors
         need = ctx.needs_input_grad
         dout = dout.contiguous()
-        d_pre, dp, act = swiglu_backward(torch.mm(dout, w2), pre, p, ctx.limit, ctx.fuse)
+        d_pre, dp, act = swiglu_backward(torch.mm(dout, w2), pre, p, ctx.glu, ctx.fuse)
         dw2 = torch.mm(dout.t(), act) if need[3] else None
         dw1 = torch.mm(d_pre.t(), x) if need[2] else None
         dx = torch.mm(d_pre, w1)
@@ -367,19 +370,19 @@ class _SharedSwiGLUAdd(torch.autograd.Function):
         return dout, dx, dw1, dw2, dgate_w, None, None
 
 
-def shared_swiglu_add(y, x, w1, w2, gate_w=None, limit: float | None = None, fuse: bool = False) -> torch.Tensor:
+def shared_swiglu_add(y, x, w1, w2, gate_w=None, glu: GLU = SWIGLU, fuse: bool = False) -> torch.Tensor:
     """y + [sigmoid(x gate_w^T)] * SwiGLU(x) for y, x [T, h] (see ``_SharedSwiGLUAdd``)."""
-    return call(_SharedSwiGLUAdd, y, x, w1, w2, gate_w, limit, fuse)
+    return call(_SharedSwiGLUAdd, y, x, w1, w2, gate_w, glu, fuse)
 
 
 def swiglu_experts_loop(x, idx, counts: Sequence[int], probs, w1, w2, out_rows: int,
-                        limit: float | None = None, fuse: bool = False) -> torch.Tensor:
+                        glu: GLU = SWIGLU, fuse: bool = False) -> torch.Tensor:
     if probs is not None:
         probs = probs.to(x.dtype)
-    if (not torch.is_grad_enabled() and limit is None and idx.numel() <= DECODE_ROWS
+    if (not torch.is_grad_enabled() and glu == SWIGLU and idx.numel() <= DECODE_ROWS
             and _rows_aligned(x, x.size(-1), w2.size(-1)) and grouped_mm_support(x.device, x.dtype) is None):
-        return swiglu_experts_grouped_mm(x, idx, counts, probs, w1, w2, out_rows, limit)
-    return call(_LoopExperts, x, idx, probs, w1, w2, list(counts), out_rows, limit, fuse)
+        return swiglu_experts_grouped_mm(x, idx, counts, probs, w1, w2, out_rows, glu)
+    return call(_LoopExperts, x, idx, probs, w1, w2, list(counts), out_rows, glu, fuse)
 
 
 _FUNCS = {"reference": swiglu_experts_reference, "grouped_mm": swiglu_experts_grouped_mm,
@@ -402,7 +405,7 @@ def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype) -> str:
     return name
 
 
-def swiglu_experts(kernel: str, x, idx, counts, probs, w1, w2, out_rows: int, limit: float | None = None,
+def swiglu_experts(kernel: str, x, idx, counts, probs, w1, w2, out_rows: int, glu: GLU = SWIGLU,
                    fuse: bool = False) -> torch.Tensor:
     """Dispatch to a kernel by name (see the module docstring for the contract); ``fuse``: the
     loop kernel's SwiGLU passes run compiled (``megamoe.fusion``)."""
@@ -410,6 +413,6 @@ def swiglu_experts(kernel: str, x, idx, counts, probs, w1, w2, out_rows: int, li
         raise ValueError(f"counts has {len(counts)} entries for {w1.size(0)} experts")
     if sum(counts) != idx.numel():
         raise ValueError(f"counts sum to {sum(counts)} but {idx.numel()} rows were given")
-    return _FUNCS[resolve_kernel(kernel, x.device, x.dtype)](x, idx, counts, probs, w1, w2, out_rows, limit, fuse)
+    return _FUNCS[resolve_kernel(kernel, x.device, x.dtype)](x, idx, counts, probs, w1, w2, out_rows, glu, fuse)
 
 

@@ -28,6 +28,7 @@ from megamoe.parallel import comm
 from megamoe.parallel.sharding import mark_init, mark_tp_partial_grad, normal_init
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mlp
 from megamoe.layers.dispatch import DISPATCHERS
+from megamoe.layers.mlp import glu_of
 from megamoe.layers.router import TopKRouter, attach_aux_loss
 
 
@@ -41,11 +42,12 @@ class MoELayer(nn.Module):
         self.experts = ctx.backend.grouped_experts(ctx, cfg.num_experts, cfg.moe_ffn_hidden_size,
                                                    kernel=cfg.expert_kernel,
                                                    active_fraction=cfg.top_k / cfg.num_experts,
-                                                   swiglu_limit=cfg.swiglu_limit, store=cfg.expert_store)
+                                                   glu=glu_of(cfg), store=cfg.expert_store)
         self.dispatch = DISPATCHERS[cfg.dispatcher](cfg.num_experts, ctx.groups)
         shared = cfg.shared_ffn()
         self.shared_experts = (ctx.backend.shared_expert(ctx, MLPConfig(ffn_hidden_size=shared,
-                                                                        swiglu_limit=cfg.swiglu_limit), layer_number)
+                                                                        swiglu_limit=cfg.swiglu_limit,
+                                                                        swiglu_alpha=cfg.swiglu_alpha), layer_number)
                                if shared else None)
         if cfg.shared_expert_gate:
             self.shared_gate = nn.Parameter(torch.empty(1, ctx.hidden_size, dtype=ctx.dtype, device=ctx.device))

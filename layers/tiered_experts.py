@@ -30,6 +30,7 @@ from megamoe.errors import ConfigError
 from megamoe.fusion import EAGER, Fusion
 from megamoe.layers.experts import GroupedExperts
 from megamoe.layers.grouped_gemm import resolve_kernel
+from megamoe.layers.mlp import SWIGLU, GLU
 from megamoe.parallel.record import update_record
 from megamoe.spec import BuildContext
 
@@ -38,10 +39,10 @@ STORED = ("gate_up_weight", "down_weight")
 
 class TieredExperts(GroupedExperts):
     def __init__(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, store: ExpertStoreConfig,
-                 kernel: str = "auto", active_fraction: float = 1.0, swiglu_limit: float | None = None,
+                 kernel: str = "auto", active_fraction: float = 1.0, glu: GLU = SWIGLU,
                  fusion: Fusion = EAGER):
         super().__init__(dataclasses.replace(ctx, device="meta"), num_experts, ffn_hidden_size, kernel=kernel,
-                         active_fraction=active_fraction, swiglu_limit=swiglu_limit, fusion=fusion)
+                         active_fraction=active_fraction, glu=glu, fusion=fusion)
         for name in STORED:
             update_record(getattr(self, name).requires_grad_(False), stored=True)
         # the device and dtype the weights are brought to (follows .to() like any buffer)

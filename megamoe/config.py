@@ -59,6 +59,28 @@ class YarnConfig:
 
 
 @dataclass
+class BlockIndexConfig:
+    """MiniMax-M3's block-pooled lightning indexer (letter B), section ``attention.block_index``.
+
+    Per query and KV group, keys are scored by ``num_heads`` light heads (one per KV group),
+    max-pooled into blocks of ``block_size`` keys; the attention sees the ``local_blocks``
+    blocks ending at the query's own and the best others, ``topk_blocks`` blocks in all.
+    """
+
+    num_heads: int = 4  # HF index_n_heads (= the KV heads)
+    head_dim: int = 128  # HF index_head_dim
+    block_size: int = 128  # HF index_block_size (keys)
+    topk_blocks: int = 16  # HF index_topk_blocks
+    local_blocks: int = 1  # HF index_local_blocks
+
+    def validate(self, path: str = "model.attention.block_index") -> None:
+        for name in ("num_heads", "head_dim", "block_size", "topk_blocks"):
+            check_positive(f"{path}.{name}", getattr(self, name))
+        check(isinstance(self.local_blocks, int) and 0 <= self.local_blocks <= self.topk_blocks,
+              f"{path}.local_blocks", self.local_blocks, f"must be in [0, topk_blocks={self.topk_blocks}]")
+
+
+@dataclass
 class AttentionConfig:
     """Softmax attention (letters A, S). Shapes: q [b, t, heads, head_dim]."""
 
@@ -75,6 +97,7 @@ class AttentionConfig:
     sliding_window: int = 0  # tokens each query sees in 'S' layers (itself included)
     softmax_scale: Optional[float] = None  # None: head_dim ** -0.5
     yarn: YarnConfig = field(default_factory=YarnConfig)  # YaRN RoPE scaling (factor 1 = off)
+    block_index: Optional[BlockIndexConfig] = None  # required by B layers (MiniMax-M3 block-sparse attention)
 
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
@@ -108,6 +131,12 @@ class AttentionConfig:
             check(sum(self.mrope_section) * 2 == rot, f"{path}.mrope_section", self.mrope_section,
                   f"sections must sum to rotary_dim/2={rot // 2}")
         self.yarn.validate(f"{path}.yarn")
+        if self.block_index is not None:
+            self.block_index.validate(f"{path}.block_index")
+            check(self.block_index.num_heads == self.kv_heads(), f"{path}.block_index.num_heads",
+                  self.block_index.num_heads, f"must equal num_kv_heads={self.kv_heads()} (one selection per KV group)")
+            check(self.block_index.head_dim >= rot, f"{path}.block_index.head_dim", self.block_index.head_dim,
+                  f"must be >= the rotary dim {rot} (the indexer rotates that many channels)")
         check(self.yarn.factor == 1 or self.mrope_section is None, f"{path}.yarn.factor", self.yarn.factor,
               "must be 1 with mrope_section (YaRN with multimodal RoPE is not supported)")
 
@@ -118,21 +147,24 @@ class AttentionConfig:
               f"must be divisible by parallel.tp={parallel.tp}")
 
 
-def check_swiglu_limit(path: str, value) -> None:
-    check(value is None or value > 0, path, value, "must be > 0 (or null for no clamp)")
+def check_swiglu(path: str, limit, alpha) -> None:
+    check(limit is None or limit > 0, f"{path}.swiglu_limit", limit, "must be > 0 (or null for no clamp)")
+    check(alpha is None or alpha > 0, f"{path}.swiglu_alpha", alpha, "must be > 0 (or null for plain SwiGLU)")
 
 
 @dataclass
 class MLPConfig:
-    """Dense SwiGLU MLP (letter d): down(silu(gate(x)) * up(x))."""
+    """Dense SwiGLU MLP (letter d): down(silu(gate(x)) * up(x)), or SwiGLU-OAI with
+    ``swiglu_alpha``: down(gate * sigmoid(alpha * gate) * (up + 1)) (megamoe.layers.mlp)."""
 
     ffn_hidden_size: int = 2048
     bias: bool = False
     swiglu_limit: Optional[float] = None  # clamp gate to <= limit, up to [-limit, limit] before SwiGLU (GLM-5)
+    swiglu_alpha: Optional[float] = None  # SwiGLU-OAI's sigmoid gain (MiniMax-M3: 1.702); None: plain SwiGLU
 
     def validate(self, hidden_size: int, path: str = "model.mlp") -> None:
         check_positive(f"{path}.ffn_hidden_size", self.ffn_hidden_size)
-        check_swiglu_limit(f"{path}.swiglu_limit", self.swiglu_limit)
+        check_swiglu(path, self.swiglu_limit, self.swiglu_alpha)
 
     def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.mlp") -> None:
         check(self.ffn_hidden_size % parallel.tp == 0, f"{path}.ffn_hidden_size", self.ffn_hidden_size,
@@ -509,6 +541,7 @@ class MoEConfig:
     dispatcher: str = "alltoall"  # token exchange over the expert grid: alltoall | allgather
     expert_kernel: str = "auto"  # auto | grouped_mm | loop | reference (see megamoe.layers.grouped_gemm)
     swiglu_limit: Optional[float] = None  # routed and shared experts: clamp as MLPConfig.swiglu_limit (GLM-5)
+    swiglu_alpha: Optional[float] = None  # routed and shared experts: SwiGLU-OAI as MLPConfig.swiglu_alpha
     # expert placement {layer: order}: slot s (EP rank s // (E/ep)) holds the HF checkpoint's
     # expert order[s]; applied by the converter (megamoe.placement). None: slot s holds expert s
     placement: Optional[Dict[str, List[int]]] = None
@@ -554,7 +587,7 @@ class MoEConfig:
         check_choice(f"{path}.drop_policy", self.drop_policy, ("probs", "position"))
         check_choice(f"{path}.dispatcher", self.dispatcher, ("alltoall", "allgather"))
         check_choice(f"{path}.expert_kernel", self.expert_kernel, ("auto", "grouped_mm", "loop", "reference"))
-        check_swiglu_limit(f"{path}.swiglu_limit", self.swiglu_limit)
+        check_swiglu(path, self.swiglu_limit, self.swiglu_alpha)
         self.expert_store.validate(f"{path}.expert_store")
 
     def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.moe") -> None:

@@ -23,6 +23,7 @@ MAX_LAYERS = 10_000
 MIXERS: dict[str, tuple[str, str]] = {
     "A": ("softmax attention (GQA)", "attention"),
     "S": ("sliding-window softmax attention", "attention"),
+    "B": ("block-sparse softmax attention chosen by a block-pooled indexer (MiniMax-M3)", "attention"),
     "G": ("gated DeltaNet", "gdn"),
     "K": ("Kimi delta attention (KDA)", "kda"),
     "L": ("lightning attention", "lightning"),

@@ -14,6 +14,7 @@ import torch
 
 from megamoe.config import MLPConfig
 from megamoe.layers.backends import get_backend
+from megamoe.layers.mlp import GLU
 from megamoe.parallel.groups import ParallelGroups
 from tests.backend_utils import CPU_BACKENDS as BACKENDS, ctx_for, cuda_on_cpu_registered
 from tests.numerics import rel_err
@@ -186,11 +187,12 @@ def test_lightning(backend, form, t):
 
 # ---- experts -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("with_probs,limit", [(True, None), (False, 0.5)])
-def test_grouped_experts(backend, with_probs, limit):
+@pytest.mark.parametrize("with_probs,glu", [(True, GLU()), (False, GLU(0.5)), (True, GLU(0.5, 1.702, 1.0))],
+                         ids=["swiglu", "clamped", "oai"])
+def test_grouped_experts(backend, with_probs, glu):
     counts = [5, 0, 9, 2]
     idx = torch.randint(0, 7, (16,), generator=torch.Generator().manual_seed(1))
-    build = lambda ctx: ctx.backend.grouped_experts(ctx, 4, 6, swiglu_limit=limit)  # noqa: E731
+    build = lambda ctx: ctx.backend.grouped_experts(ctx, 4, 6, glu=glu)  # noqa: E731
 
     def call(m, x, p):
         return m(x, idx, counts, p if with_probs else None, 7)
@@ -243,7 +245,7 @@ def test_lora_grouped_experts(backend, expert_adapters):
     against local's (the reference loop under autograd)."""
     counts = [5, 0, 9, 2]
     idx = torch.randint(0, 7, (16,), generator=torch.Generator().manual_seed(1))
-    build = adapted(lambda ctx: ctx.backend.grouped_experts(ctx, 4, 6, swiglu_limit=0.9),
+    build = adapted(lambda ctx: ctx.backend.grouped_experts(ctx, 4, 6, glu=GLU(0.9, 1.702, 1.0)),
                     expert_adapters=expert_adapters)
     check_module(build, backend, lambda m, x, p: m(x, idx, counts, p, 7),
                  [randn(7, 16), torch.sigmoid(randn(16, seed=2))], ALGO)

@@ -210,6 +210,7 @@ def test_clamped_mlp_matches_reference():
 def test_clamped_expert_kernels_match_reference(kernel):
     """The loop kernel's hand-written backward masks the clamped entries like autograd does."""
     from megamoe.layers.grouped_gemm import grouped_mm_support, swiglu_experts
+    from megamoe.layers.mlp import GLU
 
     if kernel == "grouped_mm" and grouped_mm_support(torch.device("cpu"), torch.float32):
         pytest.skip(grouped_mm_support(torch.device("cpu"), torch.float32))
@@ -223,7 +224,7 @@ def test_clamped_expert_kernels_match_reference(kernel):
     results = {}
     for name in ("reference", kernel):
         leaves = [t.clone().requires_grad_(True) for t in (x, w1, w2, probs)]
-        out = swiglu_experts(name, leaves[0], idx, counts, leaves[3], leaves[1], leaves[2], 9, limit)
+        out = swiglu_experts(name, leaves[0], idx, counts, leaves[3], leaves[1], leaves[2], 9, GLU(limit))
         (out * g).sum().backward()
         results[name] = [out] + [t.grad for t in leaves]
     for ours, ref in zip(results[kernel], results["reference"]):
@@ -232,9 +233,40 @@ def test_clamped_expert_kernels_match_reference(kernel):
     row = x[idx[0]]
     gate, up = (w1[0] @ row).chunk(2)
     want = probs[0] * (w2[0] @ (torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)))
-    one = swiglu_experts("reference", x, idx[:1], [1, 0, 0, 0], probs[:1], w1, w2, 9, limit)
+    one = swiglu_experts("reference", x, idx[:1], [1, 0, 0, 0], probs[:1], w1, w2, 9, GLU(limit))
     assert rel_err(one[idx[0]], want) <= REL
     assert rel_err(swiglu_experts("reference", x, idx, counts, probs, w1, w2, 9), results["reference"][0]) > 0.05
+
+
+def test_swiglu_oai_matches_minimax_m3():
+    """SwiGLU-OAI (``swiglu_alpha``, ``swiglu_limit``): the dense MLP equals transformers'
+    MiniMaxM3VLDenseMLP with the same weights, forward and gradients, with entries on both
+    sides of the clamp; the experts' unit equals MiniMaxM3VLExperts._apply_gate."""
+    from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m
+
+    from megamoe.layers.mlp import GLU, SwiGLUMLP, glu_act
+    from megamoe.model import build_context
+
+    text = m.MiniMaxM3VLTextConfig(hidden_size=16, dense_intermediate_size=12, swiglu_limit=0.6)
+    hf = m.MiniMaxM3VLDenseMLP(text)
+    cfg = tiny(mlp=MLPConfig(ffn_hidden_size=12, swiglu_limit=0.6, swiglu_alpha=1.702))
+    ours = SwiGLUMLP(cfg.mlp, build_context(cfg))
+    with torch.no_grad():
+        for p, q in ((ours.linear_fc1.weight, hf.gate_up_proj.weight), (ours.linear_fc2.weight, hf.down_proj.weight)):
+            q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(q.numel())) * 0.5)
+            p.copy_(q)
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(2))
+    pre = hf.gate_up_proj(x)
+    assert (pre.abs() > 0.6).float().mean() > 0.2  # the clamp bites
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ya, yb = ours(xa), hf(xb)
+    assert rel_err(ya, yb) <= REL
+    (ya * ya).sum().backward()
+    (yb * yb).sum().backward()
+    assert rel_err(xa.grad, xb.grad) <= REL
+    assert rel_err(ours.linear_fc1.weight.grad, hf.gate_up_proj.weight.grad) <= REL
+    experts = m.MiniMaxM3VLExperts(m.MiniMaxM3VLTextConfig(hidden_size=16, intermediate_size=12, swiglu_limit=0.6))
+    assert torch.equal(glu_act(pre, GLU(0.6, 1.702, 1.0)), experts._apply_gate(pre))
 
 
 # ---- config -----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from megamoe.layers.fp8 import dequantize, fp8_linear, quantize
 from megamoe.layers.fp8_experts import aligned_layout, fp8_grouped_linear, swiglu_experts_fp8
 from megamoe.layers.grouped_gemm import swiglu_experts_reference
+from megamoe.layers.mlp import GLU
 from tests.numerics import assert_close, rel_err
 
 BF16_OUT = 1e-2   # the scaled GEMM's bf16 result against the fp32 emulation
@@ -97,20 +98,21 @@ def _expert_inputs(seed, counts, h=32, f=48, dtype=torch.float32, device="cpu"):
     return x, idx, probs, w1, w2, n_tok
 
 
-def _grads(kernel, counts, inputs, limit=None):
+def _grads(kernel, counts, inputs, glu=GLU()):
     x, idx, probs, w1, w2, n_tok = inputs
-    out = kernel(x, idx, counts, probs, w1, w2, n_tok, limit)
+    out = kernel(x, idx, counts, probs, w1, w2, n_tok, glu)
     dy = torch.ones_like(out).normal_(generator=torch.Generator(device=out.device).manual_seed(7))
     grads = torch.autograd.grad(out, (x, probs, w1, w2), dy)
     return (out, *grads)
 
 
-@pytest.mark.parametrize("limit", [None, 3.0])  # a clamp at 3 sigma: few entries sit near the bound, where FP8 rounding can flip which are clamped
-def test_fp8_swiglu_experts_stay_near_the_reference(limit):
+# a clamp at 3 sigma: few entries sit near the bound, where FP8 rounding can flip which are clamped
+@pytest.mark.parametrize("glu", [GLU(), GLU(3.0), GLU(3.0, 1.702, 1.0)], ids=["swiglu", "clamped", "oai"])
+def test_fp8_swiglu_experts_stay_near_the_reference(glu):
     counts = [4, 0, 11, 3, 7]
     inputs = _expert_inputs(2, counts)
-    got = _grads(swiglu_experts_fp8, counts, inputs, limit)
-    ref = _grads(swiglu_experts_reference, counts, inputs, limit)
+    got = _grads(swiglu_experts_fp8, counts, inputs, glu)
+    ref = _grads(swiglu_experts_reference, counts, inputs, glu)
     for name, a, b in zip(("out", "dx", "dprobs", "dw1", "dw2"), got, ref):
         assert_close(a, b, 8e-2, name)
 

@@ -57,9 +57,12 @@ def randn(*shape, seed=0, scale=1.0):
 
 @needs_compiler
 @pytest.mark.parametrize("with_probs", [True, False])
-@pytest.mark.parametrize("limit", [None, 0.5])
-def test_expert_loop(modes, with_probs, limit, monkeypatch):
+@pytest.mark.parametrize("glu", [(None,), (0.5,), (0.5, 1.702, 1.0)], ids=["swiglu", "clamped", "oai"])
+def test_expert_loop(modes, with_probs, glu, monkeypatch):
     from megamoe.layers import grouped_gemm as gg
+    from megamoe.layers.mlp import GLU
+
+    glu = GLU(*glu)
 
     monkeypatch.setattr(gg, "BLOCK_ROWS", 6)  # two blocks: experts 0 and 2, then 3
 
@@ -70,21 +73,25 @@ def test_expert_loop(modes, with_probs, limit, monkeypatch):
 
     def run(fuse):
         return fwd_bwd(lambda x, p, w1, w2: gg.swiglu_experts_loop(x, idx, counts, p if with_probs else None, w1, w2,
-                                                                   7, limit, fuse), inputs)
+                                                                   7, glu, fuse), inputs)
     fused, eager = modes(run)
     assert_close(fused, eager)
     assert_compiled(gg.swiglu_weighted, gg.swiglu_weighted_backward)
 
 
 @needs_compiler
-@pytest.mark.parametrize("gate,limit", [(True, None), (False, 0.5)])
-def test_shared_expert(modes, gate, limit):
+@pytest.mark.parametrize("gate,glu", [(True, (None,)), (False, (0.5,)), (True, (0.5, 1.702, 1.0))],
+                         ids=["swiglu", "clamped", "oai"])
+def test_shared_expert(modes, gate, glu):
     from megamoe.layers import grouped_gemm as gg
+    from megamoe.layers.mlp import GLU
+
+    glu = GLU(*glu)
 
     inputs = [randn(10, 8), randn(10, 8, seed=1), randn(12, 8, seed=2, scale=0.5), randn(8, 6, seed=3, scale=0.5),
               randn(1, 8, seed=4)]
     fused, eager = modes(lambda fuse: fwd_bwd(
-        lambda y, x, w1, w2, g: gg.shared_swiglu_add(y, x, w1, w2, g if gate else None, limit, fuse), inputs))
+        lambda y, x, w1, w2, g: gg.shared_swiglu_add(y, x, w1, w2, g if gate else None, glu, fuse), inputs))
     assert_close(fused, eager)
 
 

@@ -95,13 +95,16 @@ def test_adapted_model_copies_and_moves():
 
 @pytest.mark.parametrize("shared", [False, True], ids=["per_expert", "shared"])
 @pytest.mark.parametrize("kernel", ["loop", "reference", "grouped_mm"])
-@pytest.mark.parametrize("limit", [0.8, None], ids=["limit", "nolimit"])
-def test_expert_adapters_match_merged_weights_reference(shared, kernel, limit):
+@pytest.mark.parametrize("glu", [(0.8,), (None,), (0.8, 1.702, 1.0)], ids=["limit", "nolimit", "oai"])
+def test_expert_adapters_match_merged_weights_reference(shared, kernel, glu):
     """The grouped low-rank maths in the form of each base kernel (the loop kernel's hand-written
     backward, per-expert and grouped GEMMs under autograd) == the reference kernel on W + s B A,
     outputs and gradients (x, the four factors, the routing probs and, unfrozen, the weights)."""
     from megamoe.layers.grouped_gemm import swiglu_experts_reference
+    from megamoe.layers.mlp import GLU
     from megamoe.lora.experts import ExpertLoRA, lora_swiglu_experts, merged_weights
+
+    glu = GLU(*glu)
 
     gen = torch.Generator().manual_seed(0)
     e, h, f, r, n = 3, 12, 12, 4, 9  # rows of 16-byte multiples: grouped_mm takes every GEMM
@@ -118,19 +121,19 @@ def test_expert_adapters_match_merged_weights_reference(shared, kernel, limit):
     grad_out = torch.randn(n, h, generator=gen)
     lora = ExpertLoRA(*factors, scale=1.5)
 
-    out = lora_swiglu_experts(kernel, x, idx, counts, probs, w1.detach(), w2.detach(), lora, n, limit=limit)
+    out = lora_swiglu_experts(kernel, x, idx, counts, probs, w1.detach(), w2.detach(), lora, n, glu=glu)
     got = torch.autograd.grad((out * grad_out).sum(), [x, probs, *factors])
     m1, m2 = merged_weights(w1.detach(), w2.detach(), lora)
-    ref = swiglu_experts_reference(x, idx, counts, probs, m1, m2, n, limit=limit)
+    ref = swiglu_experts_reference(x, idx, counts, probs, m1, m2, n, glu=glu)
     want = torch.autograd.grad((ref * grad_out).sum(), [x, probs, *factors])
     assert rel_err(out, ref) <= REL
     for name, a, b in zip(["x", "probs", "A1", "B1", "A2", "B2"], got, want):
         assert b.abs().sum() > 0 and rel_err(a, b) <= REL, name
     # unfrozen base weights: their gradients too
-    out = lora_swiglu_experts(kernel, x, idx, counts, probs, w1, w2, lora, n, limit=limit)
+    out = lora_swiglu_experts(kernel, x, idx, counts, probs, w1, w2, lora, n, glu=glu)
     got = torch.autograd.grad((out * grad_out).sum(), [w1, w2])
     ref = swiglu_experts_reference(x, idx, counts, probs, w1 + (m1 - w1).detach(), w2 + (m2 - w2).detach(), n,
-                                   limit=limit)
+                                   glu=glu)
     want = torch.autograd.grad((ref * grad_out).sum(), [w1, w2])
     for name, a, b in zip(["W1", "W2"], got, want):
         assert rel_err(a, b) <= REL, name

@@ -67,12 +67,14 @@ def test_expert_kernels_match_reference(kernel, block_rows, with_probs, monkeypa
 
 
 
-@pytest.mark.parametrize("limit", [None, 0.5])
-def test_loop_kernel_without_autograd_equals_its_autograd_form(limit):
+@pytest.mark.parametrize("glu", [(None,), (0.5,), (0.5, 1.702, 1.0)], ids=["swiglu", "clamped", "oai"])
+def test_loop_kernel_without_autograd_equals_its_autograd_form(glu):
     """A forward without autograd (a decode step) with few pairs runs torch's grouped GEMM where
     it works, else the loop's maths directly: the same output as the autograd form, bitwise."""
     from megamoe.layers.grouped_gemm import swiglu_experts
+    from megamoe.layers.mlp import GLU
 
+    glu = GLU(*glu)
     gen = torch.Generator().manual_seed(1)
     counts = [3, 0, 5, 0, 4]
     x = torch.randn(11, H, generator=gen)
@@ -81,9 +83,9 @@ def test_loop_kernel_without_autograd_equals_its_autograd_form(limit):
     w1 = torch.randn(5, 2 * 8, H, generator=gen) * 0.3
     w2 = torch.randn(5, H, 8, generator=gen) * 0.3
     with torch.enable_grad():
-        ref = swiglu_experts("loop", x, idx, counts, probs, w1.requires_grad_(True), w2, 11, limit)
+        ref = swiglu_experts("loop", x, idx, counts, probs, w1.requires_grad_(True), w2, 11, glu)
     with torch.no_grad():
-        got = swiglu_experts("loop", x, idx, counts, probs, w1, w2, 11, limit)
+        got = swiglu_experts("loop", x, idx, counts, probs, w1, w2, 11, glu)
     assert torch.equal(got, ref.detach())
 
 def test_loop_kernel_makes_no_weight_gradient_for_frozen_experts():
@@ -453,14 +455,16 @@ def test_show_model_cli_reports_the_hand_count():
 
 
 @pytest.mark.parametrize("gate", [True, False])
-@pytest.mark.parametrize("limit", [None, 0.05])  # 0.05: about half the pre-activations clamp
-def test_fused_shared_expert_equals_the_modules(gate, limit):
+@pytest.mark.parametrize("limit,alpha", [(None, None), (0.05, None), (0.05, 1.702)],
+                         ids=["swiglu", "clamped", "oai"])  # 0.05: about half the pre-activations clamp
+def test_fused_shared_expert_equals_the_modules(gate, limit, alpha):
     """On the CPU backend the one-rank shared expert runs fused with the routed output
     (``shared_swiglu_add``); it must give the modules' result (the local backend's shared
     expert, same weights and kernel): output and every gradient (shared gate included)."""
-    fused = moe_layer("cpu", num_shared_experts=1, shared_expert_gate=gate, swiglu_limit=limit, expert_kernel="loop")
+    fused = moe_layer("cpu", num_shared_experts=1, shared_expert_gate=gate, swiglu_limit=limit, swiglu_alpha=alpha,
+                      expert_kernel="loop")
     assert fused.shared_experts.fuses(torch.zeros(1))
-    plain = moe_layer("local", num_shared_experts=1, shared_expert_gate=gate, swiglu_limit=limit,
+    plain = moe_layer("local", num_shared_experts=1, shared_expert_gate=gate, swiglu_limit=limit, swiglu_alpha=alpha,
                       expert_kernel="loop")
     plain.load_state_dict(fused.state_dict())
     assert not hasattr(plain.shared_experts, "fuses")

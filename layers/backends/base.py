@@ -13,11 +13,13 @@ from torch import nn
 from megamoe.fusion import EAGER, Fusion
 from megamoe.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from megamoe.spec import BuildContext
+from megamoe.layers.block_sparse import block_sparse_attention
 from megamoe.layers.core_attention import CoreAttention
 from megamoe.layers.dsa import sparse_latent_attention
 from megamoe.layers.experts import GroupedExperts
 from megamoe.layers.tiered_experts import TieredExperts
 from megamoe.layers.mla import latent_attention
+from megamoe.layers.mlp import GLU
 from megamoe.layers.norm import ShardedRMSNorm
 
 
@@ -82,6 +84,11 @@ class BaseBackend:
         """MLA's absorbed attention over cached latents (``megamoe.layers.mla.latent_attention``)."""
         return latent_attention
 
+    def block_sparse_attention(self, ctx: BuildContext):
+        """Letter B's attention over each query's kept keys (``megamoe.layers.block_sparse``):
+        (q [b, s, H, d], k, v [b, T, G, d], tok [b, s, G, N], scale) -> [b, s, H, d]."""
+        return block_sparse_attention
+
     def sparse_latent_attention(self, ctx: BuildContext):
         """DSA's attention over the indexer's selection (``megamoe.layers.dsa.sparse_latent_attention``)."""
         return sparse_latent_attention
@@ -89,11 +96,11 @@ class BaseBackend:
     # ---- routed experts -----------------------------------------------------------------------
 
     def experts_module(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str,
-                       active_fraction: float, swiglu_limit: float | None, store=None, cls=GroupedExperts):
+                       active_fraction: float, glu: GLU, store=None, cls=GroupedExperts):
         """``cls`` (the backend's experts class) with resident weights, or ``TieredExperts`` when
         ``store`` (``ExpertStoreConfig``) is enabled: the weights then stay in the expert store
         and come in when routed to (``megamoe.tiers``)."""
-        kw = dict(kernel=kernel, active_fraction=active_fraction, swiglu_limit=swiglu_limit, fusion=self.fusion)
+        kw = dict(kernel=kernel, active_fraction=active_fraction, glu=glu, fusion=self.fusion)
         if store is not None and store.enabled:
             return TieredExperts(ctx, num_experts, ffn_hidden_size, store=store, **kw)
         return cls(ctx, num_experts, ffn_hidden_size, **kw)

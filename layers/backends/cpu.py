@@ -14,6 +14,7 @@ import torch
 from megamoe.config import MLPConfig
 from megamoe.fusion import EAGER, Fusion
 from megamoe.layers.grouped_gemm import shared_swiglu_add
+from megamoe.layers.mlp import SWIGLU, GLU
 from megamoe.spec import BuildContext
 from megamoe.layers.backends.base import BaseBackend
 from megamoe.layers.backends.local import _norm
@@ -89,7 +90,7 @@ class FusedSharedExpert(SharedExpert):
             return super().add_to(out, x, gate_w)
         h = x.size(-1)
         return shared_swiglu_add(out.reshape(-1, h), x.reshape(-1, h), self.linear_fc1.weight, self.linear_fc2.weight,
-                                 gate_w, self.swiglu_limit, self.fusion.active(x.device)).view(x.shape)
+                                 gate_w, self.glu, self.fusion.active(x.device)).view(x.shape)
 
 
 class CpuBackend(BaseBackend):
@@ -113,11 +114,11 @@ class CpuBackend(BaseBackend):
         return ChunkedLightning()
 
     def grouped_experts(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str = "auto",
-                        active_fraction: float = 1.0, swiglu_limit: float | None = None, store=None):
+                        active_fraction: float = 1.0, glu: GLU = SWIGLU, store=None):
         """Stacked SwiGLU experts (tiered with an enabled ``store``); ``auto`` runs the loop kernel
         (torch's grouped GEMM where it works on an accelerator), its SwiGLU passes fused per ``fusion``."""
         return self.experts_module(ctx, num_experts, ffn_hidden_size, kernel=kernel, active_fraction=active_fraction,
-                                   swiglu_limit=swiglu_limit, store=store)
+                                   glu=glu, store=store)
 
     def shared_expert(self, ctx: BuildContext, cfg, layer_number: int = 0):
         return FusedSharedExpert(cfg, ctx, layer_number, fusion=self.fusion)

@@ -27,6 +27,7 @@ from megamoe.spec import BuildContext
 from megamoe.layers.backends.cpu import ChunkedDeltaRule, ChunkedLightning, CpuBackend
 from megamoe.layers.experts import GroupedExperts
 from megamoe.layers.fp8 import fp8_linear
+from megamoe.layers.mlp import SWIGLU, GLU
 from megamoe.layers.fp8_experts import swiglu_experts_fp8
 from megamoe.layers.linear_attention.delta_rule import expand_key_heads
 
@@ -134,7 +135,7 @@ class FP8GroupedExperts(GroupedExperts):
     high-precision kernel."""
 
     def compute(self, x, idx, counts, probs, w1, w2, out_rows, experts=None):
-        out = swiglu_experts_fp8(x, idx, counts, probs, w1, w2, out_rows, self.swiglu_limit)
+        out = swiglu_experts_fp8(x, idx, counts, probs, w1, w2, out_rows, self.glu)
         return out if out is not None else super().compute(x, idx, counts, probs, w1, w2, out_rows, experts)
 
 
@@ -175,7 +176,7 @@ class CudaBackend(CpuBackend):
         return FlaLightning()
 
     def grouped_experts(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str = "auto",
-                        active_fraction: float = 1.0, swiglu_limit: float | None = None, store=None):
+                        active_fraction: float = 1.0, glu: GLU = SWIGLU, store=None):
         """Stacked SwiGLU experts; ``auto`` runs torch's grouped GEMM where it works (the loop
         kernel otherwise, e.g. on the CPU in the contract tests). Tiered experts (an enabled
         ``store``) come to the device through the store's side stream and run the
@@ -184,5 +185,5 @@ class CudaBackend(CpuBackend):
             raise ConfigError("model.moe.expert_store with train.fp8: tiered experts run in high precision; "
                               "unset one of them")
         return self.experts_module(ctx, num_experts, ffn_hidden_size, kernel=kernel, active_fraction=active_fraction,
-                                   swiglu_limit=swiglu_limit, store=store,
+                                   glu=glu, store=store,
                                    cls=FP8GroupedExperts if self.experts_fp8 else GroupedExperts)

@@ -14,6 +14,7 @@ from megamoe.layers.lightning import lightning_recurrent
 from megamoe.layers.linear_attention.common import causal_conv_reference, l2norm_reference
 from megamoe.layers.linear_attention.delta_rule import recurrent_delta_rule
 from megamoe.layers.norm import RMSNorm, rms_norm_reference
+from megamoe.layers.mlp import SWIGLU, GLU
 from megamoe.layers.shared_expert import SharedExpert
 
 
@@ -67,11 +68,11 @@ class LocalBackend(BaseBackend):
         return RecurrentLightning()
 
     def grouped_experts(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str = "auto",
-                        active_fraction: float = 1.0, swiglu_limit: float | None = None, store=None):
+                        active_fraction: float = 1.0, glu: GLU = SWIGLU, store=None):
         """Stacked SwiGLU experts sharded over ep/etp (tiered with an enabled ``store``); ``auto``
         runs the reference loop."""
         return self.experts_module(ctx, num_experts, ffn_hidden_size, kernel="reference" if kernel == "auto" else kernel,
-                                   active_fraction=active_fraction, swiglu_limit=swiglu_limit, store=store)
+                                   active_fraction=active_fraction, glu=glu, store=store)
 
     def shared_expert(self, ctx: BuildContext, cfg, layer_number: int = 0):
         """The MoE layer's shared SwiGLU expert (``SharedExpert``; ``add_to`` joins it to the routed output)."""

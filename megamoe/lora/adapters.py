@@ -11,7 +11,7 @@ points, calling the backend's own version inside:
   ``effective_weight()`` (the local weight as it multiplies; MLA's absorbed decode reads it)
   gains ``s * B A``. The role's own communication and GEMM (plain, FP8, Transformer Engine)
   stay as they are around and inside it;
-- a routed-experts role (``gate_up_weight``, ``down_weight``, ``swiglu_limit``, ``compute(x, idx,
+- a routed-experts role (``gate_up_weight``, ``down_weight``, ``glu``, ``compute(x, idx,
   counts, probs, w1, w2, out_rows, experts)``: the kernel on given weights, ``resolved_kernel()``):
   ``compute`` runs the adapters' form of the role's kernel (``megamoe.lora.experts``) on the
   weights the role's forward brings (its own, or a tiered role's experts read from the store);
@@ -193,7 +193,7 @@ class ExpertAdapter(Adapter):
             return self.base_compute(x, idx, counts, probs, w1, w2, out_rows, experts)
         role = self.role
         return lora_swiglu_experts(role.resolved_kernel(), x, idx, counts, probs, w1, w2,
-                                   self.factors().select(experts), out_rows, role.swiglu_limit)
+                                   self.factors().select(experts), out_rows, role.glu)
 
     def merge(self) -> None:
         if record(self.role.gate_up_weight).stored:  # the store's files are never written to

@@ -3,7 +3,7 @@
 For the rows routed to expert e (grouped as ``megamoe.layers.grouped_gemm`` describes)::
 
     gate|up = x W1_e^T + s * (drop(x) A1_e^T) B1_e^T
-    act     = silu(gate) * up          (clamped first with a swiglu limit; times the routing prob)
+    act     = glu(gate, up)            (the role's gated unit, megamoe.layers.mlp; times the routing prob)
     out     = act W2_e^T + s * (drop(act) A2_e^T) B2_e^T
 
 Per-expert adapters are stacked like the weights, A1 [E, r, h], B1 [E, 2f, r], A2 [E, r, f],
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from megamoe.layers.grouped_gemm import expert_slices, swiglu_act_, swiglu_pre_grad, swiglu_recompute
-from megamoe.layers.mlp import clamp_gate_up
+from megamoe.layers.mlp import SWIGLU, GLU, glu_act
 
 
 @dataclass
@@ -78,7 +78,7 @@ def expert_linear(rows: torch.Tensor, w: torch.Tensor, counts: Sequence[int], gr
 
 
 def lora_swiglu_experts(kernel: str, x, idx, counts: Sequence[int], probs, w1, w2, lora: ExpertLoRA,
-                        out_rows: int, limit: float | None = None) -> torch.Tensor:
+                        out_rows: int, glu: GLU = SWIGLU) -> torch.Tensor:
     """The expert kernel contract of ``megamoe.layers.grouped_gemm`` with adapters added, in the
     form of the base role's ``kernel`` (``reference``, ``loop`` or ``grouped_mm``): the loop
     kernel's hand-written backward for ``loop`` (plain autograd with adapter dropout), whole-batch
@@ -87,21 +87,20 @@ def lora_swiglu_experts(kernel: str, x, idx, counts: Sequence[int], probs, w1, w
     x [N, h], idx [S], counts [E] ints, probs [S] | None, w1 [E, 2f, h], w2 [E, h, f] -> [out_rows, h].
     """
     if kernel != "loop" or (lora.dropout > 0 and lora.training):
-        return lora_swiglu_experts_autograd(x, idx, counts, probs, w1, w2, lora, out_rows, limit,
+        return lora_swiglu_experts_autograd(x, idx, counts, probs, w1, w2, lora, out_rows, glu,
                                             grouped=kernel == "grouped_mm")
     if probs is not None:
         probs = probs.to(x.dtype)
     return _LoopLoRAExperts.apply(x, idx, probs, w1, w2, lora.a1, lora.b1, lora.a2, lora.b2, list(counts), out_rows,
-                                  limit, lora.scale)
+                                  glu, lora.scale)
 
 
 def lora_swiglu_experts_autograd(x, idx, counts: Sequence[int], probs, w1, w2, lora: ExpertLoRA, out_rows: int,
-                                 limit: float | None = None, grouped: bool = False) -> torch.Tensor:
+                                 glu: GLU = SWIGLU, grouped: bool = False) -> torch.Tensor:
     """The same maths as whole-batch products under autograd (the reference, dropout, grouped GEMMs)."""
     rows = x.index_select(0, idx)
     gate_up = expert_linear(rows, w1, counts, grouped) + lora.low_rank(rows, lora.a1, lora.b1, counts, grouped)
-    gate, up = clamp_gate_up(*gate_up.chunk(2, dim=-1), limit)
-    act = F.silu(gate) * up
+    act = glu_act(gate_up, glu)
     if probs is not None:  # exact before the down projection: both of its terms are linear
         act = act * probs[:, None].to(act.dtype)
     y = expert_linear(act, w2, counts, grouped) + lora.low_rank(act, lora.a2, lora.b2, counts, grouped)
@@ -118,14 +117,14 @@ def merged_weights(w1: torch.Tensor, w2: torch.Tensor, lora: ExpertLoRA) -> tupl
 class _LoopLoRAExperts(torch.autograd.Function):
     """Per expert e on its rows xr [n, h] (A, B the expert's factors or the shared pair)::
 
-        pre = xr W1^T + s (xr A1^T) B1^T          act = silu(gate) up (* prob)
+        pre = xr W1^T + s (xr A1^T) B1^T          act = glu(gate, up) (* prob)
         y   = act W2^T + s (act A2^T) B2^T        out[rows] += y
 
     Saves the gate|up pre-activations and the two rank-r products ``xr A1^T`` [S, r] and
     ``act A2^T`` [S, r]; the frozen weights get a gradient only if they require one."""
 
     @staticmethod
-    def forward(ctx, x, idx, probs, w1, w2, a1, b1, a2, b2, counts, out_rows, limit, scale):
+    def forward(ctx, x, idx, probs, w1, w2, a1, b1, a2, b2, counts, out_rows, glu, scale):
         per_expert = a1.dim() == 3
         fac = (lambda t, e: t[e]) if per_expert else (lambda t, e: t)  # noqa: E731
         out = x.new_zeros(out_rows, x.size(-1))
@@ -137,13 +136,13 @@ class _LoopLoRAExperts(torch.autograd.Function):
             xr = x.index_select(0, rows)
             torch.mm(xr, fac(a1, e).t(), out=xa[sl])
             gu = torch.mm(xr, w1[e].t(), out=pre[sl]).addmm_(xa[sl], fac(b1, e).t(), alpha=scale)
-            act = swiglu_act_(gu, limit)
+            act = swiglu_act_(gu, glu)
             if probs is not None:
                 act.mul_(probs[sl, None])
             torch.mm(act, fac(a2, e).t(), out=aa[sl])
             y = torch.mm(act, w2[e].t()).addmm_(aa[sl], fac(b2, e).t(), alpha=scale)
             out.index_add_(0, rows, y)
-        ctx.counts, ctx.limit, ctx.scale = counts, limit, scale
+        ctx.counts, ctx.glu, ctx.scale = counts, glu, scale
         ctx.save_for_backward(x, idx, probs, w1, w2, a1, b1, a2, b2, pre, xa, aa)
         return out
 
@@ -161,7 +160,7 @@ class _LoopLoRAExperts(torch.autograd.Function):
         da1, db1, da2, db2 = (torch.zeros_like(t) for t in (a1, b1, a2, b2))
         for e, sl in expert_slices(ctx.counts):
             rows = idx[sl]
-            gate, up, silu, act = swiglu_recompute(pre[sl])
+            gate, up, g, act = swiglu_recompute(pre[sl], ctx.glu)
             dy = dout.index_select(0, rows)
             # down: y = act_p W2^T + s (act_p A2^T) B2^T, act_p = act * prob
             dyb = torch.mm(dy, fac(b2, e))                                      # [n, r]
@@ -174,7 +173,7 @@ class _LoopLoRAExperts(torch.autograd.Function):
             fac(da2, e).addmm_(dyb.t(), act, alpha=s)
             if dw2 is not None:
                 torch.mm(dy.t(), act, out=dw2[e])
-            d_pre = swiglu_pre_grad(d_act, gate, up, silu, ctx.limit)
+            d_pre = swiglu_pre_grad(d_act, gate, up, g, ctx.glu)
             # gate|up: pre = xr W1^T + s (xr A1^T) B1^T
             xr = x.index_select(0, rows)
             dpb = torch.mm(d_pre, fac(b1, e))                                   # [n, r]
