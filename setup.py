@@ -28,6 +28,7 @@ setup(
         "omegaconf>=2.3",
         "tensorboard",
         "sentencepiece",
+        "tiktoken",  # tiktoken.model tokenizers (Kimi), without their remote code
         "timm>=1.0.20",
         "tqdm",
         "numpy",

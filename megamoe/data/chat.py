@@ -1,7 +1,8 @@
 """Chat templates and the split of a rendered conversation into prompt and trainable text.
 
 A template is a Jinja string rendered like transformers does (variables ``messages``,
-``add_generation_prompt``, ``bos_token``, ``eos_token``; ``raise_exception``). The tokenizer's own
+``add_generation_prompt``, ``bos_token``, ``eos_token``; ``raise_exception``), in a sandbox bounded
+in time and output (megamoe.data.template_sandbox): templates come from checkpoints. The tokenizer's own
 template is used when it has one; otherwise the built-in ChatML template::
 
     <|im_start|>{role}\\n{content}<|im_end|>\\n      for every message
@@ -14,7 +15,6 @@ renders are not prefixes of one another is reported, never guessed around.
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -32,16 +32,8 @@ class ChatTemplateError(DataError):
     """Raised by ``raise_exception`` inside a template, or on a non-prefix-stable render."""
 
 
-@lru_cache(maxsize=8)
-def _compile(source: str):
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise ChatTemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)
+def _raise_exception(message):
+    raise ChatTemplateError(message)
 
 
 class ChatTemplate:
@@ -51,13 +43,19 @@ class ChatTemplate:
         self.source, self.bos_token, self.eos_token, self.name = source, bos_token, eos_token, name
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        from jinja2 import TemplateError
+        """The rendered text, in megamoe.data.template_sandbox's bounded sandbox: a template that
+        reaches for Python internals, runs too long or writes too much is a one-line error."""
+        from megamoe.data.template_sandbox import compile_bounded, render_bounded
 
         try:
-            return _compile(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                bos_token=self.bos_token, eos_token=self.eos_token)
-        except TemplateError as e:  # syntax errors, undefined variables: one line naming the template
-            raise ChatTemplateError(f"chat template {self.name}: {type(e).__name__}: {e}") from None
+            template = compile_bounded(self.source, (("raise_exception", _raise_exception),))
+            return render_bounded(template, dict(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                 bos_token=self.bos_token, eos_token=self.eos_token))
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # syntax, undefined names, recursion, sandbox and limit refusals: one line
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise ChatTemplateError(f"chat template {self.name}: {type(e).__name__}: {first}") from None
 
     def segments(self, messages: list[dict]) -> list[tuple[str, bool]]:
         """The rendered conversation as consecutive (text, trainable) pieces; see module docstring."""

@@ -8,8 +8,10 @@ when the tokenizer has no pad token), ``vocab_size`` (number of ids, special tok
 file is never read with a different tokenizer).
 
 ``load_tokenizer(spec)``: ``"byte"``, a SentencePiece ``.model`` file, a ``tokenizer.json`` file,
-or a tokenizer directory (read by transformers' ``AutoTokenizer`` from local files only).
-sentencepiece, tokenizers and transformers are imported only when such a tokenizer is loaded.
+a tiktoken folder (``tiktoken.model`` + ``tokenizer_config.json``, Kimi's format: read by the
+``tiktoken`` package, no remote code) or any other tokenizer directory (read by transformers'
+``AutoTokenizer`` from local files only). sentencepiece, tokenizers, tiktoken and transformers are
+imported only when such a tokenizer is loaded.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import re
 from pathlib import Path
 from typing import Optional, Sequence
 
+from megamoe.data.bpe_ranks import KIMI_PATTERN, MAX_CONFIG_BYTES, bounded_file, read_bpe_ranks
 from megamoe.errors import DataError
 
 # Strings that name an end-of-sequence token in common tokenizer.json files without a config.
@@ -245,6 +248,83 @@ class HFTokenizer(Tokenizer):
         return None if i is None or i == self.tok.unk_token_id and token != self.tok.unk_token else i
 
 
+
+
+class TiktokenTokenizer(Tokenizer):
+    """A folder with ``tiktoken.model`` (one ``base64(token) rank`` line per BPE token) and
+    ``tokenizer_config.json``, Kimi's format, encoded by the ``tiktoken`` package.
+
+    ids ``0..n-1`` are the ranks, ``n..n+R-1`` the ``num_reserved_special_tokens`` (default 256)
+    special tokens, named by ``added_tokens_decoder`` or ``<|reserved_token_{id}|>``; BOS, EOS and
+    pad from ``bos_token``/``eos_token``/``pad_token``; the chat template from ``chat_template`` or
+    a ``chat_template.jinja`` beside it. The pre-tokenisation regex is the config's ``pat_str``,
+    else Kimi's (``KIMI_PATTERN``), which lives in remote code megamoe does not run.
+    """
+
+    def __init__(self, path: Path):
+        tiktoken = optional_import("tiktoken", "tiktoken", f"tokenizer directory {path}")
+        self.kind, self.name = "tiktoken", str(path)
+        config = _read_json(bounded_file(path / "tokenizer_config.json", MAX_CONFIG_BYTES))
+        ranks = read_bpe_ranks(path / "tiktoken.model")
+        n, reserved = len(ranks), config.get("num_reserved_special_tokens", 256)
+        named = {int(k): v.get("content") for k, v in (config.get("added_tokens_decoder") or {}).items()
+                 if str(k).isdigit() and isinstance(v, dict) and isinstance(v.get("content"), str)}
+        self.specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(n, n + int(reserved))}
+        pattern = config.get("pat_str", KIMI_PATTERN)
+        try:
+            self.enc = tiktoken.Encoding(name=path.name or "tiktoken", pat_str=pattern, mergeable_ranks=ranks,
+                                         special_tokens=self.specials)
+        except ValueError as e:
+            raise DataError(f"{path}/tokenizer_config.json: pat_str or tiktoken.model rejected by tiktoken "
+                            f"({_first_line(e)})") from None
+        self.vocab_size = self.enc.n_vocab
+        self.bos_id = self._special(config.get("bos_token"))
+        self.eos_id = self._special(config.get("eos_token"))
+        if self.eos_id is None:
+            raise DataError(f"{path}/tokenizer_config.json: eos_token is missing or not a special token")
+        pad = self._special(config.get("pad_token"))
+        self.pad_id = self.eos_id if pad is None else pad
+        template = config.get("chat_template")
+        jinja = path / "chat_template.jinja"
+        if not isinstance(template, str) and jinja.is_file():
+            template = bounded_file(jinja, MAX_CONFIG_BYTES).read_text(encoding="utf-8")
+        self.chat_template = template if isinstance(template, str) else None
+        h = hashlib.sha256()
+        for p in (path / "tiktoken.model", path / "tokenizer_config.json", jinja):
+            if p.is_file():
+                h.update(p.name.encode() + file_sha256(p).encode())
+        self.fingerprint = h.hexdigest()
+
+    def _special(self, entry) -> Optional[int]:
+        if isinstance(entry, dict):
+            entry = entry.get("content")
+        return self.token_to_id(entry) if isinstance(entry, str) else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.enc.encode(text, allowed_special="all")
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = [int(i) for i in ids]  # an id past the tokenizer (padded vocab) decodes to U+FFFD
+        parts, run = [], []
+        for i in ids + [None]:
+            if i is not None and 0 <= i < self.vocab_size:
+                run.append(i)
+                continue
+            parts.append(self.enc.decode(run, errors="replace"))
+            run = []
+            if i is not None:
+                parts.append("\ufffd")
+        return "".join(parts)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        if token in self.specials:
+            return self.specials[token]
+        try:
+            return self.enc.encode_single_token(token)
+        except KeyError:
+            return None
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -264,12 +344,15 @@ SAMPLE_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789"
 
 
 def load_tokenizer(spec: str | Path) -> Tokenizer:
-    """``"byte"``, a ``.model`` file, a ``tokenizer.json`` (any ``.json``) file, or a directory.
+    """``"byte"``, a ``.model`` file, a ``tokenizer.json`` (any ``.json``) file, a tiktoken folder or a
+    tokenizer directory.
     A tokenizer that cannot encode text (e.g. an HF model folder without tokenizer files, which
     transformers reads as a one-id vocabulary) is refused: it would train at loss 0."""
     if str(spec) == "byte":
         return ByteTokenizer()
     path = Path(spec).expanduser()
+    if path.is_dir() and (path / "tiktoken.model").is_file():
+        return check_usable(TiktokenTokenizer(path))
     if path.is_dir():
         return check_usable(HFTokenizer(path))
     if not path.is_file():
