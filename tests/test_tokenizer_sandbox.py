@@ -19,8 +19,6 @@ import pytest
 from megamoe.data.chat import ChatTemplate, ChatTemplateError, resolve_template
 from megamoe.errors import DataError
 
-tiktoken = pytest.importorskip("tiktoken")
-
 CORPUS = ("Hello world, it's a small corpus. The quick brown fox jumps over the lazy dog; "
           "你好世界，我们训练一个很小的分词器。 Numbers 12345 and 678 go in threes.\n") * 6
 SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_start|>", 3: "<|im_end|>"}  # offsets past the BPE ranks
@@ -31,6 +29,7 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 @pytest.fixture(scope="module")
 def tiktoken_dir(tmp_path_factory) -> Path:
     """A folder laid out as Kimi's: ranks trained on CORPUS (300 tokens), reserved specials."""
+    pytest.importorskip("tiktoken")  # installed with megamoe (setup.py); the sandbox tests need none
     from tiktoken._educational import bpe_train
 
     pattern = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -49,6 +48,8 @@ def tiktoken_dir(tmp_path_factory) -> Path:
 
 def reference_encoding(path: Path):
     """The tiktoken Encoding Kimi's own tokenizer code builds from the same folder."""
+    import tiktoken
+
     from megamoe.data.bpe_ranks import KIMI_PATTERN
 
     ranks = {}
