@@ -11,14 +11,16 @@ parallelism). Around a block f (the mixer, then the MLP), per token::
     y    = f(sum_i pre_i x_i)                                            [b, s, h]
     x'_j = post_j * y + sum_i comb_ij x_i
 
-``sinkhorn`` alternately divides columns and rows by their sums (columns first, as GLM-5),
-so ``comb`` is close to doubly stochastic and the streams' mix keeps their scale. The model
-copies the embedding into every stream and the final norm reads the streams' mean.
+``sinkhorn`` alternately divides columns and rows by their sums (columns first, as GLM-5 and
+DeepSeek-V4), so ``comb`` is close to doubly stochastic and the streams' mix keeps their scale.
+The model copies the embedding into every stream. The final norm reads the streams' mean
+(GLM-5) or, with ``head: learned`` (DeepSeek-V4's ``hc_head``, ``HyperHead``), a per-token
+weighted sum computed like ``pre``: ``sum_i (sigmoid(rms(x) W_h^T * s_h + b_h) + eps)_i x_i``.
 
 Everything is per token, so sequence parallelism needs nothing but summing the replicated
 parameters' gradients over TP (``mark_tp_partial_grad``).
 
-Parameters per block: (2+n)*n*(n*h + 1) + 3.
+Parameters per block: (2+n)*n*(n*h + 1) + 3; the learned head n*(n*h + 1) + 1.
 """
 from __future__ import annotations
 
@@ -89,3 +91,29 @@ class HyperConnection(nn.Module):
 
     def extra_repr(self) -> str:
         return f"streams={self.n}, sinkhorn_iters={self.iters}, eps={self.eps}"
+
+
+class HyperHead(nn.Module):
+    """The streams' learned collapse before the final norm (DeepSeek-V4 ``hc_head``):
+    x [b, s, n, h] -> [b, s, h] = sum_i pre_i x_i, pre computed as ``HyperConnection``'s."""
+
+    def __init__(self, cfg: HyperConnectionConfig, ctx: BuildContext):
+        super().__init__()
+        n, h = cfg.streams, ctx.hidden_size
+        self.eps = cfg.eps
+        self.norm_eps = ctx.norm_eps if cfg.norm_eps is None else cfg.norm_eps
+        kw = dict(dtype=ctx.dtype, device=ctx.device)
+        self.fn = nn.Parameter(torch.empty(n, n * h, **kw))
+        self.base = nn.Parameter(torch.empty(n, **kw))
+        self.scale = nn.Parameter(torch.empty(1, **kw))
+        mark_init(self.fn, normal_init(ctx.init_std))
+        mark_init(self.base, const_init(0.0))
+        mark_init(self.scale, const_init(1.0))
+        if ctx.sp:
+            for p in (self.fn, self.base, self.scale):
+                mark_tp_partial_grad(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = rms_normalize(x.flatten(-2), self.norm_eps) @ self.fn.float().t()
+        pre = torch.sigmoid(z * self.scale.float() + self.base.float()) + self.eps  # [b, s, n]
+        return (pre.unsqueeze(-1) * x).sum(dim=2).to(x.dtype)

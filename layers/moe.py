@@ -15,8 +15,13 @@ plain TP SwiGLU on the residual stream, as attention's MLP would be.
 Inference with a sequence that does not split over TP (decoding one token at TP>1) routes
 the replicated tokens on every TP rank: the result is the same, the expert work repeats.
 
+Letter ``h`` is the same layer routed by token id (``HashRouter``, DeepSeek-V4's first layers):
+the router's scores weight the experts a frozen table gives each token; it reads the token ids
+of its own tokens (``ForwardInfo.token_ids``, cut like the tokens).
+
 Parameters: router E*h (+ E for the expert bias), routed experts 3*E*h*f (top_k/E of them
-active per token), shared experts 3*h*f_shared, shared gate h.
+active per token), shared experts 3*h*f_shared, shared gate h; a hash layer's table V*k
+(integers, frozen) instead of the expert bias.
 """
 from __future__ import annotations
 
@@ -25,20 +30,22 @@ from torch import nn
 
 from megamoe.config import MLPConfig, MoEConfig
 from megamoe.parallel import comm
+from megamoe.parallel.groups import group_rank
 from megamoe.parallel.sharding import mark_init, mark_tp_partial_grad, normal_init
 from megamoe.spec import BuildContext, ForwardInfo, ModuleSpec, register_mlp
 from megamoe.layers.dispatch import DISPATCHERS
 from megamoe.layers.mlp import glu_of
-from megamoe.layers.router import TopKRouter, attach_aux_loss
+from megamoe.layers.router import HashRouter, TopKRouter, attach_aux_loss
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg: MoEConfig, ctx: BuildContext, layer_number: int = 0):
+    def __init__(self, cfg: MoEConfig, ctx: BuildContext, layer_number: int = 0, *, router: type = TopKRouter):
         super().__init__()
         self.cfg, self.layer_number = cfg, layer_number
         self.tp, self.tp_size = ctx.groups.tp, ctx.groups.tp_size
+        self.sp = ctx.sp
         self.split_tokens = self.tp_size > 1 and not ctx.sp
-        self.router = TopKRouter(cfg, ctx, layer_number)
+        self.router = router(cfg, ctx, layer_number)
         self.experts = ctx.backend.grouped_experts(ctx, cfg.num_experts, cfg.moe_ffn_hidden_size,
                                                    kernel=cfg.expert_kernel,
                                                    active_fraction=cfg.top_k / cfg.num_experts,
@@ -58,19 +65,24 @@ class MoELayer(nn.Module):
             self.register_parameter("shared_gate", None)
 
     def forward(self, x: torch.Tensor, info: ForwardInfo | None = None) -> torch.Tensor:
-        out = self.routed(x)
+        ids = None if info is None else info.token_ids
+        if ids is not None and self.sp:  # [b, s] -> this rank's sequence shard, as x
+            ids = ids.chunk(self.tp_size, dim=1)[group_rank(self.tp)] if ids.size(1) != x.size(1) else ids
+        out = self.routed(x, ids)
         if self.shared_experts is not None:
             out = self.shared_experts.add_to(out, x, self.shared_gate)
         return out
 
-    def routed(self, x: torch.Tensor) -> torch.Tensor:
-        """The routed experts' part: [b, s, h] -> [b, s, h] (with its aux losses attached)."""
+    def routed(self, x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' part: [b, s, h] -> [b, s, h] (with its aux losses attached);
+        ids [b, s]: the tokens' ids (hash routing)."""
         split = self.split_tokens and self._can_split(x)
         if split:
             x = comm.scatter_to(x, 1, self.tp)
+            ids = None if ids is None else ids.chunk(self.tp_size, dim=1)[group_rank(self.tp)]
         b, s, h = x.shape
         flat = x.reshape(b * s, h)
-        routing = self.router(flat, b)
+        routing = self.router(flat, b, None if ids is None else ids.reshape(-1))
         y = self.dispatch(flat, routing.weights, routing.idx, routing.keep, self.experts).view(b, s, h)
         y = attach_aux_loss(y, routing.aux_loss, self.router.aux_loss_scale)
         return comm.gather_from(y, 1, self.tp) if split else y
@@ -85,3 +97,4 @@ class MoELayer(nn.Module):
 
 
 register_mlp("e", ModuleSpec(MoELayer))
+register_mlp("h", ModuleSpec(MoELayer, params={"router": HashRouter}))

@@ -96,6 +96,20 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return apply_rotary(evens_odds, cos, sin)
 
 
+def apply_rotary_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs of the LAST ``rot`` channels, the layout kept (DeepSeek-V4): pair
+    i = (x[d-rot+2i], x[d-rot+2i+1]) turns by angle i; the leading channels pass through.
+
+    x [b, s, h, d]; cos/sin [b, s, rot] as ``rope_cos_sin`` builds them (``cat(freqs, freqs)``;
+    pair i reads entry i). Keys that are also values are turned back by passing ``-sin``."""
+    rot = cos.size(-1)
+    c, s = cos[..., : rot // 2].unsqueeze(2), sin[..., : rot // 2].unsqueeze(2)
+    r = x[..., x.size(-1) - rot:].float()
+    even, odd = r[..., 0::2], r[..., 1::2]
+    turned = torch.stack([even * c - odd * s, odd * c + even * s], dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., : x.size(-1) - rot], turned], dim=-1)
+
+
 def yarn_mscale(factor: float, m: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 

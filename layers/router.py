@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megamoe.config import MoEConfig
@@ -37,8 +38,13 @@ from megamoe.spec import BuildContext
 # ---- pure routing maths ------------------------------------------------------------------
 
 def scores_from_logits(logits: torch.Tensor, score_function: str) -> torch.Tensor:
-    """[T, E] fp32 logits -> scores: softmax over experts, or an independent sigmoid each."""
-    return torch.softmax(logits, dim=-1) if score_function == "softmax" else torch.sigmoid(logits)
+    """[T, E] fp32 logits -> scores: softmax over experts, or per expert a sigmoid or
+    sqrt(softplus) (DeepSeek-V4)."""
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if score_function == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    return torch.sigmoid(logits)
 
 
 def group_limited(choice: torch.Tensor, n_group: int, topk_group: int, group_score_topk: int) -> torch.Tensor:
@@ -66,12 +72,18 @@ def select_experts(scores: torch.Tensor, cfg: MoEConfig, bias: torch.Tensor | No
     if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
         choice = group_limited(choice, cfg.n_group, cfg.topk_group, cfg.group_score_topk)
     idx = choice.topk(cfg.top_k, dim=-1).indices
+    return routed_weights(scores, idx, cfg), idx
+
+
+def routed_weights(scores: torch.Tensor, idx: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """The weights [T, k] of the chosen experts idx [T, k]: their scores [T, E], renormalised if
+    ``norm_topk_prob``, times ``routed_scaling_factor``."""
     weights = scores.gather(1, idx)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     if cfg.routed_scaling_factor != 1.0:  # (times 1.0 is the same values, one op less per step)
         weights = weights * cfg.routed_scaling_factor
-    return weights, idx
+    return weights
 
 
 def balance_probs(scores: torch.Tensor, score_function: str) -> torch.Tensor:
@@ -174,13 +186,13 @@ class TopKRouter(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm(x, self.weight)
 
-    def forward(self, x: torch.Tensor, batch: int) -> Routing:
-        """x: [T, h] with T = batch * s_local tokens in batch-major order."""
+    def forward(self, x: torch.Tensor, batch: int, token_ids: torch.Tensor | None = None) -> Routing:
+        """x: [T, h] with T = batch * s_local tokens in batch-major order; token_ids [T] their ids
+        (read by the hash router only)."""
         cfg = self.cfg
         logits = self.logits(x)
         scores = scores_from_logits(logits, cfg.score_function)
-        bias = None if self.expert_bias is None else self.expert_bias.detach().float()
-        weights, idx = select_experts(scores, cfg, bias)
+        weights, idx = self.choose(scores, token_ids)
         keep = None
         if cfg.capacity_factor is not None:
             capacity = max(1, math.ceil(cfg.capacity_factor * x.size(0) * cfg.top_k / cfg.num_experts))
@@ -197,6 +209,11 @@ class TopKRouter(nn.Module):
             coeff = getattr(cfg, f"{name}_coeff")
             total = value * coeff if total is None else total + value * coeff
         return Routing(weights, idx, keep, total)
+
+    def choose(self, scores: torch.Tensor, token_ids: torch.Tensor | None):
+        """(weights [T, k] fp32, expert ids [T, k]) from the scores [T, E]: the top k."""
+        bias = None if self.expert_bias is None else self.expert_bias.detach().float()
+        return select_experts(scores, self.cfg, bias)
 
     def _count(self, idx: torch.Tensor) -> torch.Tensor:
         return torch.bincount(idx.reshape(-1), minlength=self.cfg.num_experts).float()
@@ -254,3 +271,32 @@ class TopKRouter(nn.Module):
         self.expert_bias.add_(torch.sign(load.mean() - load) * self.update_rate)
         self.load = None
         return load
+
+
+class HashRouter(TopKRouter):
+    """DeepSeek-V4's hash routing (layout letter ``h``): token id t goes to the experts
+    ``table[t]`` [k], a frozen table over the vocabulary (``tid2eid``; a non-trainable parameter,
+    so it is initialised, checkpointed and converted with the weights). The router's scores only
+    weight them (renormalised, scaled, as top-k routing does). No selection bias.
+
+    Default table (a model trained from scratch): ``table[t, j] = (t k + j) mod E``, k different
+    experts per token when k <= E."""
+
+    def __init__(self, cfg: MoEConfig, ctx: BuildContext, layer_number: int = 0):
+        super().__init__(cfg, ctx, layer_number)
+        if self.expert_bias is not None:  # hash layers choose by table, never by score
+            del self.expert_bias
+            self.register_parameter("expert_bias", None)
+        if ctx.vocab_size <= 0:
+            raise ValueError("a hash-routed MoE layer needs the vocabulary size (BuildContext.vocab_size)")
+        table = torch.empty(ctx.vocab_size, cfg.top_k, dtype=torch.long, device=ctx.device)
+        self.table = nn.Parameter(table, requires_grad=False)
+        experts = cfg.num_experts
+        mark_init(self.table, lambda draw: (draw.index % experts).float())
+
+    def choose(self, scores: torch.Tensor, token_ids: torch.Tensor | None):
+        if token_ids is None:
+            raise ValueError(f"MoE layer {self.layer_number} routes by token id (hash routing) but the forward "
+                             f"got no token ids (ForwardInfo.token_ids)")
+        idx = self.table[token_ids.reshape(-1)]
+        return routed_weights(scores, idx, self.cfg), idx

@@ -36,6 +36,15 @@ class LayerState(dict):
         self[name] = x
         return x
 
+    def append_entries(self, name: str, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append each row's ``valid`` [b, n] entries of ``x`` [b, n, ...] after the row's own (an
+        axis of its own, not time: DeepSeek-V4's compressed entries complete at different steps in
+        rows of different padding). Returns everything kept [b, N, ...], row r's first counts[r]
+        slots filled, zeros after, and the counts [b]."""
+        out, counts = append_right(self.get(name), self.get(name + "#count"), x, valid)
+        self[name], self[name + "#count"] = out, counts
+        return out, counts
+
     def keep_last(self, names: tuple[str, ...], keep: int) -> None:
         """Keep only the last ``keep`` time steps of ``names`` (sliding-window layers)."""
         for name in names:
@@ -123,6 +132,24 @@ def zero_pads(x: torch.Tensor, cache: InferenceCache | None) -> torch.Tensor:
     if valid is None:
         return x
     return x * valid.view(*valid.shape, *([1] * (x.dim() - 2))).to(x.dtype)
+
+
+def append_right(old: torch.Tensor | None, counts: torch.Tensor | None, x: torch.Tensor, valid: torch.Tensor,
+                 fill: float = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded per-row lists: ``old`` [b, N0, ...] holding counts[r] items in row r (None:
+    empty), the ``valid`` [b, n] items of ``x`` [b, n, ...] appended after them -> ([b, N, ...]
+    with ``fill`` in unused slots, the new counts [b])."""
+    b = x.size(0)
+    counts = torch.zeros(b, dtype=torch.long, device=x.device) if counts is None else counts
+    total = counts + valid.sum(1)
+    width = int(total.max()) if b else 0
+    out = torch.full((b, width, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)
+    if old is not None:
+        out[:, :old.size(1)] = old[:, :width]
+    slot = counts[:, None] + valid.long().cumsum(1) - 1
+    rows = torch.arange(b, device=x.device)[:, None].expand_as(slot)
+    out[rows[valid], slot[valid]] = x[valid]
+    return out, total
 
 
 def append_kv(state: LayerState, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

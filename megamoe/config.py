@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
 from megamoe.errors import ConfigError
-from megamoe.layout import MIXERS, MLPS, Layout, parse_layout
+from megamoe.layout import MIXERS, MLPS, MOE_LETTERS, Layout, parse_layout
 
 FUSION_MODES = ("auto", "on", "off")  # megamoe.fusion.Fusion's modes (a backend's policy)
 
@@ -386,6 +386,61 @@ class MLAConfig:
               f"must be divisible by parallel.tp={parallel.tp}")
 
 
+@dataclass
+class CompressedAttentionConfig:
+    """DeepSeek-V4 attention (letters W, C, H), section ``model.compressed``. HF names in brackets.
+
+    One shared key/value head of ``head_dim`` (keys are values) seen by ``num_heads`` query heads
+    from a low-rank query latent, over the last ``sliding_window`` tokens plus, for ``C``
+    (compressed sparse, CSA) the ``indexer.topk`` compressed entries the lightning indexer picks
+    (blocks of ``csa_rate`` tokens, overlapping by one block) and for ``H`` (heavily compressed,
+    HCA) every earlier entry (blocks of ``hca_rate`` tokens); a learned sink logit per head; the
+    output through a grouped low-rank projection (``o_groups`` groups of heads, ``o_lora_rank``
+    each). ``W`` is the window alone. RoPE (interleaved pairs) on the last ``rope_head_dim``
+    channels: base ``rope_theta`` in W layers, ``compress_rope_theta`` with ``yarn`` in C/H layers.
+    Shapes: q [b, s, heads, head_dim], key/value [b, T, head_dim], entries [b, N, head_dim].
+    """
+
+    num_heads: int = 64  # [num_attention_heads]
+    head_dim: int = 512  # [head_dim]
+    rope_head_dim: int = 64  # [head_dim * partial_rotary_factor]
+    q_lora_rank: int = 1024  # [q_lora_rank]
+    o_groups: int = 8  # [o_groups]
+    o_lora_rank: int = 1024  # [o_lora_rank]
+    sliding_window: int = 128  # keys each query sees, itself included [sliding_window]
+    rope_theta: float = 10000.0  # W layers [rope_theta]
+    compress_rope_theta: float = 160000.0  # C, H layers [compress_rope_theta]
+    yarn: YarnConfig = field(default_factory=YarnConfig)  # C, H layers' YaRN (factor 1 = off)
+    csa_rate: int = 4  # tokens per compressed entry in C layers [compress_rates]
+    hca_rate: int = 128  # tokens per compressed entry in H layers [compress_rates]
+    indexer: Optional[DSAConfig] = None  # C layers: num_heads, head_dim, topk [index_n_heads, ...]
+    norm_eps: Optional[float] = None  # the latent, key and entry norms; None: model.norm_eps
+
+    def validate(self, hidden_size: int, path: str = "model.compressed") -> None:
+        for name in ("num_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window",
+                     "csa_rate", "hca_rate"):
+            check_positive(f"{path}.{name}", getattr(self, name))
+        r = self.rope_head_dim
+        check(isinstance(r, int) and 0 < r <= self.head_dim and r % 2 == 0, f"{path}.rope_head_dim", r,
+              f"must be an even integer in (0, head_dim={self.head_dim}]")
+        check(self.num_heads % self.o_groups == 0, f"{path}.o_groups", self.o_groups,
+              f"must divide num_heads={self.num_heads}")
+        for name in ("rope_theta", "compress_rope_theta"):
+            check(getattr(self, name) > 0, f"{path}.{name}", getattr(self, name), "must be > 0")
+        self.yarn.validate(f"{path}.yarn")
+        check(self.norm_eps is None or self.norm_eps > 0, f"{path}.norm_eps", self.norm_eps, "must be > 0")
+        if self.indexer is not None:
+            self.indexer.validate(hidden_size, f"{path}.indexer")
+            check(r <= self.indexer.head_dim, f"{path}.indexer.head_dim", self.indexer.head_dim,
+                  f"must be >= rope_head_dim={r} (the indexer rotates that many channels)")
+
+    def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.compressed") -> None:
+        check(self.num_heads % parallel.tp == 0, f"{path}.num_heads", self.num_heads,
+              f"must be divisible by parallel.tp={parallel.tp}")
+        check(self.o_groups % parallel.tp == 0, f"{path}.o_groups", self.o_groups,
+              f"must be divisible by parallel.tp={parallel.tp} (a rank projects its own groups of heads)")
+
+
 def check_power_of_two(path: str, value) -> None:
     check(isinstance(value, int) and value > 0 and value & (value - 1) == 0, path, value,
           "must be a power of two, e.g. 64")
@@ -468,6 +523,7 @@ class KDAConfig:
 
 
 STORE_TIERS = ("disk", "host")
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")  # the router's scores (megamoe.layers.router)
 
 
 @dataclass
@@ -525,7 +581,7 @@ class MoEConfig:
     num_shared_experts: int = 0  # shared experts, fused into one SwiGLU of num * size
     shared_expert_ffn_hidden_size: Optional[int] = None  # None: moe_ffn_hidden_size (per shared expert)
     shared_expert_gate: bool = False  # sigmoid(x W_g) scales the shared output (Qwen); off for DeepSeek
-    score_function: str = "softmax"  # softmax (over all experts) | sigmoid (per expert)
+    score_function: str = "softmax"  # softmax (over all experts) | sigmoid | sqrtsoftplus (per expert, DeepSeek-V4)
     n_group: int = 1  # expert groups for group-limited routing (DeepSeek-V3)
     topk_group: int = 1  # groups a token may use; 1 group = no limit
     group_score_topk: int = 2  # a group's score: sum of its best this-many scores (1 = max)
@@ -565,7 +621,7 @@ class MoEConfig:
             check_positive(f"{path}.shared_expert_ffn_hidden_size", self.shared_expert_ffn_hidden_size)
         check(not self.shared_expert_gate or self.num_shared_experts > 0, f"{path}.shared_expert_gate",
               self.shared_expert_gate, "needs num_shared_experts > 0")
-        check_choice(f"{path}.score_function", self.score_function, ("softmax", "sigmoid"))
+        check_choice(f"{path}.score_function", self.score_function, SCORE_FUNCTIONS)
         check(self.num_experts % self.n_group == 0, f"{path}.n_group", self.n_group,
               f"must divide num_experts={self.num_experts}")
         check(self.topk_group <= self.n_group, f"{path}.topk_group", self.topk_group,
@@ -636,16 +692,20 @@ class HyperConnectionConfig:
 
         y = block(sum_i pre_i x_i);   x'_j = post_j * y + sum_i comb_ij x_i
 
-    The embedding enters every stream; the final norm reads their mean. HF names in brackets.
+    The embedding enters every stream. The final norm reads their mean (``head: mean``, GLM-5) or
+    their sum weighted per token like ``pre`` (``head: learned``, DeepSeek-V4's ``hc_head``:
+    ``sigmoid(rms(x) W_h^T * s_h + b_h) + eps``, a [streams, streams*h] map). HF names in brackets.
     """
 
     streams: int = 4  # [hc_mult]
     sinkhorn_iters: int = 20  # [hc_sinkhorn_iters]
     eps: float = 1e-6  # [hc_eps] floor added to pre and comb, and in the Sinkhorn divisions
     norm_eps: Optional[float] = None  # the unweighted RMS norm over all streams; None: model.norm_eps
+    head: str = "mean"  # how the last layer's streams reach the final norm: mean | learned [hc_head]
 
     def validate(self, path: str = "model.hyper_connections") -> None:
         check_positive(f"{path}.streams", self.streams)
+        check_choice(f"{path}.head", self.head, ("mean", "learned"))
         check_positive(f"{path}.sinkhorn_iters", self.sinkhorn_iters)
         check(self.eps >= 0, f"{path}.eps", self.eps, "must be >= 0")
         check(self.norm_eps is None or self.norm_eps > 0, f"{path}.norm_eps", self.norm_eps, "must be > 0")
@@ -656,7 +716,7 @@ class ModelConfig:
     """A causal language model (plus, later, its vision encoder) described by a layout string.
 
     The residual of every layer is pre-norm (``x + f(norm(x))``) unless one of
-    ``scaled_residual`` (MiniMax) or ``hyper_connections`` (GLM-5) is set."""
+    ``scaled_residual`` (MiniMax) or ``hyper_connections`` (GLM-5, DeepSeek-V4) is set."""
 
     vocab_size: int = 32000
     hidden_size: int = 512
@@ -668,8 +728,9 @@ class ModelConfig:
     mla: Optional[MLAConfig] = None  # letters M, D, R, I
     gdn: Optional[GDNConfig] = None  # letter G
     kda: Optional[KDAConfig] = None  # letter K
+    compressed: Optional[CompressedAttentionConfig] = None  # letters W, C, H (DeepSeek-V4)
     scaled_residual: Optional[ScaledResidualConfig] = None  # MiniMax residual (see the class)
-    hyper_connections: Optional[HyperConnectionConfig] = None  # GLM-5 residual streams (see the class)
+    hyper_connections: Optional[HyperConnectionConfig] = None  # GLM-5 / DeepSeek-V4 residual streams (see the class)
     norm_eps: float = 1e-6
     norm_zero_centered: bool = False  # RMSNorm weight applied as (1 + w), stored zero-initialised
     tie_embeddings: bool = False
@@ -704,7 +765,7 @@ class ModelConfig:
         if self.moe is not None and self.moe.placement:
             from megamoe.placement import check_placement
 
-            moe_layers = [i for i, k in enumerate(layout.layers) if k.mlp == "e"]
+            moe_layers = [i for i, k in enumerate(layout.layers) if k.mlp in MOE_LETTERS]
             check_placement(self.moe.placement, self.moe.num_experts, moe_layers, self.moe.n_group,
                             f"{path}.moe.placement")
         if self.vision is not None:

@@ -31,12 +31,18 @@ MIXERS: dict[str, tuple[str, str]] = {
     "D": ("MLA with DeepSeek sparse attention (DSA)", "mla"),
     "I": ("MLA with pooled DeepSeek sparse attention (GLM-5 indexed)", "mla"),
     "R": ("MLA with DSA reusing the selection of the previous D layer (GLM-5 shared indexer)", "mla"),
+    "W": ("sliding-window attention with sinks (DeepSeek-V4)", "compressed"),
+    "C": ("compressed sparse attention (DeepSeek-V4 CSA)", "compressed"),
+    "H": ("heavily compressed attention (DeepSeek-V4 HCA)", "compressed"),
 }
 MLPS: dict[str, tuple[str, str | None]] = {
     "d": ("dense SwiGLU MLP", "mlp"),
     "e": ("mixture of experts", "moe"),
+    "h": ("hash-routed mixture of experts (DeepSeek-V4)", "moe"),
     "n": ("no MLP", None),
 }
+
+MOE_LETTERS = "eh"  # MLP letters whose layer routes tokens to experts (section moe)
 
 
 @dataclass(frozen=True)

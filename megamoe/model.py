@@ -27,7 +27,7 @@ from megamoe.fusion import Fusion
 from megamoe.config import ModelConfig
 from megamoe.errors import ConfigError
 from megamoe.layers.backends import get_backend
-from megamoe.layers.hyper_connection import HyperConnection, expand_streams, merge_streams
+from megamoe.layers.hyper_connection import HyperConnection, HyperHead, expand_streams, merge_streams
 from megamoe.layout import MIXERS, MLPS, LayerKind
 from megamoe.parallel import comm
 from megamoe.parallel.context import ContextShard, split_for_cp
@@ -99,6 +99,11 @@ class DecoderLayer(nn.Module):
         """The last layer's residual stream -> [b, s, h] for the final norm."""
         return stream
 
+    @staticmethod
+    def stream_head(cfg: ModelConfig, ctx: BuildContext) -> nn.Module | None:
+        """A module with weights that replaces ``leave_stream`` on the last stage (None: none)."""
+        return None
+
 
 class ScaledResidualLayer(DecoderLayer):
     """MiniMax-01 residual (``model.scaled_residual``): the residual starts after the norm and
@@ -142,6 +147,11 @@ class HyperConnectionLayer(DecoderLayer):
     @staticmethod
     def leave_stream(stream: torch.Tensor) -> torch.Tensor:
         return merge_streams(stream)
+
+    @staticmethod
+    def stream_head(cfg: ModelConfig, ctx: BuildContext) -> nn.Module | None:
+        """DeepSeek-V4's learned collapse of the streams (``hyper_connections.head: learned``)."""
+        return HyperHead(cfg.hyper_connections, ctx) if cfg.hyper_connections.head == "learned" else None
 
 
 def layer_class(cfg: ModelConfig) -> type[DecoderLayer]:
@@ -187,7 +197,8 @@ def build_context(cfg: ModelConfig, groups: ParallelGroups | None = None, *,
     return BuildContext(
         hidden_size=cfg.hidden_size, groups=groups or ParallelGroups(), backend=backend,
         sequence_parallel=sequence_parallel, norm_eps=cfg.norm_eps, norm_zero_centered=cfg.norm_zero_centered,
-        init_std=cfg.init_std, num_layers=layout.num_layers, dtype=DTYPES[cfg.params_dtype], device=device)
+        init_std=cfg.init_std, num_layers=layout.num_layers, dtype=DTYPES[cfg.params_dtype], device=device,
+        vocab_size=cfg.vocab_size)
 
 
 class LanguageModel(nn.Module):
@@ -215,6 +226,7 @@ class LanguageModel(nn.Module):
             self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.groups.tp,
                                                     sequence_parallel=ctx.sp, init_std=cfg.init_std,
                                                     dtype=ctx.dtype, device=device)
+        self.stream_head = self.block.stream_head(cfg, ctx) if post_process else None
         if post_process:
             self.final_norm = ctx.backend.norm(ctx, cfg.hidden_size, sequence_parallel=True)
             padded = self.embedding.padded_vocab if self.embedding is not None else \
@@ -246,7 +258,11 @@ class LanguageModel(nn.Module):
             hidden = self.block.enter_stream(hidden, self.config)
         for layer in self.layers.values():
             hidden = layer(hidden, info)
-        return self.block.leave_stream(hidden) if self.post_process else hidden
+        return self.leave_stream(hidden) if self.post_process else hidden
+
+    def leave_stream(self, stream: torch.Tensor) -> torch.Tensor:
+        """The last layer's residual stream -> [b, s(/tp), h] for the final norm."""
+        return self.block.leave_stream(stream) if self.stream_head is None else self.stream_head(stream)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[b, s(/tp), h] -> vocab-parallel logits [b, s, V_pad/tp]."""
@@ -318,17 +334,20 @@ class LanguageModel(nn.Module):
         return self.loss(out, labels)
 
     def forward_stage(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
-                      documents: torch.Tensor | None = None) -> torch.Tensor:
+                      documents: torch.Tensor | None = None, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One pipeline stage: token ids [b, S] (first stage) or hidden states in; hidden states
         or, on the last stage, vocab-parallel logits [b, s, V_pad/tp] out. ``positions`` [b, S]
-        (or [3, b, S]) and ``documents`` [b, S] cover the full sequence on every stage."""
+        (or [3, b, S]), ``documents`` [b, S] and ``token_ids`` [b, S] (later stages: the input
+        ids, which hash-routed MoE layers read) cover the full sequence on every stage."""
         ids, hidden = (x, None) if self.pre_process else (None, x)
+        token_ids = ids if ids is not None else token_ids
         shard = self.context_shard(self.full_length(ids, hidden, cache), cache)
         if positions is None:
             positions = self.default_positions(ids, hidden, cache)
         if self.pre_process:
             hidden = self.embed(split_for_cp(shard, ids))
-        info = ForwardInfo(positions=split_for_cp(shard, positions, dim=-1), cache=cache, cp=shard, documents=documents)
+        info = ForwardInfo(positions=split_for_cp(shard, positions, dim=-1), cache=cache, cp=shard, documents=documents,
+                           token_ids=split_for_cp(shard, token_ids))
         hidden = self.run_layers(hidden, info)
         if cache is not None:  # every pipeline stage keeps its own cache
             cache.advance(positions.size(-1))

@@ -200,7 +200,8 @@ class MultimodalModel(LanguageModel):
         return self.gather_logits(out) if labels is None else self.loss(out, labels)
 
     def forward_stage(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
-                      images=None, documents: torch.Tensor | None = None) -> torch.Tensor:
+                      images=None, documents: torch.Tensor | None = None,
+                      token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One pipeline stage (see ``LanguageModel.forward_stage``); the first stage also takes
         the batch's ``images``. Placeholders without images are an error, never ignored."""
         ids, hidden = (x, None) if self.pre_process else (None, x)
@@ -209,7 +210,9 @@ class MultimodalModel(LanguageModel):
             hidden, positions = self.embed_multimodal(x, images, positions, cache, shard)
         elif positions is None:
             positions = self.default_positions(None, hidden, cache)
-        info = ForwardInfo(positions=split_for_cp(shard, positions, dim=-1), cache=cache, cp=shard, documents=documents)
+        token_ids = x if self.pre_process else token_ids
+        info = ForwardInfo(positions=split_for_cp(shard, positions, dim=-1), cache=cache, cp=shard, documents=documents,
+                           token_ids=split_for_cp(shard, token_ids))
         hidden = self.run_layers(hidden, info)
         if cache is not None:  # every pipeline stage keeps its own cache
             cache.advance(positions.size(-1))

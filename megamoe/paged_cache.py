@@ -157,17 +157,31 @@ class PagedLayerState(LayerState):
         self.stores: dict[str, BlockStore] = {}
         self.keep: int | None = None  # sliding window: time steps kept after each forward
 
-    def append_time(self, name: str, x: torch.Tensor) -> torch.Tensor:
+    def store(self, name: str, x: torch.Tensor) -> BlockStore:
+        """The block store of ``name`` (made for ``x``'s features and dtype on first use)."""
         c = self.cache
         if name not in self.stores:
             self.stores[name] = BlockStore(c.batch_size, c.block_size, tuple(x.shape[2:]), x.dtype, x.device,
                                            None if c.kv_dtype == "fp32" else c.kv_dtype)
-        store = self.stores[name]
+        return self.stores[name]
+
+    def append_time(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        c = self.cache
+        store = self.store(name, x)
         t = x.size(1)
         valid = c.valid(t, x.device)
         store.append(x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if valid is None else valid)
         start = 0 if self.keep is None else max(0, c.seen - self.keep)
         return store.read(start, c.seen + t, c.pad_or_zeros())
+
+    def append_entries(self, name: str, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``LayerState.append_entries`` in blocks: each row's entries follow its stored ones (their
+        own axis), read back right-padded with zeros, as the contiguous cache gives them."""
+        store = self.store(name, x)
+        store.append(x, valid)
+        counts = torch.tensor(store.lengths, dtype=torch.long, device=x.device)
+        width = int(counts.max()) if counts.numel() else 0
+        return store.read(0, width, torch.zeros(len(store.lengths), dtype=torch.long)), counts
 
     def keep_last(self, names: tuple[str, ...], keep: int) -> None:
         """Later reads start ``keep`` steps back; blocks wholly before that are freed."""

@@ -102,6 +102,8 @@ class StageForward:
             local = s if shard is None else shard.local_len
             x = torch.empty(b, local, *self.stream_shape, dtype=self.dtype, device=ids.device)
             dist.recv(x, self.stages[self.stage - 1], group=self.pp)
+        if self.stage > 0:  # hash-routed MoE layers route by token on every stage
+            kw = {**kw, "token_ids": ids}
         out = m.forward_stage(x, cache=cache, **kw)
         if self.stage < last:
             dist.send(out.contiguous(), self.stages[self.stage + 1], group=self.pp)

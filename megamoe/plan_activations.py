@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from megamoe.layout import MOE_LETTERS
+
 PARTS = ("input_norm", "mixer", "pre_mlp_norm", "mlp")
 
 
@@ -64,7 +66,7 @@ def _routed_stub(mlp):
     if not hasattr(mlp, "routed"):
         yield
         return
-    mlp.routed = lambda x: x * 1.0
+    mlp.routed = lambda x, ids=None: x * 1.0
     try:
         yield
     finally:
@@ -214,7 +216,7 @@ def stage_activations(cfg, stages: list[list[int]], micro_batch: int, seq: int, 
     parts_of = {}  # kind -> (mixer with its norm, MLP with its norm) bytes
     for kind, parts in per_kind.items():
         b = {k: v * grow for k, v in _split(parts, tp, sp).items()}
-        moe = routed if kind.endswith("e") else 0.0  # the MoE splits its tokens over TP (with or without SP)
+        moe = routed if kind[-1] in MOE_LETTERS else 0.0  # the MoE splits its tokens over TP (with or without SP)
         parts_of[kind] = (b["input_norm"] + b["mixer"], b.get("pre_mlp_norm", 0.0) + b.get("mlp", 0.0) + moe)
     rows = []
     for s, ids in enumerate(stages):

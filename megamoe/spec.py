@@ -47,6 +47,7 @@ class BuildContext:
     num_layers: int = 1
     dtype: torch.dtype = torch.float32
     device: Any = None
+    vocab_size: int = 0  # the token ids' range (hash-routed MoE layers keep a table over it)
 
     @property
     def sp(self) -> bool:
@@ -64,7 +65,8 @@ class ForwardInfo:
     (e.g. rotary tables keyed by their parameters); cp: this rank's share of the sequence under
     context parallelism (``megamoe.parallel.context.ContextShard``; None without CP); documents:
     [b, S] document number of every token of packed sequences, full sequence in global order
-    (None: one document per sequence).
+    (None: one document per sequence); token_ids: [b, s] the input ids of this rank's tokens (cut
+    like positions under CP, not under SP), for layers that route by token (hash-routed MoE).
     """
 
     positions: torch.Tensor
@@ -72,6 +74,7 @@ class ForwardInfo:
     memo: dict = field(default_factory=dict)
     cp: Any = None
     documents: torch.Tensor | None = None
+    token_ids: torch.Tensor | None = None
 
 
 MIXER_SPECS: dict[str, ModuleSpec] = {}

@@ -20,6 +20,7 @@ from megamoe.layers.experts import GroupedExperts
 from megamoe.layers.tiered_experts import TieredExperts
 from megamoe.layers.mla import latent_attention
 from megamoe.layers.mlp import GLU
+from megamoe.layers.ops.compressed_attention import chunk_compressed_attention
 from megamoe.layers.norm import ShardedRMSNorm
 
 
@@ -88,6 +89,11 @@ class BaseBackend:
         """Letter B's attention over each query's kept keys (``megamoe.layers.block_sparse``):
         (q [b, s, H, d], k, v [b, T, G, d], tok [b, s, G, N], scale) -> [b, s, H, d]."""
         return block_sparse_attention
+
+    def compressed_attention(self, ctx: BuildContext):
+        """DeepSeek-V4's attention over a sliding window, compressed entries and a sink, in query
+        tiles (``megamoe.layers.ops.compressed_attention.chunk_compressed_attention``)."""
+        return chunk_compressed_attention
 
     def sparse_latent_attention(self, ctx: BuildContext):
         """DSA's attention over the indexer's selection (``megamoe.layers.dsa.sparse_latent_attention``)."""

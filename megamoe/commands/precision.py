@@ -53,7 +53,7 @@ def hf_comparison(model, hf_dir: str, ids: torch.Tensor, fp32):
         raise ConfigError(f"--reference hf: {hf_dir} is not an HF folder (no config.json)")
     with torch.no_grad():
         theirs = load_hf_model(hf_dir)(input_ids=ids, output_hidden_states=True).hidden_states[1:]
-        last = model.final_norm(model.block.leave_stream(fp32.hidden[-1])).float()
+        last = model.final_norm(model.leave_stream(fp32.hidden[-1])).float()
     ours = Capture(fp32.hidden[:-1] + [last], {})
     return ours, Capture([t.float() for t in theirs], {})
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megamoe.data import BatchLayout, TrainData
 from megamoe.errors import CheckpointError, ConfigError, DataError, MegamoeError
+from megamoe.layout import MOE_LETTERS
 from megamoe.plan import budget
 from megamoe.parallel import comm
 from megamoe.parallel.cross_entropy import IGNORE_INDEX
@@ -101,7 +102,7 @@ class Trainer:
         self.recorder = comm.LatencyRecorder() if recipe.logging.latency_interval else None
         self.vision = getattr(self.chunks[0], "vision", None) if self.first else None
         self._preprocess = self.vision.preprocessor() if self.vision is not None else None
-        self.has_moe = any(k.mlp == "e" for k in recipe.model.parsed_layout().layers)
+        self.has_moe = any(k.mlp in MOE_LETTERS for k in recipe.model.parsed_layout().layers)
         if self.has_moe:
             self._setup_moe()
 
@@ -287,6 +288,11 @@ class Trainer:
         """Packed samples' ``documents`` and ``positions`` [b, S]: every stage's mixers read them."""
         return {key: mb[key].to(self.device) for key in ("documents", "positions") if key in mb}
 
+    def _later_stage_inputs(self, mb: dict) -> dict:
+        """A later pipeline stage's keyword inputs: the sequence inputs and the input ids (hash-routed
+        MoE layers route by token)."""
+        return {**self._sequence_inputs(mb), "token_ids": mb["input_ids"].to(self.device)}
+
     def _stage_inputs(self, mb: dict) -> tuple[torch.Tensor, dict]:
         """The first stage's input ids and keyword inputs: packed documents, and for a multimodal
         model its preprocessed images."""
@@ -347,7 +353,7 @@ class Trainer:
         # keyword inputs ride along per micro-batch: the first stage's images (the vision tower runs
         # inside it) and, on every stage, packed documents and their positions
         for sid, module in zip(self.stage_ids, self._stage_modules):
-            module.extra = [self._stage_inputs(mb)[1] if sid == 0 else self._sequence_inputs(mb) for mb in micro]
+            module.extra = [self._stage_inputs(mb)[1] if sid == 0 else self._later_stage_inputs(mb) for mb in micro]
         args = [(mb["input_ids"].to(self.device),) for mb in micro] if self.first else None
         targets = [mb["labels"].to(self.device) for mb in micro] if self.last else None
         losses: list = []
