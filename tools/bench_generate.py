@@ -20,6 +20,13 @@ KV memory: megamoe's int8 paged cache (block 16; one more run) against transform
 after the same generation, attention keys and values only (both keep the linear layers'
 conv and recurrent states alike). transformers keeps padded slots too; the paged cache does
 not. Last line: ``decode_speedup_vs_hf=X kv_mem_ratio_int8=Y``.
+
+``--v4-cache``: instead, DeepSeek-V4's compressed decode cache (docs/inference.md), measured: a
+model with V4-Flash's attention shapes (key head 512, indexer keys 128, rates 4 and 128, window
+128; small hidden size, bf16) prefills 1024 then 2048 tokens; per layer kind it prints the cache's
+bytes and the bytes each further token adds (the difference over the 1024 tokens between),
+against a full cache of every token's key (512 numbers). Last line: ``v4_cache_bytes_per_token
+C=.. H=.. W=.. full=..``.
 """
 import argparse
 import functools
@@ -58,6 +65,39 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def v4_cache_bytes() -> None:
+    """The measurement ``--v4-cache`` prints (see the module docstring)."""
+    from megamoe.cache import InferenceCache
+    from megamoe.config import CompressedAttentionConfig, DSAConfig, HyperConnectionConfig, ModelConfig, MoEConfig
+    from megamoe.model import build_model
+    from megamoe.weights import initialize
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, layout="WeCeHe", params_dtype="bfloat16",
+                      compressed=CompressedAttentionConfig(num_heads=2, head_dim=512, rope_head_dim=64, q_lora_rank=32,
+                                                           o_groups=1, o_lora_rank=16, sliding_window=128, csa_rate=4,
+                                                           hca_rate=128, indexer=DSAConfig(2, 128, 512)),
+                      moe=MoEConfig(num_experts=2, top_k=1, moe_ffn_hidden_size=16, num_shared_experts=1,
+                                    score_function="sqrtsoftplus", expert_bias=True),
+                      hyper_connections=HyperConnectionConfig(streams=2, head="learned"))
+    model = build_model(cfg).eval()
+    initialize(model, model.groups, 0)
+    ids = torch.randint(0, 256, (1, 2048), generator=torch.Generator().manual_seed(0))
+    sizes = {}
+    for tokens in (1024, 2048):
+        cache = InferenceCache(1)
+        with torch.no_grad():
+            model(ids[:, :tokens], cache=cache)
+        sizes[tokens] = [sum(t.numel() * t.element_size() for k, t in cache.layer(i).items()
+                             if isinstance(t, torch.Tensor) and not k.endswith("#count")) for i in range(3)]
+    full = 512 * 2
+    per = {}
+    for i, kind in enumerate("WCH"):
+        per[kind] = (sizes[2048][i] - sizes[1024][i]) / 1024
+        print(f"{kind}: cache {sizes[2048][i]} B after 2048 tokens, {per[kind]:.2f} B per further token "
+              f"(full cache {full} B per token, {per[kind] / full:.4f} of it)")
+    print("v4_cache_bytes_per_token " + " ".join(f"{k}={v:.2f}" for k, v in per.items()) + f" full={full}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--new", type=int, default=32, help="tokens generated per prompt")
@@ -66,8 +106,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="time megamoe's eager decode steps only (no compiled side)")
+    p.add_argument("--v4-cache", action="store_true", help="measure DeepSeek-V4's compressed cache instead")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.v4_cache:
+        v4_cache_bytes()
+        return
     from transformers import AutoModelForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 
     from megamoe.convert import from_hf
