@@ -27,10 +27,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.config import HyperConnectionConfig
+from megamoe.core.config import HyperConnectionConfig
 from megamoe.layers.norm import rms_normalize
 from megamoe.parallel.sharding import const_init, mark_init, mark_tp_partial_grad, normal_init
-from megamoe.spec import BuildContext
+from megamoe.layers.spec import BuildContext
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.fusion import EAGER, Fusion, call, fused
+from megamoe.layers.ops.fusion import EAGER, Fusion, call, fused
 from megamoe.parallel import comm
 from megamoe.parallel.groups import group_size
 from megamoe.parallel.sharding import Shard, const_init, mark_init, mark_tp_partial_grad, set_sharding
@@ -66,7 +66,7 @@ def _norm_fused_backward(dy, x, weight, rstd, gate, zero_centered: bool, act: st
 class _RMSNormFn(torch.autograd.Function):
     """w * x / rms(x) [* act(gate)] in fp32, saving only x, the gate and 1/rms for the backward
     (the unfused form keeps x, x / rms, the gate and its activation). One fused pass each way
-    with ``fuse`` (see ``megamoe.fusion``)."""
+    with ``fuse`` (see ``megamoe.layers.ops.fusion``)."""
 
     @staticmethod
     def run(x, weight, eps, zero_centered, gate, act, fuse):

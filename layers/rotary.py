@@ -16,8 +16,8 @@ from dataclasses import astuple
 
 import torch
 
-from megamoe.config import YarnConfig
-from megamoe.spec import ForwardInfo
+from megamoe.core.config import YarnConfig
+from megamoe.layers.spec import ForwardInfo
 
 
 def inv_freq(rot_dim: int, theta: float, device=None) -> torch.Tensor:

@@ -13,9 +13,9 @@ from typing import Any, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megamoe.config import ModelConfig, ParallelConfig, check_pipeline_support, validate_model_parallel
+from megamoe.core.config import ModelConfig, ParallelConfig, check_pipeline_support, validate_model_parallel
 from megamoe.data.config import DataConfig
-from megamoe.errors import ConfigError
+from megamoe.core.errors import ConfigError
 from megamoe.lora.config import LoRAConfig
 from megamoe.parallel.context import check_cp_length
 from megamoe.training.config import CheckpointConfig, EvalConfig, LoggingConfig, OptimConfig, TrainConfig

@@ -11,7 +11,7 @@ import torch
 from megamoe.layers.backends import available_backends, get_backend, register_backend
 from megamoe.layers.backends.cuda import FP8_RECIPES, CudaBackend
 from megamoe.parallel.groups import ParallelGroups
-from megamoe.spec import BuildContext
+from megamoe.layers.spec import BuildContext
 
 
 class CudaOnCpu(CudaBackend):

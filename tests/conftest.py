@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-# compiled fusion (megamoe.fusion) costs 5-20 s per kernel variant on a fresh machine; the suite
+# compiled fusion (megamoe.layers.ops.fusion) costs 5-20 s per kernel variant on a fresh machine; the suite
 # runs the eager kernels (gloo pools and subprocesses inherit this) and tests/test_fusion.py
 # checks the compiled ones against them
 os.environ.setdefault("MEGAMOE_FUSION", "off")

@@ -14,7 +14,7 @@ import torch
 from megamoe.convert import export_hf, import_hf
 from megamoe.convert.verify import load_hf_model, verify
 from megamoe.recipe import config_from_dict
-from megamoe.training.checkpoint import load_checkpoint, read_meta
+from megamoe.checkpoint.dcp import load_checkpoint, read_meta
 
 ATOL = 1e-4
 

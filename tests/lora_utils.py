@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from megamoe.config import MoEConfig
+from megamoe.core.config import MoEConfig
 from tests.mixer_utils import tiny_model
 
 # every mixer letter; routed experts with a gated shared expert; dense MLPs
@@ -35,8 +35,8 @@ def build_lora_model(cfg, groups=None, *, sp: bool = False, seed: int = 0, fp8: 
     """A LanguageModel with weights from ``seed`` (GEMMs in ``fp8``'s recipe), adapters applied
     and randomized."""
     from megamoe.lora import LoRAConfig, apply_lora
-    from megamoe.model import LanguageModel
-    from megamoe.weights import initialize
+    from megamoe.model.language_model import LanguageModel
+    from megamoe.model.weights import initialize
 
     model = LanguageModel(cfg, groups, sequence_parallel=sp, fp8=fp8)
     initialize(model, model.groups, seed)

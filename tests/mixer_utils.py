@@ -6,11 +6,11 @@ import dataclasses
 
 import torch
 
-from megamoe.cache import InferenceCache
-from megamoe.config import (AttentionConfig, DSAConfig, GDNConfig, KDAConfig, LightningConfig, MLAConfig,
-                            MLPConfig, ModelConfig, ParallelConfig, YarnConfig)
-from megamoe.layout import MIXERS
-from megamoe.spec import ForwardInfo
+from megamoe.layers.cache.decode import InferenceCache
+from megamoe.core.config import (AttentionConfig, DSAConfig, GDNConfig, KDAConfig, LightningConfig, MLAConfig,
+                                 MLPConfig, ModelConfig, ParallelConfig, YarnConfig)
+from megamoe.core.layout import MIXERS
+from megamoe.layers.spec import ForwardInfo
 from tests.numerics import rel_err
 
 
@@ -37,10 +37,10 @@ def build_mixer(letter: str, cfg: ModelConfig, groups=None, *, sp: bool = False,
                 seed: int = 0, full_state: dict | None = None):
     """One mixer with weights drawn from ``seed``, norm weights randomised around 1 (so a norm
     weight applied to the wrong channels shows), or loaded from ``full_state`` (unsharded)."""
-    from megamoe.model import build_context
+    from megamoe.model.language_model import build_context
     from megamoe.parallel.groups import ParallelGroups
-    from megamoe.spec import build_module, mixer_spec
-    from megamoe.weights import initialize, load_full_state_dict
+    from megamoe.layers.spec import build_module, mixer_spec
+    from megamoe.model.weights import initialize, load_full_state_dict
 
     groups = groups or ParallelGroups()
     ctx = build_context(cfg, groups, sequence_parallel=sp)
@@ -84,7 +84,7 @@ def mixer_tp_case(letter: str, sp: bool, seed: int = 0, mla: dict | None = None,
     """Outputs, input gradients and every parameter gradient of a TP=2 mixer against TP=1.
     ``mla``: overrides of the MLA section; ``model``: sections replacing tiny_model's."""
     from megamoe.parallel.groups import build_groups
-    from megamoe.weights import finalize_grads
+    from megamoe.model.weights import finalize_grads
 
     cfg = tiny_model(**(model or {}))
     cfg.mla = dataclasses.replace(cfg.mla, **(mla or {}))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.cache import InferenceCache
-from megamoe.spec import ForwardInfo
+from megamoe.layers.cache.decode import InferenceCache
+from megamoe.layers.spec import ForwardInfo
 from tests.mixer_utils import (build_mixer, causal_additive_mask, decode_steps, full_forward, load_from_hf,
                                randomize, tiny_model)
 from tests.numerics import max_abs, rel_err

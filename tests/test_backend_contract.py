@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.config import MLPConfig
+from megamoe.core.config import MLPConfig
 from megamoe.layers.backends import get_backend
-from megamoe.layers.mlp import GLU
+from megamoe.layers.mlp.dense import GLU
 from megamoe.parallel.groups import ParallelGroups
 from tests.backend_utils import CPU_BACKENDS as BACKENDS, ctx_for, cuda_on_cpu_registered
 from tests.numerics import rel_err
@@ -119,7 +119,7 @@ def test_core_attention(backend, window, t_q):
 
 
 def test_latent_attention_cores(backend):
-    from megamoe.layers.core_attention import causal_mask
+    from megamoe.layers.ops.attention.core import causal_mask
 
     q_lat, q_rope, c, k_rope = randn(2, 3, 4, 10), randn(2, 3, 4, 4, seed=1), randn(2, 9, 10, seed=2), randn(2, 9, 4, seed=3)
     mask = causal_mask(3, 9)
@@ -264,9 +264,9 @@ def test_lora_shared_expert(backend):
 def test_hybrid_model(backend):
     """Every role at once: GDN, KDA, gated GQA with q/k norms, MLA, lightning, routed + gated
     shared experts; the loss and every parameter gradient."""
-    from megamoe.config import MoEConfig
-    from megamoe.model import LanguageModel, shift_labels
-    from megamoe.weights import initialize
+    from megamoe.core.config import MoEConfig
+    from megamoe.model.language_model import LanguageModel, shift_labels
+    from megamoe.model.weights import initialize
     from tests.mixer_utils import tiny_model
 
     ids = torch.randint(0, 61, (2, 13), generator=torch.Generator().manual_seed(0))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamoe.errors import ConfigError
+from megamoe.core.errors import ConfigError
 from megamoe.layers import backends
 from megamoe.layers.backends import LocalBackend, available_backends, get_backend, register_backend
 from tests.mixer_utils import tiny_model
@@ -32,7 +32,7 @@ def test_auto_is_cpu_without_cuda():
 
 
 def test_an_unknown_backend_is_one_line():
-    from megamoe.model import LanguageModel
+    from megamoe.model.language_model import LanguageModel
 
     with pytest.raises(ConfigError, match=r"^model.backend='tensorrt' is not a backend: allowed: auto, local, cpu, cuda, te$"):
         LanguageModel(tiny_model("Ad", backend="tensorrt"))
@@ -51,7 +51,7 @@ def test_an_unavailable_backend_names_what_is_missing(registry):
 def test_a_registered_backend_fills_the_roles(registry):
     """A new backend subclasses one that exists and overrides the roles it accelerates; a model
     built with its name asks it for every role."""
-    from megamoe.model import LanguageModel
+    from megamoe.model.language_model import LanguageModel
 
     asked = []
 

@@ -2,7 +2,7 @@
 the culprit (option, field, file or tensor), no traceback, and nothing left behind (the folder
 the case works in holds exactly what it held before, byte for byte).
 
-The commands run in process through ``megamoe.cli.run_main``, exactly as their console entry
+The commands run in process through ``megamoe.commands.cli.run_main``, exactly as their console entry
 points (``megamoe-generate`` ...) do, which keeps the ~70 cases to seconds. They all fail before
 a process group would be started.
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megamoe.cli import run_main
+from megamoe.commands.cli import run_main
 from megamoe.commands import convert, finetune, generate, plan, prepare_data, pretrain, show_model, verify
 from tests.test_convert_dense import tiny_qwen3
 
@@ -206,7 +206,7 @@ def workspace(hf_dir, ckpt, tmp_path_factory) -> Path:
 
     from megamoe.convert import build_model
     from megamoe.recipe import config_from_dict
-    from megamoe.training.checkpoint import read_meta, save_checkpoint
+    from megamoe.checkpoint.dcp import read_meta, save_checkpoint
 
     root = tmp_path_factory.mktemp("workspace")
     unk_only_tokenizer(root / "unk" / "tokenizer.json")
@@ -267,7 +267,7 @@ def test_overwrite_replaces_only_megamoe_output(hf_dir, ckpt, tmp_path, capsys):
 
 
 def test_debug_flag_and_env_show_the_traceback(monkeypatch, capsys):
-    from megamoe.errors import ConfigError
+    from megamoe.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"parallel\.tp\*pp\*cp"):
         run_main(plan.main, ["--config", "tiny_dense", "parallel.cp=2", "--debug"])
@@ -294,7 +294,7 @@ def masked_batch_step() -> str:
     """One trainer step on a batch whose labels are all masked (in a pool process: the trainer
     joins the process group there)."""
     from megamoe.parallel.cross_entropy import IGNORE_INDEX
-    from megamoe.errors import DataError
+    from megamoe.core.errors import DataError
     from megamoe.training.entry import load_train_recipe
     from megamoe.training.trainer import Trainer
 

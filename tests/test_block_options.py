@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.config import (AttentionConfig, HyperConnectionConfig, KDAConfig, LightningConfig, MLPConfig,
-                            ModelConfig, ScaledResidualConfig)
-from megamoe.errors import ConfigError
+from megamoe.core.config import (AttentionConfig, HyperConnectionConfig, KDAConfig, LightningConfig, MLPConfig,
+                                 ModelConfig, ScaledResidualConfig)
+from megamoe.core.errors import ConfigError
 from megamoe.parallel.groups import ParallelGroups
 from tests.numerics import rel_err
 
@@ -25,8 +25,8 @@ def tiny(layout: str = "AdKd", **kw) -> ModelConfig:
 
 
 def built(cfg: ModelConfig, seed: int = 0):
-    from megamoe.model import LanguageModel
-    from megamoe.weights import initialize
+    from megamoe.model.language_model import LanguageModel
+    from megamoe.model.weights import initialize
 
     model = LanguageModel(cfg)
     initialize(model, model.groups, seed)
@@ -39,7 +39,7 @@ def built(cfg: ModelConfig, seed: int = 0):
 
 
 def info_for(s: int, b: int = 2):
-    from megamoe.spec import ForwardInfo
+    from megamoe.layers.spec import ForwardInfo
 
     return ForwardInfo(positions=torch.arange(s).expand(b, -1))
 
@@ -78,8 +78,8 @@ def hc_reference(hc, x, block):
 
 def test_hyper_connection_matches_reference_forward_and_backward():
     from megamoe.layers.hyper_connection import HyperConnection
-    from megamoe.model import build_context
-    from megamoe.weights import initialize
+    from megamoe.model.language_model import build_context
+    from megamoe.model.weights import initialize
 
     cfg = tiny(hyper_connections=HyperConnectionConfig(streams=3, sinkhorn_iters=20))
     hc = HyperConnection(cfg.hyper_connections, build_context(cfg))
@@ -110,7 +110,7 @@ def test_hyper_connection_matches_reference_forward_and_backward():
 def test_hyper_connection_model_streams_and_decoding():
     """The embedding enters every stream, the head reads their mean, and decoding one token at a
     time (KDA state + KV cache through the streams) equals the full forward."""
-    from megamoe.cache import InferenceCache
+    from megamoe.layers.cache.decode import InferenceCache
 
     model = built(tiny(hyper_connections=HyperConnectionConfig(streams=3)))
     assert sum(p.numel() for n, p in model.named_parameters() if "_hc." in n) == 2 * 2 * (5 * 3 * (3 * 16 + 1) + 3)
@@ -127,7 +127,7 @@ def test_hyper_connection_model_streams_and_decoding():
 
 def test_scaled_residual_layer_matches_reference():
     """n = norm(x); h = a n + b mixer(n); n2 = norm(h); out = a' n2 + b' mlp(n2) (not x + f(norm x))."""
-    from megamoe.model import ScaledResidualLayer
+    from megamoe.model.language_model import ScaledResidualLayer
 
     scaled = ScaledResidualConfig(mixer_alpha={"L": 1.7}, mixer_beta={"L": 0.6, "A": 3.0}, mlp_alpha=0.8, mlp_beta=1.3)
     model = built(tiny("LdAd", scaled_residual=scaled))
@@ -175,7 +175,7 @@ def test_pp2_training_equals_dp2_with_hyper_connections(pool, tmp_path):
     the single-process one, tests/test_trainer_parity.py)."""
     import dataclasses
 
-    from megamoe.config import ParallelConfig
+    from megamoe.core.config import ParallelConfig
     from tests.test_trainer_parity import run_recipe, tiny_recipe
 
     recipe = tiny_recipe(ParallelConfig(), steps=4)
@@ -192,9 +192,9 @@ def test_pp2_training_equals_dp2_with_hyper_connections(pool, tmp_path):
 # ---- clamped SwiGLU ---------------------------------------------------------------------------
 
 def test_clamped_mlp_matches_reference():
-    from megamoe.layers.mlp import SwiGLUMLP
-    from megamoe.model import build_context
-    from megamoe.weights import initialize
+    from megamoe.layers.mlp.dense import SwiGLUMLP
+    from megamoe.model.language_model import build_context
+    from megamoe.model.weights import initialize
 
     cfg = tiny(mlp=MLPConfig(ffn_hidden_size=24, swiglu_limit=0.3))
     mlp = SwiGLUMLP(cfg.mlp, build_context(cfg))
@@ -209,8 +209,8 @@ def test_clamped_mlp_matches_reference():
 @pytest.mark.parametrize("kernel", ["loop", "grouped_mm"])
 def test_clamped_expert_kernels_match_reference(kernel):
     """The loop kernel's hand-written backward masks the clamped entries like autograd does."""
-    from megamoe.layers.grouped_gemm import grouped_mm_support, swiglu_experts
-    from megamoe.layers.mlp import GLU
+    from megamoe.layers.ops.grouped_gemm import grouped_mm_support, swiglu_experts
+    from megamoe.layers.mlp.dense import GLU
 
     if kernel == "grouped_mm" and grouped_mm_support(torch.device("cpu"), torch.float32):
         pytest.skip(grouped_mm_support(torch.device("cpu"), torch.float32))
@@ -244,8 +244,8 @@ def test_swiglu_oai_matches_minimax_m3():
     sides of the clamp; the experts' unit equals MiniMaxM3VLExperts._apply_gate."""
     from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m
 
-    from megamoe.layers.mlp import GLU, SwiGLUMLP, glu_act
-    from megamoe.model import build_context
+    from megamoe.layers.mlp.dense import GLU, SwiGLUMLP, glu_act
+    from megamoe.model.language_model import build_context
 
     text = m.MiniMaxM3VLTextConfig(hidden_size=16, dense_intermediate_size=12, swiglu_limit=0.6)
     hf = m.MiniMaxM3VLDenseMLP(text)

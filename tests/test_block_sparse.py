@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from megamoe.config import BlockIndexConfig
-from megamoe.spec import ForwardInfo
+from megamoe.core.config import BlockIndexConfig
+from megamoe.layers.spec import ForwardInfo
 from tests.mixer_utils import (build_mixer, causal_additive_mask, decode_steps, full_forward, load_from_hf,
                                mixer_tp_case, randomize, tiny_model)
 from tests.numerics import max_abs, rel_err
@@ -57,7 +57,7 @@ def test_sparse_equals_dense_mask_reference(t, local):
 def test_tiled_selection_equals_naive_pooling(monkeypatch):
     """The selection made in passes of a few query rows (block ids from each row's first token)
     equals transformers' whole-matrix pooling, and keeps fewer keys than a dense attention."""
-    from megamoe.layers import block_sparse as bs
+    from megamoe.layers.mixers import block_sparse as bs
 
     gen = torch.Generator().manual_seed(3)
     q, keys = torch.randn(2, 30, 2, 8, generator=gen), torch.randn(2, 41, 8, generator=gen)
@@ -81,7 +81,7 @@ def test_decoding_equals_full_forward(prefill):
 def test_left_padded_rows_equal_each_prompt_alone():
     """Blocks start at each row's first real token: a row left-padded in a batch decodes as the
     prompt alone (padded queries see only themselves)."""
-    from megamoe.cache import InferenceCache
+    from megamoe.layers.cache.decode import InferenceCache
 
     mixer = build_mixer("B", model())
     x = x_of(6, t=14)

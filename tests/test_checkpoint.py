@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 from tests.dist import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,7 +88,7 @@ KILL_DURING_SAVE = textwrap.dedent("""
 
 
 def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
-    from megamoe.training.checkpoint import latest_checkpoint, read_meta
+    from megamoe.checkpoint.dcp import latest_checkpoint, read_meta
 
     d = tmp_path / "ckpt"
     cmd = pretrain_cmd(d)
@@ -105,7 +105,7 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
 
 
 def test_malicious_metadata_is_refused(tmp_path):
-    from megamoe.training.checkpoint import SafeFileSystemReader
+    from megamoe.checkpoint.dcp import SafeFileSystemReader
 
     marker = tmp_path / "pwned"
 
@@ -120,7 +120,7 @@ def test_malicious_metadata_is_refused(tmp_path):
 
 
 def test_bad_checkpoint_dirs(tmp_path):
-    from megamoe.training.checkpoint import read_meta
+    from megamoe.checkpoint.dcp import read_meta
 
     with pytest.raises(CheckpointError, match="meta.json missing"):
         read_meta(tmp_path)
@@ -131,10 +131,10 @@ def test_bad_checkpoint_dirs(tmp_path):
 
 def reshard_case(save_dir: str, tp: int, dp_zero: bool) -> dict:
     """Train 3 steps at this layout and save; return the gathered full weights."""
-    from megamoe.config import ParallelConfig
+    from megamoe.core.config import ParallelConfig
     from megamoe.data.synthetic import SyntheticDataset
     from megamoe.training.trainer import Trainer
-    from megamoe.weights import full_state_dict
+    from megamoe.model.weights import full_state_dict
     from tests.test_trainer_parity import tiny_recipe
 
     recipe = tiny_recipe(ParallelConfig(tp=tp), steps=3)
@@ -147,11 +147,11 @@ def reshard_case(save_dir: str, tp: int, dp_zero: bool) -> dict:
 
 
 def load_case(ckpt: str, tp: int) -> dict:
-    from megamoe.config import ParallelConfig
+    from megamoe.core.config import ParallelConfig
     from megamoe.data.synthetic import SyntheticDataset
-    from megamoe.training.checkpoint import load_checkpoint
+    from megamoe.checkpoint.dcp import load_checkpoint
     from megamoe.training.trainer import Trainer
-    from megamoe.weights import full_state_dict
+    from megamoe.model.weights import full_state_dict
     from tests.test_trainer_parity import tiny_recipe
 
     trainer = Trainer(tiny_recipe(ParallelConfig(tp=tp), steps=6), SyntheticDataset(64, 16, seed=3))

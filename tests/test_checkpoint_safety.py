@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 from megamoe.parallel.groups import ParallelGroups
 from tests.dist import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["data.kind=synthetic", "data.seq_len=32", "logging.progress=false", "logging.latency_interval=0"]
-# log records: megamoe's (logging.basicConfig in megamoe.cli) and torch's own ("[rank0]:W1205 ...")
+# log records: megamoe's (logging.basicConfig in megamoe.commands.cli) and torch's own ("[rank0]:W1205 ...")
 LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (INFO|WARNING) |(\[rank\d+\]:)?[IW]\d{4} )")
 
 
@@ -78,7 +78,7 @@ def copy(src: Path, dst: Path) -> Path:
 
 def _linear_checkpoint(root: Path) -> Path:
     from megamoe.parallel.groups import ParallelGroups
-    from megamoe.training.checkpoint import save_checkpoint
+    from megamoe.checkpoint.dcp import save_checkpoint
 
     torch.manual_seed(0)
     return save_checkpoint(root, 1, ParallelGroups(), [torch.nn.Linear(2, 2)])
@@ -106,7 +106,7 @@ def _plant_bytes_entry(path: Path, key: str, marker: Path) -> None:
 
 def test_bytes_entry_exploit_is_refused(tmp_path):
     from megamoe.parallel.groups import ParallelGroups
-    from megamoe.training.checkpoint import load_checkpoint
+    from megamoe.checkpoint.dcp import load_checkpoint
 
     path, marker = _linear_checkpoint(tmp_path), tmp_path / "pwned"
     _plant_bytes_entry(path, "model/weight", marker)
@@ -118,8 +118,8 @@ def test_bytes_entry_exploit_is_refused(tmp_path):
 def test_planner_refuses_bytes_even_past_the_metadata_check(tmp_path, monkeypatch):
     """The second lock: with the entry check switched off, the load planner still refuses."""
     from megamoe.parallel.groups import ParallelGroups
-    from megamoe.training import safe_dcp
-    from megamoe.training.checkpoint import load_checkpoint
+    from megamoe.checkpoint import safe_dcp
+    from megamoe.checkpoint.dcp import load_checkpoint
 
     path, marker = _linear_checkpoint(tmp_path), tmp_path / "pwned"
     _plant_bytes_entry(path, "model/weight", marker)
@@ -132,7 +132,7 @@ def test_planner_refuses_bytes_even_past_the_metadata_check(tmp_path, monkeypatc
 def test_unlisted_classes_and_outside_files_are_refused(tmp_path):
     from collections import Counter
 
-    from megamoe.training.safe_dcp import read_safe_metadata
+    from megamoe.checkpoint.safe_dcp import read_safe_metadata
 
     path = _linear_checkpoint(tmp_path)
     good = (path / ".metadata").read_bytes()
@@ -179,7 +179,7 @@ def test_dcp_failures_are_one_line(ckpts, tmp_path):
 
 def test_finetune_takes_the_model_from_the_checkpoint(ckpts):
     """The fixture's LoRA run gave only checkpoint.load; the recipe says hidden_size 64, the base 48."""
-    from megamoe.training.checkpoint import read_meta
+    from megamoe.checkpoint.dcp import read_meta
 
     meta = read_meta(ckpts["lora"])
     assert meta["model"]["hidden_size"] == 48 and meta["lora_base"] == str(ckpts["base"].resolve())
@@ -263,7 +263,7 @@ def test_failed_write_keeps_previous_latest_and_no_tmp(tmp_path):
                          text=True, env=env(), timeout=300)
     one_line_error(out, f"{run}/step_00000004.tmp: cannot save checkpoint", "No space left on device",
                    "the partial save was removed, step_00000002 stays latest")
-    from megamoe.training.checkpoint import latest_checkpoint
+    from megamoe.checkpoint.dcp import latest_checkpoint
 
     assert latest_checkpoint(run) == run / "step_00000002"
     assert sorted(p.name for p in run.iterdir()) == ["latest", "step_00000002", "tb"]
@@ -272,7 +272,7 @@ def test_failed_write_keeps_previous_latest_and_no_tmp(tmp_path):
 def test_free_disk_is_checked_before_writing(tmp_path, monkeypatch):
     import shutil as real_shutil
 
-    from megamoe.training import checkpoint
+    from megamoe.checkpoint import dcp as checkpoint
 
     _linear_checkpoint(tmp_path)
     usage = real_shutil.disk_usage(tmp_path)
@@ -321,7 +321,7 @@ def test_truncated_newest_falls_back_and_rerun_is_a_no_op(ckpts, tmp_path):
 
 
 def test_nonfinite_stop_is_one_line_and_keeps_the_last_finite_latest(tmp_path):
-    from megamoe.training.checkpoint import latest_checkpoint, read_meta
+    from megamoe.checkpoint.dcp import latest_checkpoint, read_meta
 
     run = tmp_path / "run"
     out = tool("pretrain.py", "--config", "tiny_train", "model.hidden_size=32", "train.steps=12",

@@ -1,6 +1,6 @@
 """The command lines users run, as subprocesses: conversion both ways, verification (and its
 exit status), generation (greedy and sampled), the pretraining script's dry run; and the
-sampling rules of ``megamoe.generate``."""
+sampling rules of ``megamoe.inference.generate``."""
 from __future__ import annotations
 
 import os
@@ -30,7 +30,7 @@ def test_convert_verify_generate_command_lines(tmp_path):
     """import-hf -> export-hf -> verify (exit 0, and 1 when the tolerance cannot be met) ->
     generate: greedy equals the Python function, sampling is reproducible from its seed."""
     from megamoe.convert import from_hf
-    from megamoe.generate import generate, generate_batch
+    from megamoe.inference.generate import generate, generate_batch
     from tests.test_convert_qwen import tiny_qwen3_moe
 
     hf_dir, ckpt, back = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "back"
@@ -69,7 +69,7 @@ def test_pretrain_script_dry_run_prints_the_plan_and_command():
 # ---- sampling rules ------------------------------------------------------------------------
 
 def test_sampling_rules():
-    from megamoe.generate import pick
+    from megamoe.inference.generate import pick
 
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]]).repeat(4000, 1)
     gen = lambda s: torch.Generator().manual_seed(s)  # noqa: E731
@@ -93,10 +93,10 @@ def test_sampling_rules():
 
 @pytest.mark.parametrize("layout", ["GdAd", "MeAe"])
 def test_sampled_generation_is_seeded_and_top_k_1_is_greedy(layout):
-    from megamoe.config import MoEConfig
-    from megamoe.generate import generate
-    from megamoe.model import LanguageModel
-    from megamoe.weights import initialize
+    from megamoe.core.config import MoEConfig
+    from megamoe.inference.generate import generate
+    from megamoe.model.language_model import LanguageModel
+    from megamoe.model.weights import initialize
     from tests.mixer_utils import tiny_model
 
     cfg = tiny_model(layout, moe=MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=16))

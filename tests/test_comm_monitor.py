@@ -10,7 +10,7 @@ import json
 import pytest
 import torch.distributed as dist
 
-from megamoe.config import ParallelConfig
+from megamoe.core.config import ParallelConfig
 from tests.test_trainer_parity import tiny_recipe
 
 # torch.distributed function -> the recorder's operation kind
@@ -143,7 +143,7 @@ def ring_step_sampled() -> dict:
     once outside and once inside a sampled step."""
     import torch
 
-    from megamoe.layers.context_attention import _RingTransfer
+    from megamoe.layers.ops.attention.context import _RingTransfer
     from megamoe.parallel import comm
     from megamoe.parallel.groups import build_groups
 

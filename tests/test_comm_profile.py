@@ -19,7 +19,7 @@ def run_profile(argv: list[str]) -> str:
 
 
 def test_profile_covers_every_group_of_a_4_process_layout(pool):
-    from megamoe.comm_profile import GROUP_OPS
+    from megamoe.diagnostics.comm_profile import GROUP_OPS
 
     outputs = pool(4).run(run_profile, ["--tp", "2", "--pp", "2", "--ep", "2", "--sizes", "4KiB,64KiB",
                                         "--iters", "5", "--warmup", "1"])
@@ -36,8 +36,8 @@ def test_profile_covers_every_group_of_a_4_process_layout(pool):
 
 
 def test_sizes_parse_and_bad_sizes_are_one_line():
-    from megamoe.comm_profile import parse_sizes
-    from megamoe.errors import ConfigError
+    from megamoe.diagnostics.comm_profile import parse_sizes
+    from megamoe.core.errors import ConfigError
 
     assert parse_sizes("4KiB, 1MiB,16M,512") == [4096, 1 << 20, 16 << 20, 512]
     with pytest.raises(ConfigError, match="'4XB' is not a size"):

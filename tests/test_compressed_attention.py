@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.cache import InferenceCache
+from megamoe.layers.cache.decode import InferenceCache
 from megamoe.layers.ops.compressed_attention import (chunk_compressed_attention, find_blocks, naive_compress,
                                                       naive_compressed_attention, pool_blocks)
-from megamoe.paged_cache import PagedCache
-from megamoe.spec import ForwardInfo
+from megamoe.layers.cache.paged import PagedCache
+from megamoe.layers.spec import ForwardInfo
 from tests.mixer_utils import build_mixer, decode_steps, full_forward
 from tests.numerics import rel_err
 from tests.v4_utils import ATTN_NAMES, copy_attention, hf_attention_inputs, hf_config, randomize_v4, tiny_v4

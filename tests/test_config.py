@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from megamoe.config import ParallelConfig, validate_model_parallel
-from megamoe.errors import ConfigError
-from megamoe.layout import LayerKind, parse_layout
+from megamoe.core.config import ParallelConfig, validate_model_parallel
+from megamoe.core.errors import ConfigError
+from megamoe.core.layout import LayerKind, parse_layout
 from megamoe.recipe import load_recipe, shipped_recipes
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megamoe.errors import ConfigError
+from megamoe.core.errors import ConfigError
 from megamoe.parallel.context import ContextShard, check_cp_length
 
 

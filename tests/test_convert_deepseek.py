@@ -83,7 +83,7 @@ def test_mtp_layers_are_skipped_as_transformers_does(tmp_path):
     from safetensors.torch import save_file
 
     from megamoe.convert import from_hf
-    from megamoe.errors import CheckpointError
+    from megamoe.core.errors import CheckpointError
 
     hf = tiny_deepseek_v3()
     hf.save_pretrained(tmp_path)
@@ -108,9 +108,9 @@ HUB_V3 = dict(model_type="deepseek_v3", vocab_size=64, hidden_size=32, intermedi
 def test_hub_config_reader():
     """A config.json as DeepSeek publishes it (legacy rope_scaling, no rope_interleave); RoPE
     variants megamoe's YaRN does not implement are refused by name."""
-    from megamoe.config import YarnConfig
+    from megamoe.core.config import YarnConfig
     from megamoe.convert.family import get_family
-    from megamoe.errors import CheckpointError
+    from megamoe.core.errors import CheckpointError
 
     cfg = get_family("deepseek_v3").config_from_hf(HUB_V3)
     assert cfg.parsed_layout().compact() == "MdMdMdMe"
@@ -130,7 +130,7 @@ def test_inexpressible_export_is_a_one_line_error():
     import dataclasses
 
     from megamoe.convert.family import get_family
-    from megamoe.errors import CheckpointError
+    from megamoe.core.errors import CheckpointError
 
     family = get_family("deepseek_v3")
     cfg = family.config_from_hf(HUB_V3)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megamoe.convert import export_hf, import_hf
-from megamoe.errors import CheckpointError, ConfigError, MegamoeError
+from megamoe.core.errors import CheckpointError, ConfigError, MegamoeError
 from tests.test_convert_dense import tiny_qwen3
 
 

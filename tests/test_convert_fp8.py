@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from megamoe.convert import from_hf, import_hf
 from megamoe.convert.quant import QuantFormat, dequantize, quantize_blocks
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 from tests.conversion_harness import ATOL, load_converted
 from tests.fp8_utils import dequantized_like_transformers, quantize_block_by_block, quantize_like_release
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 
 TOKENS = dict(vocab_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 

@@ -71,10 +71,10 @@ def test_one_of_reads_either_layout_and_writes_the_first():
     exports (nothing available) write the first; a partial layout reports the first's tensor."""
     import torch
 
-    from megamoe.config import KDAConfig, ModelConfig
+    from megamoe.core.config import KDAConfig, ModelConfig
     from megamoe.convert.families.kimi_linear import kda_rules
     from megamoe.convert.table import alternatives, check_plan, expand
-    from megamoe.errors import CheckpointError
+    from megamoe.core.errors import CheckpointError
 
     cfg = ModelConfig(vocab_size=8, hidden_size=4, layout="Kd", kda=KDAConfig(num_heads=1, head_dim=2, conv_kernel=3))
     hub, memory = (kda_rules("x", forget=f, split_conv=s, a_log_shape=(1, 1, -1, 1), low_rank=True)

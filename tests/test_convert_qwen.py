@@ -158,7 +158,7 @@ def test_qwen3_5_moe_vision_language_round_trip(tmp_path):
     model and the exported checkpoint reproduce transformers' logits, and greedy decoding after
     an image prompt is identical."""
     from megamoe.convert.verify import load_hf_model
-    from megamoe.generate import generate
+    from megamoe.inference.generate import generate
     from tests.conversion_harness import ATOL, check_round_trip, load_converted
 
     hf = tiny_qwen3_5_moe()
@@ -181,7 +181,7 @@ def test_qwen3_5_moe_vision_table_mirrors_timm_filter_and_checks_depth(tmp_path)
     import json
 
     from megamoe.convert import from_hf, import_hf
-    from megamoe.errors import CheckpointError
+    from megamoe.core.errors import CheckpointError
     from megamoe.vision.hf_qwen import qwen_vision_config
     from megamoe.vision.tower import VisionTower
 
@@ -209,11 +209,11 @@ def parallel_case(root: str, ids: torch.Tensor, want: torch.Tensor) -> dict:
     its logits with transformers', and export it back (each rank into its own directory)."""
     import torch.distributed as dist
 
-    from megamoe.config import ParallelConfig
+    from megamoe.core.config import ParallelConfig
     from megamoe.convert import build_model, to_hf
     from megamoe.parallel.groups import build_groups
     from megamoe.recipe import config_from_dict
-    from megamoe.training.checkpoint import load_checkpoint, read_meta
+    from megamoe.checkpoint.dcp import load_checkpoint, read_meta
 
     out = {}
     for name, parallel in LAYOUTS.items():
@@ -252,7 +252,7 @@ def test_export_refuses_what_hf_cannot_express(tmp_path):
     import dataclasses
 
     from megamoe.convert.family import get_family
-    from megamoe.errors import CheckpointError
+    from megamoe.core.errors import CheckpointError
 
     hf_cfg = qwen3_next_config().to_dict()
     family = get_family("qwen3_next")

@@ -19,9 +19,9 @@ STEPS = 5
 
 
 def build(groups=None, stage=None):
-    from megamoe.model import build_model
+    from megamoe.model.language_model import build_model
     from megamoe.parallel.groups import ParallelGroups
-    from megamoe.weights import initialize
+    from megamoe.model.weights import initialize
 
     cfg = tiny_model(LAYOUT)
     cut = {}
@@ -37,7 +37,7 @@ def build(groups=None, stage=None):
 @torch.no_grad()
 def decode_logits(forward, cache, steps: int = STEPS) -> torch.Tensor:
     """[steps + 1, b, V]: the prompt's last logits, then greedy steps."""
-    from megamoe.generate import prefill
+    from megamoe.inference.generate import prefill
 
     out = [prefill(forward, torch.tensor(PROMPTS), cache, None)]
     for _ in range(steps):
@@ -46,11 +46,11 @@ def decode_logits(forward, cache, steps: int = STEPS) -> torch.Tensor:
 
 
 def decode_at(layout: dict) -> dict:
-    from megamoe.cache import InferenceCache
-    from megamoe.config import ParallelConfig
-    from megamoe.generate import generate_batch
-    from megamoe.paged_cache import PagedCache
-    from megamoe.parallel_inference import StageForward, inference_groups
+    from megamoe.layers.cache.decode import InferenceCache
+    from megamoe.core.config import ParallelConfig
+    from megamoe.inference.generate import generate_batch
+    from megamoe.layers.cache.paged import PagedCache
+    from megamoe.inference.distributed import StageForward, inference_groups
 
     parallel = ParallelConfig(**layout)
     groups = inference_groups(parallel)
@@ -65,8 +65,8 @@ def decode_at(layout: dict) -> dict:
 @pytest.mark.parametrize("n,layout", [(2, dict(cp=2)), (4, dict(cp=2, tp=2)), (4, dict(cp=2, pp=2))],
                          ids=["cp2", "cp2-tp2", "cp2-pp2"])
 def test_cp_prefill_decodes_the_single_process_logits(pool, n, layout):
-    from megamoe.cache import InferenceCache
-    from megamoe.generate import generate_batch
+    from megamoe.layers.cache.decode import InferenceCache
+    from megamoe.inference.generate import generate_batch
 
     single = build()
     want = decode_logits(single, InferenceCache(len(PROMPTS)))
@@ -79,10 +79,10 @@ def test_cp_prefill_decodes_the_single_process_logits(pool, n, layout):
 
 
 def padded_prefill(_):
-    from megamoe.config import ParallelConfig
-    from megamoe.errors import ConfigError
-    from megamoe.generate import generate_batch
-    from megamoe.parallel_inference import StageForward, inference_groups
+    from megamoe.core.config import ParallelConfig
+    from megamoe.core.errors import ConfigError
+    from megamoe.inference.generate import generate_batch
+    from megamoe.inference.distributed import StageForward, inference_groups
 
     groups = inference_groups(ParallelConfig(cp=2))
     model = build(groups)

@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
-from megamoe.cache import InferenceCache
-from megamoe.errors import ConfigError
-from megamoe.memory import saved_tensor_bytes
-from megamoe.spec import ForwardInfo
+from megamoe.layers.cache.decode import InferenceCache
+from megamoe.core.errors import ConfigError
+from megamoe.diagnostics.memory import saved_tensor_bytes
+from megamoe.layers.spec import ForwardInfo
 from tests.mixer_utils import build_mixer, tiny_model
 from tests.numerics import rel_err
 
@@ -73,12 +73,12 @@ def _reference(letter: str, seq_len: int, packed: bool, backend: str = "auto"):
 # ---- CP (x TP) against one process: run on every rank of a gloo pool ----------------------------
 
 def cp_case(letter: str, cp: int, tp: int, seq_len: int, packed: bool, backend: str = "auto") -> dict:
-    from megamoe.config import ParallelConfig
+    from megamoe.core.config import ParallelConfig
     from megamoe.parallel import comm
     from megamoe.parallel.context import ContextShard
     from megamoe.parallel.groups import build_groups
     from megamoe.parallel.sharding import gather_full
-    from megamoe.weights import finalize_grads
+    from megamoe.model.weights import finalize_grads
 
     cfg, ref, x, dy, docs, xr, yr = _reference(letter, seq_len, packed, backend)
     groups = build_groups(ParallelConfig(cp=cp, tp=tp))
@@ -133,7 +133,7 @@ def test_cp2_tp2_sp_equals_one_process(pool, letter, packed):
 def cp_prefill_case(letter: str, lengths: tuple[int, ...] = (24, 24), steps: int = 3) -> dict:
     """Prefill in pieces under CP=2 (the second continues from the cached state), then decode
     ``steps`` tokens without CP, against the same in one process: outputs and cached states."""
-    from megamoe.config import ParallelConfig
+    from megamoe.core.config import ParallelConfig
     from megamoe.parallel.context import ContextShard
     from megamoe.parallel.groups import build_groups
 
@@ -178,7 +178,7 @@ def exchanged_bytes(letter: str, lengths: list[int]) -> list[int]:
     """Bytes each rank receives from all-gathers in one forward of the mixer, per length (CP only)."""
     import torch.distributed as dist
 
-    from megamoe.config import ParallelConfig
+    from megamoe.core.config import ParallelConfig
     from megamoe.parallel.context import ContextShard
     from megamoe.parallel.groups import build_groups
 
@@ -232,7 +232,7 @@ def test_exchanged_bytes_do_not_grow_with_length(pool, letter):
 def short_chunks(letter: str) -> str:
     import torch.distributed as dist
 
-    from megamoe.config import ParallelConfig
+    from megamoe.core.config import ParallelConfig
     from megamoe.parallel.context import ContextShard
     from megamoe.parallel.groups import build_groups
 
@@ -269,7 +269,7 @@ def saved_ratio(letter: str, seq_len: int) -> float:
     """One CP=2 rank's saved bytes over the single-process run's, same weights and inputs."""
     import torch.distributed as dist
 
-    from megamoe.config import ParallelConfig
+    from megamoe.core.config import ParallelConfig
     from megamoe.parallel.context import ContextShard
     from megamoe.parallel.groups import build_groups
 
@@ -328,7 +328,7 @@ def test_documents_with_decode_cache_is_one_line():
 
 def test_lightning_ops_reset_at_document_starts():
     """The chunked and recurrent Lightning ops with ``resets`` equal each document run alone (float64)."""
-    from megamoe.layers.lightning import lightning_chunked, lightning_recurrent
+    from megamoe.layers.mixers.lightning import lightning_chunked, lightning_recurrent
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 23, 3, 4, generator=gen, dtype=torch.float64) for _ in range(3))

@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-from megamoe.config import ParallelConfig
+from megamoe.core.config import ParallelConfig
 from megamoe.parallel.context import position_in_document
-from megamoe.spec import ForwardInfo
+from megamoe.layers.spec import ForwardInfo
 from tests.mixer_utils import build_mixer, param_grad_errors, tiny_model
 from tests.numerics import rel_err
 
@@ -41,7 +41,7 @@ def cp_case(letter: str, cp: int, tp: int = 1, sp: bool = False, docs: bool = Fa
             model: dict | None = None, tile: int | None = None, window: int = 7) -> dict:
     """Relative errors of a CP (x TP) mixer against the single-process one, on this rank.
     ``tile``: ring attention's score tile for this run (default: its own)."""
-    from megamoe.layers import context_attention
+    from megamoe.layers.ops.attention import context as context_attention
 
     default_tile = context_attention.TILE
     context_attention.TILE = tile or default_tile
@@ -54,7 +54,7 @@ def cp_case(letter: str, cp: int, tp: int = 1, sp: bool = False, docs: bool = Fa
 def _cp_case(letter, cp, tp, sp, docs, seed, model, window) -> dict:
     from megamoe.parallel.context import ContextShard
     from megamoe.parallel.groups import build_groups
-    from megamoe.weights import finalize_grads
+    from megamoe.model.weights import finalize_grads
 
     cfg = model_for(letter, model, window)
     groups = build_groups(ParallelConfig(tp=tp, cp=cp, sequence_parallel=sp))
@@ -131,7 +131,7 @@ def test_cp_packed_documents_equal_single_process(pool, letter, cp):
 def test_packed_documents_equal_documents_one_by_one(letter, tile, monkeypatch):
     """One packed row equals each of its documents run alone (outputs, input and weight gradients);
     tile 3: the indexer selects in passes of 16 queries."""
-    from megamoe.layers import context_attention
+    from megamoe.layers.ops.attention import context as context_attention
 
     monkeypatch.setattr(context_attention, "TILE", tile or context_attention.TILE)
     cfg = model_for(letter, None)
@@ -167,8 +167,8 @@ def test_cp_with_a_cache_past_its_prefill_is_refused_before_the_cache_changes(le
     that has already seen tokens, or a left-padded one, is one line and leaves the cache as it was."""
     from types import SimpleNamespace
 
-    from megamoe.cache import InferenceCache
-    from megamoe.errors import ConfigError
+    from megamoe.layers.cache.decode import InferenceCache
+    from megamoe.core.errors import ConfigError
 
     mixer = build_mixer(letter, model_for(letter, None))
     cache = InferenceCache(1, pad=torch.tensor([1]) if case == "left-padded" else None)
@@ -212,7 +212,7 @@ def test_ring_bytes_match_the_documented_formula(pool, cp):
 
 @pytest.mark.parametrize("letter", LETTERS)
 def test_documents_of_the_wrong_shape_are_one_line(letter):
-    from megamoe.errors import DataError
+    from megamoe.core.errors import DataError
 
     mixer = build_mixer(letter, model_for(letter, None))
     info = ForwardInfo(positions=torch.arange(8).unsqueeze(0), documents=torch.zeros(1, 9, dtype=torch.long))

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from megamoe.config import AttentionConfig, GDNConfig, MLPConfig, ModelConfig, MoEConfig, ParallelConfig
+from megamoe.core.config import AttentionConfig, GDNConfig, MLPConfig, ModelConfig, MoEConfig, ParallelConfig
 from megamoe.data import DataConfig
-from megamoe.errors import ConfigError
+from megamoe.core.errors import ConfigError
 from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
 from megamoe.training.trainer import TrainRecipe
 from tests.numerics import rel_err
@@ -35,12 +35,12 @@ def tiny_model(layout: str = "GeSdAe") -> ModelConfig:
 def model_case(parallel: dict | None, sp: bool = False) -> dict:
     """Loss, gathered logits, every gradient (summed like the trainer does, gathered to full size)
     and the MoE metrics of one training forward on a fixed batch with masked labels."""
-    from megamoe.model import LanguageModel, shift_labels
-    from megamoe.moe import moe_metrics
+    from megamoe.model.language_model import LanguageModel, shift_labels
+    from megamoe.model.moe_controls import moe_metrics
     from megamoe.parallel.groups import ParallelGroups, build_groups
     from megamoe.parallel.sharding import gather_full
     from megamoe.training.grads import sync_grads
-    from megamoe.weights import initialize
+    from megamoe.model.weights import initialize
 
     groups = build_groups(ParallelConfig(**parallel)) if parallel else ParallelGroups()
     gen = torch.Generator().manual_seed(5)
@@ -188,7 +188,7 @@ def test_length_not_divisible_by_two_cp_is_one_line():
 def planned_vs_held_case() -> dict:
     """Optimizer-state bytes this CP=2 rank holds after one step (ZeRO-1 over dp_cp) against the plan."""
     from megamoe.data.synthetic import SyntheticDataset
-    from megamoe.plan import stage_memory
+    from megamoe.planning.plan import stage_memory
     from megamoe.training.trainer import Trainer
 
     recipe = tiny_recipe(ParallelConfig(cp=2), steps=1)
@@ -209,7 +209,7 @@ def test_planner_shards_optimizer_over_dp_cp(pool):
 
 
 def test_planner_long_context_rows_divide_activations_by_cp():
-    from megamoe.plan import LONG_CONTEXT, long_context_plan, stage_memory
+    from megamoe.planning.plan import LONG_CONTEXT, long_context_plan, stage_memory
 
     cfg = tiny_model("GeAd")
     one, two = (stage_memory(cfg, ParallelConfig(cp=cp), 8, 1, 1 << 20)[0] for cp in (1, 2))
@@ -272,10 +272,10 @@ def packed_step_case(path: str, cp: int, log_dir: str) -> dict:
     """The first step's loss of a trainer on packed samples (before any update), and the same
     weights' mean loss over the conversations run one by one as their own sequences."""
     from megamoe.data import build_dataset, collate
-    from megamoe.model import LanguageModel
+    from megamoe.model.language_model import LanguageModel
     from megamoe.parallel.groups import ParallelGroups
     from megamoe.training.trainer import Trainer
-    from megamoe.weights import initialize
+    from megamoe.model.weights import initialize
 
     model_cfg = dataclasses.replace(tiny_model("GdSdAd"), vocab_size=256)
     data = DataConfig(kind="sft", paths=[path], seq_len=PACK_LEN, pack=True, shuffle=False)
@@ -356,7 +356,7 @@ def multimodal_case(parallel: dict, sp: bool, straddle: bool = False) -> tuple[d
     """Relative errors of logits, loss and every gradient (vision tower included) of a tiny VLM with
     M-RoPE at ``parallel`` against one process, how many images this rank's tower encoded in one
     forward (only those with a token in its chunks) and its CP rank."""
-    from megamoe.model import shift_labels
+    from megamoe.model.language_model import shift_labels
     from megamoe.parallel.groups import build_groups
     from megamoe.parallel.sharding import gather_full
     from megamoe.training.grads import sync_grads

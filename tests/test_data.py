@@ -18,7 +18,7 @@ import torch
 from megamoe.data import (ByteTokenizer, DataConfig, ImageCaptionDataset, PackedDataset, SFTDataset, TokenFile,
                           build_dataset, build_train_data, concat_micro_batches, load_tokenizer, permute,
                           resolve_template, tokenize_chat, write_token_file)
-from megamoe.errors import ConfigError, DataError
+from megamoe.core.errors import ConfigError, DataError
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello world! Tokenizers split text into pieces.",
          "Mixture of experts routes each token to a few experts.", "Ünïcödé text, 12345 and symbols #@! 世界"]

@@ -12,7 +12,7 @@ import torch
 from megamoe.data import (Blend, ByteTokenizer, DataConfig, IndexedTokens, PackedDataset, TokenFile, build_datasets,
                           build_train_data, holdout, parse_blend)
 from megamoe.data.blend import blend_assign
-from megamoe.errors import ConfigError, DataError
+from megamoe.core.errors import ConfigError, DataError
 
 TOK = ByteTokenizer()
 
@@ -59,7 +59,7 @@ def test_prepare_data_megatron_format_writes_what_megatron_reads(tmp_path):
     document per record, each ending with EOS, equal to the token directory of the same input."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megamoe.cli import run_main
+    from megamoe.commands.cli import run_main
     from megamoe.commands import prepare_data
 
     text = tmp_path / "a.jsonl"

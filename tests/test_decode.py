@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.cache import InferenceCache
+from megamoe.layers.cache.decode import InferenceCache
 from tests.mixer_utils import tiny_model
 from tests.numerics import rel_err
 
 
 def test_hybrid_model_decoding_equals_full_forward():
-    from megamoe.model import LanguageModel
-    from megamoe.weights import initialize
+    from megamoe.model.language_model import LanguageModel
+    from megamoe.model.weights import initialize
 
     model = LanguageModel(tiny_model("LdMdDdIdSdAd"))
     initialize(model, model.groups, seed=0)

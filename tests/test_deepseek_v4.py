@@ -91,10 +91,10 @@ def test_hub_tensor_names_load(hf_model, tmp_path):
 def test_moe_block_matches_transformers(hashed):
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
 
-    from megamoe.layers.moe import MoELayer
-    from megamoe.layers.router import HashRouter, TopKRouter
-    from megamoe.model import build_context
-    from megamoe.spec import ForwardInfo
+    from megamoe.layers.mlp.moe import MoELayer
+    from megamoe.layers.mlp.router import HashRouter, TopKRouter
+    from megamoe.model.language_model import build_context
+    from megamoe.layers.spec import ForwardInfo
 
     block = randomize_v4(DeepseekV4SparseMoeBlock(hf_config(LAYOUT), 0 if hashed else 1), seed=2)
     cfg = tiny_v4()

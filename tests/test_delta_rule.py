@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megamoe.layers.linear_attention.chunk_delta import chunk_delta_rule
-from megamoe.layers.linear_attention.delta_rule import naive_delta_rule, recurrent_delta_rule
+from megamoe.layers.ops.delta_rule.chunk import chunk_delta_rule
+from megamoe.layers.ops.delta_rule.naive import naive_delta_rule, recurrent_delta_rule
 from tests.numerics import rel_err
 
 REL = 1e-5

@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megamoe.layers.linear_attention.chunk_delta import DecayOffsets, chunk_delta_rule
-from megamoe.layers.linear_attention.delta_rule import naive_delta_rule
+from megamoe.layers.ops.delta_rule.chunk import DecayOffsets, chunk_delta_rule
+from megamoe.layers.ops.delta_rule.naive import naive_delta_rule
 
 RATIO, FLOOR = 2.0, 1e-6
 

@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from megamoe.config import DSAConfig, YarnConfig
+from megamoe.core.config import DSAConfig, YarnConfig
 from megamoe.layers.rotary import apply_rotary, cached_yarn_cos_sin
-from megamoe.spec import ForwardInfo
+from megamoe.layers.spec import ForwardInfo
 from tests.mixer_utils import (HF_SHAPE, MLA_NAMES, YARN, build_mixer, causal_additive_mask, decode_steps,
                                full_forward, load_from_hf, randomize, tiny_model)
 from tests.numerics import max_abs, rel_err

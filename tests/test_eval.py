@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from megamoe.config import ParallelConfig
+from megamoe.core.config import ParallelConfig
 from megamoe.training.config import EvalConfig
 from tests.test_trainer_parity import tiny_recipe
 
@@ -103,7 +103,7 @@ def test_eval_loss_by_hand_and_reads_no_training_token(single):
 def test_eval_logged_and_best_checkpoint_kept(single):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megamoe.training.checkpoint import latest_checkpoint, read_meta
+    from megamoe.checkpoint.dcp import latest_checkpoint, read_meta
     from megamoe.training.entry import done_line
 
     root = single["root"]
@@ -139,7 +139,7 @@ def test_eval_loss_at_parallel_layouts_equals_one_process(pool, single, corpus, 
 
 
 def test_eval_config_errors_are_one_line():
-    from megamoe.errors import ConfigError
+    from megamoe.core.errors import ConfigError
     from megamoe.recipe import load_recipe
 
     for overrides, message in ((["eval.interval=5"], "eval.interval=5 is invalid: needs validation data"),

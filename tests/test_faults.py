@@ -83,7 +83,7 @@ def two_node_run(tmp_path: Path, name: str, mode: str, at: int) -> Path:
 
 
 def test_killed_rank_restarts_and_ends_on_the_uninterrupted_curve(tmp_path):
-    from megamoe.training.checkpoint import latest_checkpoint, read_meta
+    from megamoe.checkpoint.dcp import latest_checkpoint, read_meta
 
     reference = losses(two_node_run(tmp_path, "whole", "none", 0))
     run = two_node_run(tmp_path, "killed", "kill", 5)  # rank 1 dies before step 5 (checkpoint at 4)
@@ -113,7 +113,7 @@ cli()
 
 
 def test_killed_async_save_leaves_the_previous_latest(tmp_path):
-    from megamoe.training.checkpoint import latest_checkpoint
+    from megamoe.checkpoint.dcp import latest_checkpoint
 
     run = tmp_path / "run"
     args = run_args(run, "checkpoint.async_save=true")
@@ -132,7 +132,7 @@ def test_async_save_writes_the_state_of_its_step(tmp_path):
     """Training changes the live tensors while the writer thread runs: the checkpoint holds the
     values at the save, and is not ``latest`` before ``wait()``."""
     from megamoe.parallel.groups import ParallelGroups
-    from megamoe.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from megamoe.checkpoint.dcp import latest_checkpoint, load_checkpoint, save_checkpoint
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)

@@ -1,4 +1,4 @@
-"""Torch-native FP8 GEMMs (layers/fp8.py, layers/fp8_experts.py).
+"""Torch-native FP8 GEMMs (layers/ops/fp8/linear.py, layers/ops/fp8/experts.py).
 
 Two references per op: the same quantisation emulated in float32 (dequantised operands, plain
 matmul), which the scaled GEMM must match up to its bf16 result (so a wrong scale layout
@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megamoe.layers.fp8 import dequantize, fp8_linear, quantize
-from megamoe.layers.fp8_experts import aligned_layout, fp8_grouped_linear, swiglu_experts_fp8
-from megamoe.layers.grouped_gemm import swiglu_experts_reference
-from megamoe.layers.mlp import GLU
+from megamoe.layers.ops.fp8.linear import dequantize, fp8_linear, quantize
+from megamoe.layers.ops.fp8.experts import aligned_layout, fp8_grouped_linear, swiglu_experts_fp8
+from megamoe.layers.ops.grouped_gemm import swiglu_experts_reference
+from megamoe.layers.mlp.dense import GLU
 from tests.numerics import assert_close, rel_err
 
 BF16_OUT = 1e-2   # the scaled GEMM's bf16 result against the fp32 emulation
@@ -153,7 +153,7 @@ def fp8_mlp_case(seed: int) -> dict:
     from megamoe.layers.backends.cuda import FP8ColumnParallelLinear, FP8RowParallelLinear
     from megamoe.parallel.groups import ParallelGroups
     from megamoe.parallel.sharding import gather_full
-    from megamoe.weights import finalize_grads, full_state_dict, initialize
+    from megamoe.model.weights import finalize_grads, full_state_dict, initialize
 
     tp = dist.group.WORLD if dist.get_world_size() > 1 else None
     groups = ParallelGroups(tp=tp)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megamoe.layers.linear_attention.common import causal_conv, l2norm
+from megamoe.layers.ops.conv import causal_conv, l2norm
 from megamoe.layers.norm import RMSNorm
 
 TOL = 1e-12

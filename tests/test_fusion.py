@@ -1,4 +1,4 @@
-"""Compiled elementwise kernels (megamoe.fusion) against the eager ones they stand in for.
+"""Compiled elementwise kernels (megamoe.layers.ops.fusion) against the eager ones they stand in for.
 
 Each fused autograd op (the expert SwiGLU, the fused shared expert, RMSNorm, the causal conv,
 the L2 norm, the chunked gated delta rule's backward) runs once with fusion on and once off on
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe import fusion
-from megamoe.config import GDNConfig, MoEConfig
-from megamoe.errors import ConfigError
+from megamoe.layers.ops import fusion
+from megamoe.core.config import GDNConfig, MoEConfig
+from megamoe.core.errors import ConfigError
 from tests.mixer_utils import tiny_model
 from tests.numerics import rel_err
 
@@ -59,8 +59,8 @@ def randn(*shape, seed=0, scale=1.0):
 @pytest.mark.parametrize("with_probs", [True, False])
 @pytest.mark.parametrize("glu", [(None,), (0.5,), (0.5, 1.702, 1.0)], ids=["swiglu", "clamped", "oai"])
 def test_expert_loop(modes, with_probs, glu, monkeypatch):
-    from megamoe.layers import grouped_gemm as gg
-    from megamoe.layers.mlp import GLU
+    from megamoe.layers.ops import grouped_gemm as gg
+    from megamoe.layers.mlp.dense import GLU
 
     glu = GLU(*glu)
 
@@ -83,8 +83,8 @@ def test_expert_loop(modes, with_probs, glu, monkeypatch):
 @pytest.mark.parametrize("gate,glu", [(True, (None,)), (False, (0.5,)), (True, (0.5, 1.702, 1.0))],
                          ids=["swiglu", "clamped", "oai"])
 def test_shared_expert(modes, gate, glu):
-    from megamoe.layers import grouped_gemm as gg
-    from megamoe.layers.mlp import GLU
+    from megamoe.layers.ops import grouped_gemm as gg
+    from megamoe.layers.mlp.dense import GLU
 
     glu = GLU(*glu)
 
@@ -118,7 +118,7 @@ def test_rmsnorm(modes, zero_centered, act):
 @needs_compiler
 @pytest.mark.parametrize("t", [2, 19])
 def test_causal_conv(modes, t):
-    from megamoe.layers.linear_attention.common import _conv_silu_fused, causal_conv
+    from megamoe.layers.ops.conv import _conv_silu_fused, causal_conv
 
     inputs = [randn(2, t, 30)[..., :12], randn(12, 4, seed=1, scale=0.5)]  # t < K - 1 and t > K
     fused, eager = modes(lambda fuse: fwd_bwd(lambda x, w: causal_conv(x, w, None, fuse)[0], inputs))
@@ -129,7 +129,7 @@ def test_causal_conv(modes, t):
 @needs_compiler
 @pytest.mark.parametrize("heads_first", [True, False])
 def test_l2norm(modes, heads_first):
-    from megamoe.layers.linear_attention.common import _l2norm_fused, l2norm
+    from megamoe.layers.ops.conv import _l2norm_fused, l2norm
 
     x = randn(2, 7, 3, 16)
     fused, eager = modes(lambda fuse: fwd_bwd(lambda x: l2norm(x, scale=0.25, heads_first=heads_first, fuse=fuse),
@@ -144,7 +144,7 @@ def test_l2norm(modes, heads_first):
 def test_gated_delta_rule_backward(modes):
     """The per-head chunked op's backward runs its elementwise part fused (``intra_grads``):
     value heads sharing key heads, a length that leaves a partial chunk, an initial state."""
-    from megamoe.layers.linear_attention.chunk_gated import chunk_gated_delta_rule, intra_grads
+    from megamoe.layers.ops.delta_rule.chunk_gated import chunk_gated_delta_rule, intra_grads
     from tests.test_delta_rule import make_inputs
 
     q, k, v, g, beta, h0 = make_inputs(45, False, seed=3, b=2, hk=2, hv=4, dk=16, dv=8, decay_scale=4.0)
@@ -159,9 +159,9 @@ def test_gated_delta_rule_backward(modes):
 # ---- a model ----------------------------------------------------------------------------------
 
 def hybrid_moe(fusion_mode: str):
-    from megamoe.model import LanguageModel
+    from megamoe.model.language_model import LanguageModel
     from megamoe.parallel.groups import ParallelGroups
-    from megamoe.weights import initialize
+    from megamoe.model.weights import initialize
 
     cfg = tiny_model("GeAe", gdn=GDNConfig(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8,
                                           chunk_size=8),
@@ -174,7 +174,7 @@ def hybrid_moe(fusion_mode: str):
 
 @needs_compiler
 def test_hybrid_moe_model():
-    from megamoe.model import shift_labels
+    from megamoe.model.language_model import shift_labels
 
     fused_model, eager_model = hybrid_moe("on"), hybrid_moe("off")  # side by side in one process
     ids = torch.randint(0, fused_model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -187,8 +187,8 @@ def test_hybrid_moe_model():
     fused, eager = run(fused_model), run(eager_model)
     assert len(fused) > 20
     assert_close(fused, eager)
-    from megamoe.layers import grouped_gemm as gg
-    from megamoe.layers.linear_attention.chunk_gated import intra_grads
+    from megamoe.layers.ops import grouped_gemm as gg
+    from megamoe.layers.ops.delta_rule.chunk_gated import intra_grads
     from megamoe.layers.norm import _norm_fused
 
     assert_compiled(_norm_fused, gg.swiglu_weighted, intra_grads)
@@ -223,7 +223,7 @@ def test_each_model_keeps_its_own_policy():
 
 
 def test_recipe_key_sets_the_backend_policy(monkeypatch):
-    from megamoe.model import build_context
+    from megamoe.model.language_model import build_context
     from megamoe.recipe import load_recipe
 
     for value, expected in [("off", "off"), ("on", "on"), ("auto", "auto")]:  # bare YAML on/off are booleans

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.cache import InferenceCache
-from megamoe.generate import generate_batch, left_pad, prefill, stream
+from megamoe.layers.cache.decode import InferenceCache
+from megamoe.inference.generate import generate_batch, left_pad, prefill, stream
 from tests.mixer_utils import tiny_model
 from tests.numerics import max_abs
 
@@ -17,8 +17,8 @@ LENGTHS = (5, 9, 2, 7)  # odd and even pads: I's key pools must start at each ro
 
 @pytest.fixture(scope="module")
 def model():
-    from megamoe.model import LanguageModel
-    from megamoe.weights import initialize
+    from megamoe.model.language_model import LanguageModel
+    from megamoe.model.weights import initialize
 
     m = LanguageModel(tiny_model(LAYOUT)).eval()
     initialize(m, m.groups, seed=0)
@@ -66,7 +66,7 @@ def test_stream_drops_finished_rows_and_sampling_follows_the_seed(model):
 def test_decode_steps_run_the_fused_functions_eagerly(model):
     """The prefill runs with the backend's fusion policy, each one-token step eagerly (compiled
     graphs cost a decode step more than they save, docs/performance.md); the policy is restored."""
-    from megamoe.fusion import Fusion
+    from megamoe.layers.ops.fusion import Fusion
 
     fusion = model.ctx.backend.fusion
     saved, fusion.mode = fusion.mode, "on"

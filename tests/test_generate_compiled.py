@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from megamoe import fusion
-from megamoe.cache import InferenceCache
-from megamoe.config import GDNConfig, MoEConfig
-from megamoe.errors import ConfigError
-from megamoe.generate import compiled_forward, decode_step, generate_batch, left_pad, prefill
+from megamoe.layers.ops import fusion
+from megamoe.layers.cache.decode import InferenceCache
+from megamoe.core.config import GDNConfig, MoEConfig
+from megamoe.core.errors import ConfigError
+from megamoe.inference.generate import compiled_forward, decode_step, generate_batch, left_pad, prefill
 from tests.mixer_utils import tiny_model
 from tests.numerics import max_abs
 
@@ -22,9 +22,9 @@ LENGTHS = (5, 9, 2, 7)
 
 
 def hybrid_moe():
-    from megamoe.model import LanguageModel
+    from megamoe.model.language_model import LanguageModel
     from megamoe.parallel.groups import ParallelGroups
-    from megamoe.weights import initialize
+    from megamoe.model.weights import initialize
 
     cfg = tiny_model("GeAe", gdn=GDNConfig(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8,
                                           chunk_size=8),
@@ -66,7 +66,7 @@ def test_compiled_decode_steps_are_one_graph_with_the_eager_tokens_and_logits():
 def test_compiled_decode_steps_with_an_int8_paged_cache_decode_its_eager_tokens():
     """The paged cache's block bookkeeping (data-dependent shapes) breaks the graph; the steps
     stay correct."""
-    from megamoe.paged_cache import PagedCache
+    from megamoe.layers.cache.paged import PagedCache
 
     model, ps = hybrid_moe(), prompts()
     paged = functools.partial(PagedCache, block_size=4, kv_dtype="int8")
@@ -91,7 +91,7 @@ def test_the_opaque_experts_op_is_the_eager_dispatch_and_only_for_plain_experts(
     """``local_dispatch`` (what a compiled step calls) gives bitwise the eager single-rank
     dispatch's output, and declines (None: the dispatch then runs outside the graph) for experts
     computing otherwise, here LoRA-adapted ones, and when a gradient is wanted."""
-    from megamoe.layers.dispatch import dispatch_local
+    from megamoe.layers.mlp.dispatch import dispatch_local
     from megamoe.lora import LoRAConfig, apply_lora
 
     model = hybrid_moe()

@@ -25,10 +25,10 @@ def hf_dir(tmp_path_factory):
 
 def decode_at(hf_dir: str, layout: dict) -> dict:
     """On every rank: this rank's stage and shards, the batch decoded three ways."""
-    from megamoe.config import ParallelConfig
-    from megamoe.generate import generate_batch
-    from megamoe.paged_cache import PagedCache
-    from megamoe.parallel_inference import StageForward, inference_groups, load_model
+    from megamoe.core.config import ParallelConfig
+    from megamoe.inference.generate import generate_batch
+    from megamoe.layers.cache.paged import PagedCache
+    from megamoe.inference.distributed import StageForward, inference_groups, load_model
 
     parallel = ParallelConfig(**layout)
     groups = inference_groups(parallel)
@@ -45,7 +45,7 @@ def decode_at(hf_dir: str, layout: dict) -> dict:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parallel_generation_equals_single_process(pool, hf_dir, layout):
     from megamoe.convert import from_hf
-    from megamoe.generate import generate_batch
+    from megamoe.inference.generate import generate_batch
 
     single = from_hf(hf_dir)
     want = {"greedy": generate_batch(single, PROMPTS, 6), "sampled": generate_batch(single, PROMPTS, 6, **SAMPLE)}
@@ -60,9 +60,9 @@ def test_parallel_generation_equals_single_process(pool, hf_dir, layout):
 def verify_at_tp2(hf_dir: str):
     import torch.distributed as dist
 
-    from megamoe.config import ParallelConfig
+    from megamoe.core.config import ParallelConfig
     from megamoe.convert.verify import verify
-    from megamoe.parallel_inference import StageForward, inference_groups, load_model
+    from megamoe.inference.distributed import StageForward, inference_groups, load_model
 
     parallel = ParallelConfig(tp=2)
     groups = inference_groups(parallel)
@@ -100,7 +100,7 @@ def test_commands_at_a_layout(pool, hf_dir):
     rank 1 prints nothing); generate --pp 2 prints, once, the single-process tokens of a
     two-prompt batch."""
     from megamoe.convert import from_hf
-    from megamoe.generate import generate_batch
+    from megamoe.inference.generate import generate_batch
 
     verify = pool(2).run(run_command, "verify", [hf_dir, "--tp", "2", "--tokens", "4"])
     assert verify[0][0] == 0 and verify[0][1].strip().endswith("OK") and verify[1] == (0, "")
@@ -114,7 +114,7 @@ def test_commands_with_a_context_parallel_prefill(pool, hf_dir):
     """verify --cp 2 (its 12-token prompts split over two ranks; full logits all-gathered) matches
     transformers; generate --cp 2 prints the single-process tokens of two 12-token prompts."""
     from megamoe.convert import from_hf
-    from megamoe.generate import generate_batch
+    from megamoe.inference.generate import generate_batch
 
     verify = pool(2).run(run_command, "verify", [hf_dir, "--cp", "2", "--tokens", "4"])
     assert verify[0][0] == 0 and verify[0][1].strip().endswith("OK") and verify[1] == (0, "")

@@ -64,7 +64,7 @@ def _delta_inputs(t, rep, per_channel, strong, seed=0):
 @pytest.mark.parametrize("t,rep,strong", [(63, 1, False), (500, 2, True), (130, 2, False)])
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
 def test_fla_delta_rule_matches_the_float64_recurrence(dtype, t, rep, strong, per_channel):
-    from megamoe.layers.linear_attention.delta_rule import recurrent_delta_rule
+    from megamoe.layers.ops.delta_rule.naive import recurrent_delta_rule
 
     torch.backends.cuda.matmul.allow_tf32 = False
     inputs = _delta_inputs(t, rep, per_channel, strong)
@@ -77,7 +77,7 @@ def test_fla_delta_rule_matches_the_float64_recurrence(dtype, t, rep, strong, pe
 
 
 def test_fla_decode_step_continues_the_chunked_state():
-    from megamoe.layers.linear_attention.delta_rule import recurrent_delta_rule
+    from megamoe.layers.ops.delta_rule.naive import recurrent_delta_rule
 
     inputs = _delta_inputs(40, 2, False, False)
     op = _backend().delta_rule(None)
@@ -90,7 +90,7 @@ def test_fla_decode_step_continues_the_chunked_state():
 
 @pytest.mark.parametrize("t", [1, 77])
 def test_fla_lightning_matches_the_float64_recurrence(t):
-    from megamoe.layers.lightning import lightning_recurrent
+    from megamoe.layers.mixers.lightning import lightning_recurrent
 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, t, 4, 64, generator=g) * 0.3 for _ in range(3))
@@ -104,7 +104,7 @@ def test_fla_lightning_matches_the_float64_recurrence(t):
 
 
 def test_grouped_gemm_experts_match_the_reference():
-    from megamoe.layers.grouped_gemm import swiglu_experts
+    from megamoe.layers.ops.grouped_gemm import swiglu_experts
 
     g = torch.Generator().manual_seed(4)
     counts = [40, 0, 130, 3, 77, 16]
@@ -163,7 +163,7 @@ def _check_against_bf16(linear, x, w, tol=6e-2):
 
 
 def test_fp8_linear_on_cuda_against_bf16():
-    from megamoe.layers.fp8 import fp8_linear
+    from megamoe.layers.ops.fp8.linear import fp8_linear
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(512, 1024, generator=g).cuda().bfloat16().requires_grad_()
@@ -225,7 +225,7 @@ def test_te_fp8_gemm_against_bf16(recipe):
 
 @te_only
 def test_te_backend_state_dict_is_the_local_one():
-    from megamoe.model import LanguageModel
+    from megamoe.model.language_model import LanguageModel
     from tests.mixer_utils import tiny_model
 
     te = LanguageModel(tiny_model("GdAd", backend="te"))

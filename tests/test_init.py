@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.config import ParallelConfig
+from megamoe.core.config import ParallelConfig
 from megamoe.parallel.init_rng import Draw, draw_blocks, flat_index, hash64, key_of
 from megamoe.parallel.sharding import Shard, global_positions, set_sharding, split_full
 
@@ -100,10 +100,10 @@ MOE = ["model.layout=(GeAe)*1", "model.moe.num_experts=4", "model.moe.top_k=2",
 
 def gathered_init(parallel: dict) -> dict:
     """Build the tiny hybrid MoE at a layout, initialise, gather every full tensor."""
-    from megamoe.model import build_model
+    from megamoe.model.language_model import build_model
     from megamoe.parallel.groups import build_groups
     from megamoe.recipe import load_recipe
-    from megamoe.weights import full_state_dict, initialize
+    from megamoe.model.weights import full_state_dict, initialize
 
     from megamoe.parallel.groups import ParallelGroups
 

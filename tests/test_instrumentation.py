@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.config import ParallelConfig
+from megamoe.core.config import ParallelConfig
 from tests.test_trainer_parity import tiny_recipe
 
 

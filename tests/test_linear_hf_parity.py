@@ -2,7 +2,7 @@
 
 Qwen3-Next (fused in_proj_qkvz/in_proj_ba) and Qwen3.5 (separate projections) Gated DeltaNet;
 kimi_linear, glm5_next (safe gate) and bailing_hybrid (full-rank gates, safe gate) KDA.
-Weights go through the typed transforms of ``megamoe.layers.linear_attention.hf_layout``.
+Weights go through the typed transforms of ``megamoe.convert.hf_layout``.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def megamoe_mixer(letter: str, **section):
 
 
 def compare(mixer, hf_module) -> float:
-    from megamoe.spec import ForwardInfo
+    from megamoe.layers.spec import ForwardInfo
 
     x = torch.randn(2, T, HIDDEN, generator=torch.Generator().manual_seed(4))
     with torch.no_grad(), warnings.catch_warnings():
@@ -42,7 +42,7 @@ def compare(mixer, hf_module) -> float:
 
 
 def gdn_parts(mixer):
-    from megamoe.layers.linear_attention import hf_layout as L
+    from megamoe.convert import hf_layout as L
 
     return {"conv1d.weight": L.conv_to_hf(mixer.conv_weight.data), "A_log": mixer.A_log.data,
             "dt_bias": mixer.dt_bias.data, "norm.weight": mixer.norm.weight.data,
@@ -58,7 +58,7 @@ def test_qwen3_next_gated_deltanet():
     from transformers import Qwen3NextConfig
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-    from megamoe.layers.linear_attention import hf_layout as L
+    from megamoe.convert import hf_layout as L
 
     hf_cfg = Qwen3NextConfig(**HF_GDN)
     mixer = megamoe_mixer("G", norm_eps=hf_cfg.rms_norm_eps)
@@ -72,7 +72,7 @@ def test_qwen3_5_gated_deltanet():
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-    from megamoe.layers.linear_attention import hf_layout as L
+    from megamoe.convert import hf_layout as L
 
     hf_cfg = Qwen3_5TextConfig(**HF_GDN)
     mixer = megamoe_mixer("G", norm_eps=hf_cfg.rms_norm_eps)
@@ -85,7 +85,7 @@ def test_qwen3_5_gated_deltanet():
 
 @pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5"])
 def test_gdn_layout_transforms_round_trip(layout):
-    from megamoe.layers.linear_attention import hf_layout as L
+    from megamoe.convert import hf_layout as L
 
     s = L.GDNShapes(key_heads=2, value_heads=6, key_head_dim=3, value_head_dim=5)
     w = torch.randn(sum(s.in_proj_parts()), 7)
@@ -101,7 +101,7 @@ def test_gdn_layout_transforms_round_trip(layout):
 
 
 def kda_state_dict(mixer, full_rank: bool, a_log_shape) -> dict:
-    from megamoe.layers.linear_attention import hf_layout as L
+    from megamoe.convert import hf_layout as L
 
     cfg = mixer.cfg
     q, k, v, b = L.in_proj_to_kda(mixer.in_proj.weight.data, cfg.num_heads, cfg.head_dim)

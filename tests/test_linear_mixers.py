@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from megamoe.config import ParallelConfig, validate_model_parallel
-from megamoe.errors import ConfigError
+from megamoe.core.config import ParallelConfig, validate_model_parallel
+from megamoe.core.errors import ConfigError
 from tests.mixer_utils import build_mixer, decode_steps, full_forward, mixer_tp_case, tiny_model
 from tests.numerics import rel_err
 
@@ -56,8 +56,8 @@ def reference_ops(mixer) -> None:
     delta rule, torch's conv1d for the fused causal conv + SiLU, the L2 norm formula."""
     import torch.nn.functional as F
 
-    from megamoe.layers.linear_attention.common import l2norm_reference
-    from megamoe.layers.linear_attention.delta_rule import naive_delta_rule
+    from megamoe.layers.ops.conv import l2norm_reference
+    from megamoe.layers.ops.delta_rule.naive import naive_delta_rule
 
     class Naive:
         def chunked(self, q, k, v, g, beta, *, scale=None, initial_state=None, **_):
@@ -94,8 +94,8 @@ def test_mixer_forward_and_param_grads_match_naive_reference(name):
 @pytest.mark.parametrize("name", VARIANTS)
 def test_pieces_with_state_carried_equal_one_pass(name):
     """Pieces shorter than the conv window and longer than a chunk, with gradients."""
-    from megamoe.cache import InferenceCache
-    from megamoe.spec import ForwardInfo
+    from megamoe.layers.cache.decode import InferenceCache
+    from megamoe.layers.spec import ForwardInfo
 
     mixer, cfg = mixer_of(name)
     x = random_x(2, 40)
@@ -154,7 +154,7 @@ def expected_budget(name: str) -> int:
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_parameter_budget_formula(name):
-    from megamoe.plan import budget
+    from megamoe.planning.plan import budget
 
     letter, sections = variant(name)
     cfg = tiny_model(f"{letter}n", **sections)
@@ -162,11 +162,11 @@ def test_parameter_budget_formula(name):
 
 
 def test_hybrid_stack_trains_and_decodes():
-    from megamoe.cache import InferenceCache
-    from megamoe.model import LanguageModel, shift_labels
-    from megamoe.params import count_parameters
-    from megamoe.plan import budget, describe
-    from megamoe.weights import initialize
+    from megamoe.layers.cache.decode import InferenceCache
+    from megamoe.model.language_model import LanguageModel, shift_labels
+    from megamoe.model.params import count_parameters
+    from megamoe.planning.plan import budget, describe
+    from megamoe.model.weights import initialize
 
     cfg = tiny_model("GdGdKdAd")
     model = LanguageModel(cfg)
@@ -189,8 +189,8 @@ def test_hybrid_stack_trains_and_decodes():
 @pytest.mark.parametrize("parts", [["core"], ["mixer", "mlp"], ["layer", "core"]])
 def test_selective_recompute_gives_the_same_loss_and_gradients(parts):
     """train.recompute: what is recomputed changes memory, not numbers (fp32, bitwise)."""
-    from megamoe.model import LanguageModel, shift_labels
-    from megamoe.weights import initialize
+    from megamoe.model.language_model import LanguageModel, shift_labels
+    from megamoe.model.weights import initialize
 
     cfg = tiny_model("GdKdAd")
     ids = torch.randint(0, cfg.vocab_size, (2, 37), generator=torch.Generator().manual_seed(1))
@@ -209,7 +209,7 @@ def test_selective_recompute_gives_the_same_loss_and_gradients(parts):
 
 
 def test_tiny_hybrid_recipe_plans():
-    from megamoe.plan import describe
+    from megamoe.planning.plan import describe
     from megamoe.recipe import load_recipe
 
     r = load_recipe("tiny_hybrid")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamoe.errors import ConfigError
+from megamoe.core.errors import ConfigError
 from tests.backend_utils import CPU_BACKENDS, cuda_on_cpu_registered
 from tests.lora_utils import build_lora_model, lora_model_config, token_batches
 from tests.numerics import rel_err
@@ -48,10 +48,10 @@ def test_adapted_model_matches_the_local_backend(backend):
 
 @per_backend
 def test_merged_model_equals_adapter_model_and_unmerge_restores(backend):
-    from megamoe.cache import InferenceCache
+    from megamoe.layers.cache.decode import InferenceCache
     from megamoe.lora import merge, unmerge
-    from megamoe.model import LanguageModel
-    from megamoe.weights import initialize
+    from megamoe.model.language_model import LanguageModel
+    from megamoe.model.weights import initialize
 
     cfg = lora_model_config(backend=backend)
     ids = token_batches(1, 2, 10, cfg.vocab_size)[0]
@@ -76,7 +76,7 @@ def test_merged_model_equals_adapter_model_and_unmerge_restores(backend):
 
 def test_adapted_model_copies_and_moves():
     """The adapters follow the model: a deep copy is independent (its adapters wrap its own roles)
-    and a dtype move (what ``megamoe.precision.cast`` does) computes the same function."""
+    and a dtype move (what ``megamoe.diagnostics.precision.cast`` does) computes the same function."""
     import copy
 
     from megamoe.lora import lora_parameters
@@ -100,8 +100,8 @@ def test_expert_adapters_match_merged_weights_reference(shared, kernel, glu):
     """The grouped low-rank maths in the form of each base kernel (the loop kernel's hand-written
     backward, per-expert and grouped GEMMs under autograd) == the reference kernel on W + s B A,
     outputs and gradients (x, the four factors, the routing probs and, unfrozen, the weights)."""
-    from megamoe.layers.grouped_gemm import swiglu_experts_reference
-    from megamoe.layers.mlp import GLU
+    from megamoe.layers.ops.grouped_gemm import swiglu_experts_reference
+    from megamoe.layers.mlp.dense import GLU
     from megamoe.lora.experts import ExpertLoRA, lora_swiglu_experts, merged_weights
 
     glu = GLU(*glu)
@@ -165,7 +165,7 @@ def test_targets_freezing_and_names(backend):
     from megamoe.lora import LoRAConfig, apply_lora, lora_parameters
     from megamoe.lora.adapters import has_lora
     from megamoe.lora.api import adaptable_modules
-    from megamoe.model import LanguageModel
+    from megamoe.model.language_model import LanguageModel
 
     cfg = lora_model_config("GeAd", backend=backend)
     model = apply_lora(LanguageModel(cfg), LoRAConfig(rank=2))
@@ -208,7 +208,7 @@ def test_adapters_wrap_fp8_linear_roles(kind):
     and merging folds the update into the weight the FP8 GEMM then reads."""
     import torch.nn.functional as F
 
-    from megamoe.layers.fp8 import fp8_linear
+    from megamoe.layers.ops.fp8.linear import fp8_linear
     from megamoe.lora import LoRAConfig
     from megamoe.lora.adapters import attach
     from megamoe.parallel.groups import ParallelGroups

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from megamoe.cli import run_main
+from megamoe.commands.cli import run_main
 from megamoe.commands import convert, generate, verify
 from tests.test_lora_train import tiny_converted_model
 
@@ -19,10 +19,10 @@ def lora_run(tmp_path_factory):
     """(HF folder, imported base, run folder holding an adapter-only checkpoint, the adapted
     model unmerged). The checkpoint is written as the trainer writes it (Trainer.save: adapters
     only, meta with model, hf, lora and lora_base); the adapters are random, not zero."""
-    from megamoe.commands.models import load_model
+    from megamoe.inference.load import load_model
     from megamoe.lora import LoRAConfig, apply_lora, is_adapter_name, lora_parameters
     from megamoe.recipe import config_to_dict
-    from megamoe.training.checkpoint import read_meta, save_checkpoint
+    from megamoe.checkpoint.dcp import read_meta, save_checkpoint
 
     root = tmp_path_factory.mktemp("lora_cli")
     hf_dir, base = tiny_converted_model(root)
@@ -64,7 +64,7 @@ def test_export_hf_merge_matches_the_adapted_model_and_peft(lora_run, tmp_path, 
 
 
 def test_generate_and_verify_take_a_lora_checkpoint(lora_run, capsys):
-    from megamoe.generate import generate as decode
+    from megamoe.inference.generate import generate as decode
 
     _, _, run, model = lora_run
     prompt = [3, 17, 42, 5]
@@ -102,7 +102,7 @@ def test_base_option_finds_a_moved_base(lora_run, tmp_path, capsys):
     """--base names the base weights when they are no longer where meta.json says."""
     import shutil
 
-    from megamoe.generate import generate as decode
+    from megamoe.inference.generate import generate as decode
 
     _, base, run, model = lora_run
     moved = tmp_path / "run"

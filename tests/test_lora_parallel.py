@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.config import ParallelConfig
+from megamoe.core.config import ParallelConfig
 from tests.lora_utils import build_lora_model, lora_model_config, token_batches
 
 REL = 1e-5
@@ -21,7 +21,7 @@ LAYOUT = "GeKdMeAe"  # fused column parts (G, A), replicated latents (K, M), row
 
 
 def _loss_sum(model, ids):
-    from megamoe.model import shift_labels
+    from megamoe.model.language_model import shift_labels
     from megamoe.parallel.cross_entropy import vocab_parallel_cross_entropy
 
     logits = model.forward_stage(ids)

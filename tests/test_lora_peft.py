@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 from tests.lora_utils import randomize_adapters
 
 ATOL = 1e-4

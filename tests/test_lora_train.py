@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamoe.config import AttentionConfig, ModelConfig, MoEConfig, ParallelConfig
+from megamoe.core.config import AttentionConfig, ModelConfig, MoEConfig, ParallelConfig
 
 # ---- routing ------------------------------------------------------------------------------
 
 
 def _assignments(model, ids) -> list[torch.Tensor]:
     """Expert indices [T, k] every router picks for ``ids`` (eval forward)."""
-    from megamoe.moe import routers
+    from megamoe.model.moe_controls import routers
 
     picked = []
     hooks = [r.register_forward_hook(lambda mod, inp, out: picked.append(out.idx.clone())) for r in routers(model)]
@@ -139,7 +139,7 @@ def peft_logits_match(hf_dir: Path, base: Path, ckpt: Path, out: Path) -> tuple[
     from megamoe.lora import apply_lora, export_peft_checkpoint, is_adapter_name
     from megamoe.recipe import config_from_dict
     from megamoe.lora.config import LoRAConfig
-    from megamoe.training.checkpoint import load_checkpoint, read_meta
+    from megamoe.checkpoint.dcp import load_checkpoint, read_meta
     from tests.conversion_harness import load_converted
 
     export_peft_checkpoint(ckpt, out)
@@ -157,7 +157,7 @@ def peft_logits_match(hf_dir: Path, base: Path, ckpt: Path, out: Path) -> tuple[
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_lora_finetune_converted_model_resume_and_peft(pool, tmp_path):
-    from megamoe.training.checkpoint import SafeFileSystemReader
+    from megamoe.checkpoint.dcp import SafeFileSystemReader
 
     hf_dir, base = tiny_converted_model(tmp_path)
     chat = write_chats(tmp_path / "chat.jsonl")

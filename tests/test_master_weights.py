@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.config import ParallelConfig
+from megamoe.core.config import ParallelConfig
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.training.config import OptimConfig
 from megamoe.training.optimizer import DistributedOptimizer

@@ -1,7 +1,7 @@
 """Per-layer parameter budgets of L, M, D, I equal the formulas in docs/mixers.md (meta builds)."""
 from __future__ import annotations
 
-from megamoe.plan import budget
+from megamoe.planning.plan import budget
 from tests.mixer_utils import tiny_model
 
 

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from megamoe.config import MLAConfig, YarnConfig
-from megamoe.errors import ConfigError
+from megamoe.core.config import MLAConfig, YarnConfig
+from megamoe.core.errors import ConfigError
 from megamoe.layers.rotary import (apply_rotary, apply_rotary_interleaved, rope_cos_sin, yarn_cos_sin_scale,
                                    yarn_softmax_scale)
 from tests.mixer_utils import (HF_SHAPE, MLA_NAMES, YARN, build_mixer, causal_additive_mask, decode_steps,

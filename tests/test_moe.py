@@ -13,18 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamoe.config import ModelConfig, MoEConfig, ParallelConfig, validate_model_parallel
-from megamoe.errors import ConfigError
+from megamoe.core.config import ModelConfig, MoEConfig, ParallelConfig, validate_model_parallel
+from megamoe.core.errors import ConfigError
 from tests.numerics import rel_err
 
 H = 16
 
 
 def moe_layer(backend: str = "auto", **kw):
-    from megamoe.layers.moe import MoELayer
-    from megamoe.model import build_context
+    from megamoe.layers.mlp.moe import MoELayer
+    from megamoe.model.language_model import build_context
     from megamoe.parallel.groups import ParallelGroups
-    from megamoe.weights import initialize
+    from megamoe.model.weights import initialize
 
     base = dict(num_experts=6, top_k=2, moe_ffn_hidden_size=8)
     cfg = ModelConfig(hidden_size=H, layout="Ae", moe=MoEConfig(**{**base, **kw}), backend=backend)
@@ -38,8 +38,8 @@ def moe_layer(backend: str = "auto", **kw):
 @pytest.mark.parametrize("kernel,block_rows", [("loop", 4096), ("loop", 4), ("grouped_mm", None)])
 @pytest.mark.parametrize("with_probs", [True, False])
 def test_expert_kernels_match_reference(kernel, block_rows, with_probs, monkeypatch):
-    from megamoe.layers import grouped_gemm
-    from megamoe.layers.grouped_gemm import grouped_mm_support, swiglu_experts
+    from megamoe.layers.ops import grouped_gemm
+    from megamoe.layers.ops.grouped_gemm import grouped_mm_support, swiglu_experts
 
     if block_rows is not None:  # 4: blocks of one and of two experts (3 | 5 | 4 rows)
         monkeypatch.setattr(grouped_gemm, "BLOCK_ROWS", block_rows)
@@ -71,8 +71,8 @@ def test_expert_kernels_match_reference(kernel, block_rows, with_probs, monkeypa
 def test_loop_kernel_without_autograd_equals_its_autograd_form(glu):
     """A forward without autograd (a decode step) with few pairs runs torch's grouped GEMM where
     it works, else the loop's maths directly: the same output as the autograd form, bitwise."""
-    from megamoe.layers.grouped_gemm import swiglu_experts
-    from megamoe.layers.mlp import GLU
+    from megamoe.layers.ops.grouped_gemm import swiglu_experts
+    from megamoe.layers.mlp.dense import GLU
 
     glu = GLU(*glu)
     gen = torch.Generator().manual_seed(1)
@@ -94,7 +94,7 @@ def test_loop_kernel_makes_no_weight_gradient_for_frozen_experts():
     gradient is the one computed with the weights trainable."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megamoe.layers.grouped_gemm import swiglu_experts
+    from megamoe.layers.ops.grouped_gemm import swiglu_experts
 
     gen = torch.Generator().manual_seed(2)
     counts = [3, 0, 5, 0, 4]
@@ -124,7 +124,7 @@ def test_loop_kernel_makes_no_weight_gradient_for_frozen_experts():
 
 
 def test_auto_kernel_on_cpu_is_the_loop():
-    from megamoe.layers.grouped_gemm import resolve_kernel
+    from megamoe.layers.ops.grouped_gemm import resolve_kernel
 
     assert resolve_kernel("auto", torch.device("cpu"), torch.float32) == "loop"
     with pytest.raises(ConfigError, match="expert_kernel"):
@@ -137,7 +137,7 @@ def test_auto_kernel_on_cpu_is_the_loop():
 def test_group_limited_routing_by_hand(score_topk, expected):
     """Groups {0,1} {2,3} {4,5}; one group allowed. Sum of the best two picks group 1
     (0.5+0.45 > 0.6+0.0); the max picks group 0 (0.6 > 0.5), even though expert 2 beats expert 1."""
-    from megamoe.layers.router import select_experts
+    from megamoe.layers.mlp.router import select_experts
 
     cfg = MoEConfig(num_experts=6, top_k=2, n_group=3, topk_group=1, group_score_topk=score_topk,
                     norm_topk_prob=False, routed_scaling_factor=2.0)
@@ -149,10 +149,10 @@ def test_group_limited_routing_by_hand(score_topk, expected):
 
 def test_router_runs_in_fp32_in_a_bf16_model():
     """bf16 weights and activations: logits, scores, routing weights and the expert bias stay fp32."""
-    from megamoe.layers.moe import MoELayer
-    from megamoe.model import build_context
+    from megamoe.layers.mlp.moe import MoELayer
+    from megamoe.model.language_model import build_context
     from megamoe.parallel.groups import ParallelGroups
-    from megamoe.weights import initialize
+    from megamoe.model.weights import initialize
 
     cfg = ModelConfig(hidden_size=H, layout="Ae", params_dtype="bfloat16",
                       moe=MoEConfig(num_experts=6, top_k=2, moe_ffn_hidden_size=8, expert_bias=True,
@@ -170,7 +170,7 @@ def test_router_runs_in_fp32_in_a_bf16_model():
 
 
 def test_expert_bias_changes_the_choice_not_the_weight():
-    from megamoe.layers.router import select_experts
+    from megamoe.layers.mlp.router import select_experts
 
     cfg = MoEConfig(num_experts=4, top_k=1, norm_topk_prob=False)
     scores = torch.tensor([[0.5, 0.4, 0.3, 0.2]])
@@ -180,7 +180,7 @@ def test_expert_bias_changes_the_choice_not_the_weight():
 
 @pytest.mark.parametrize("policy,kept", [("probs", [1, 3]), ("position", [0, 1])])
 def test_capacity_drop_policies(policy, kept):
-    from megamoe.layers.router import capacity_keep
+    from megamoe.layers.mlp.router import capacity_keep
 
     weights = torch.tensor([[0.1], [0.9], [0.5], [0.7], [0.2]])
     idx = torch.tensor([[0], [0], [0], [0], [1]])
@@ -189,7 +189,7 @@ def test_capacity_drop_policies(policy, kept):
 
 
 def test_capacity_drops_reach_the_output_and_metrics():
-    from megamoe.moe import moe_metrics
+    from megamoe.model.moe_controls import moe_metrics
 
     dropless, capped = moe_layer(), moe_layer(capacity_factor=0.5)
     x = torch.randn(2, 6, H, generator=torch.Generator().manual_seed(0))
@@ -218,8 +218,8 @@ def hand_losses(logits, idx, score_function, e, k, batch):
 
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
 def test_balancing_losses_reach_the_gradient_without_the_caller(score_function):
-    from megamoe.layers.router import select_experts
-    from megamoe.moe import moe_metrics, set_aux_loss_scale
+    from megamoe.layers.mlp.router import select_experts
+    from megamoe.model.moe_controls import moe_metrics, set_aux_loss_scale
 
     coeffs = dict(aux_loss_coeff=0.1, seq_aux_loss_coeff=0.2, z_loss_coeff=0.01)
     with_aux, plain = moe_layer(score_function=score_function, **coeffs), moe_layer(score_function=score_function)
@@ -260,7 +260,7 @@ def test_eval_mode_adds_no_loss_and_no_load():
 
 
 def test_metrics_count_tokens_per_expert():
-    from megamoe.moe import moe_metrics
+    from megamoe.model.moe_controls import moe_metrics
 
     layer = moe_layer()
     x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(3))
@@ -279,7 +279,7 @@ def test_metrics_count_tokens_per_expert():
 def test_recording_off_leaves_metrics_and_outputs_alone():
     """``recording(model, False)`` (what decode steps run under): eval forwards add nothing to
     ``moe_metrics`` and give the same output; the setting is restored after the block."""
-    from megamoe.moe import moe_metrics, recording
+    from megamoe.model.moe_controls import moe_metrics, recording
 
     layer = moe_layer().eval()
     x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(3))
@@ -323,10 +323,10 @@ def test_layout_using_e_needs_the_moe_section():
 def test_dense_first_layers_and_active_budget():
     """'Ad (Ae)*2': the first layer dense, then MoE; a training step runs; only routed experts
     count fractionally towards the active budget."""
-    from megamoe.config import AttentionConfig, MLPConfig
-    from megamoe.model import LanguageModel, shift_labels
-    from megamoe.params import count_parameters
-    from megamoe.weights import initialize
+    from megamoe.core.config import AttentionConfig, MLPConfig
+    from megamoe.model.language_model import LanguageModel, shift_labels
+    from megamoe.model.params import count_parameters
+    from megamoe.model.weights import initialize
 
     moe = MoEConfig(num_experts=6, top_k=2, moe_ffn_hidden_size=8, num_shared_experts=1, aux_loss_coeff=0.01)
     cfg = ModelConfig(vocab_size=50, hidden_size=H, layout="Ad (Ae)*2", attention=AttentionConfig(num_heads=2),
@@ -392,8 +392,8 @@ def test_hybrid_vl_1t_preset_builds_on_meta_fast_and_small():
 
     code = textwrap.dedent("""
         import json, time
-        from megamoe.memory import peak_rss_mib
-        from megamoe.plan import budget
+        from megamoe.diagnostics.memory import peak_rss_mib
+        from megamoe.planning.plan import budget
         from megamoe.recipe import load_recipe
         t = time.time()
         b = budget(load_recipe("hybrid_vl_1t").model)
@@ -418,8 +418,8 @@ def test_1t_preset_builds_on_meta_fast_and_small():
 
     code = textwrap.dedent("""
         import json, time
-        from megamoe.memory import peak_rss_mib
-        from megamoe.plan import budget
+        from megamoe.diagnostics.memory import peak_rss_mib
+        from megamoe.planning.plan import budget
         from megamoe.recipe import load_recipe
         cfg = load_recipe("moe_1t").model
         t = time.time()

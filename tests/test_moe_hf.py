@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.config import ModelConfig, MoEConfig
+from megamoe.core.config import ModelConfig, MoEConfig
 from tests.numerics import rel_err
 
 REL = 1e-5
@@ -73,8 +73,8 @@ def hf_to_megamoe(block) -> dict[str, torch.Tensor]:
 
 
 def ours_from(block, moe_kw: dict):
-    from megamoe.layers.moe import MoELayer
-    from megamoe.model import build_context
+    from megamoe.layers.mlp.moe import MoELayer
+    from megamoe.model.language_model import build_context
 
     cfg = ModelConfig(hidden_size=H, layout="Ae", moe=MoEConfig(**moe_kw))
     layer = MoELayer(cfg.moe, build_context(cfg), 0)
@@ -117,7 +117,7 @@ def test_aux_loss_matches_transformers_load_balancing_loss():
     Megatron does): aux_loss_coeff = router_aux_loss_coef * top_k reproduces it."""
     from transformers.models.qwen3_next.modeling_qwen3_next import load_balancing_loss_func
 
-    from megamoe.moe import moe_metrics
+    from megamoe.model.moe_controls import moe_metrics
 
     block, moe_kw = hf_block("qwen3_next")
     ours, _ = ours_from(block, dict(moe_kw, aux_loss_coeff=1.0))

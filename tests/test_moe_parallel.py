@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.config import ModelConfig, MoEConfig, ParallelConfig
+from megamoe.core.config import ModelConfig, MoEConfig, ParallelConfig
 from tests.numerics import rel_err
 
 REL = 1e-5
@@ -28,10 +28,10 @@ CONFIGS = {"softmax": SOFTMAX, "sigmoid": SIGMOID, "sigmoid-dropless": dict(SIGM
 
 
 def build_moe(moe: dict, groups=None, sp: bool = False, seed: int = 0):
-    from megamoe.layers.moe import MoELayer
-    from megamoe.model import build_context
+    from megamoe.layers.mlp.moe import MoELayer
+    from megamoe.model.language_model import build_context
     from megamoe.parallel.groups import ParallelGroups
-    from megamoe.weights import initialize
+    from megamoe.model.weights import initialize
 
     cfg = ModelConfig(hidden_size=H, layout="Ae", moe=MoEConfig(**moe))
     groups = groups or ParallelGroups()
@@ -60,9 +60,9 @@ def reduced_grad(p, groups):
 
 
 def parity_case(config: str, parallel: dict, sp: bool = False, dispatcher: str = "alltoall") -> dict:
-    from megamoe.moe import moe_metrics
+    from megamoe.model.moe_controls import moe_metrics
     from megamoe.parallel.groups import build_groups
-    from megamoe.weights import finalize_grads
+    from megamoe.model.weights import finalize_grads
 
     moe = dict(CONFIGS[config], dispatcher=dispatcher)
     groups = build_groups(ParallelConfig(**parallel, sequence_parallel=sp))
@@ -133,8 +133,8 @@ def test_expert_parallel_four_ranks(pool, case):
 
 def bias_update_case(steps: int = 2) -> dict:
     """DP=2 (each rank its own batches), 2 micro-batches per step, then update_expert_bias."""
-    from megamoe.layers.router import select_experts
-    from megamoe.moe import update_expert_bias
+    from megamoe.layers.mlp.router import select_experts
+    from megamoe.model.moe_controls import update_expert_bias
     from megamoe.parallel.groups import build_groups
 
     groups = build_groups(ParallelConfig(ep=2))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.config import ParallelConfig
+from megamoe.core.config import ParallelConfig
 from tests.test_trainer_parity import tiny_recipe
 
 
@@ -98,7 +98,7 @@ def nan_run(ckpt_dir: str) -> dict:
 
 
 def test_nonfinite_steps_are_skipped_then_stopped_keeping_the_last_finite_checkpoint(pool, tmp_path):
-    from megamoe.training.checkpoint import latest_checkpoint, read_meta
+    from megamoe.checkpoint.dcp import latest_checkpoint, read_meta
 
     out = pool(1).run(nan_run, str(tmp_path))[0]
     assert out["message"] and "3 consecutive steps had a non-finite gradient norm" in out["message"]

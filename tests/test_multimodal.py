@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import megamoe.config as C
-from megamoe.config import AttentionConfig, MLPConfig, ModelConfig, VisionConfig
+import megamoe.core.config as C
+from megamoe.core.config import AttentionConfig, MLPConfig, ModelConfig, VisionConfig
 from tests.numerics import max_abs, rel_err
 
 IMG = 3  # image placeholder id
@@ -23,9 +23,9 @@ def tiny_mm(layout: str = "AdAd", projector: str = "merger", mrope: bool = True,
 
 
 def build(cfg: ModelConfig, seed: int = 0, groups=None, **kw):
-    from megamoe.multimodal import MultimodalModel
+    from megamoe.model.multimodal import MultimodalModel
     from megamoe.parallel.groups import ParallelGroups
-    from megamoe.weights import initialize
+    from megamoe.model.weights import initialize
 
     model = MultimodalModel(cfg, groups, **kw)
     initialize(model, groups or ParallelGroups(), seed)
@@ -81,7 +81,7 @@ def test_image_placeholder_mismatches_are_one_line_errors():
 
 
 def test_several_images_per_sample_train_and_text_only_batches_keep_vision_grads():
-    from megamoe.model import shift_labels
+    from megamoe.model.language_model import shift_labels
 
     model = build(tiny_mm())
     ids, images = batch()
@@ -96,7 +96,7 @@ def test_several_images_per_sample_train_and_text_only_batches_keep_vision_grads
 
 
 def test_mrope_decode_with_cache_matches_full_forward():
-    from megamoe.cache import InferenceCache
+    from megamoe.layers.cache.decode import InferenceCache
 
     model = build(tiny_mm()).eval()
     ids, images = batch()
@@ -110,7 +110,7 @@ def test_mrope_decode_with_cache_matches_full_forward():
 
 
 def test_parameter_parts_freeze_and_learning_rates():
-    from megamoe.multimodal import param_groups, parameter_part, set_trainable
+    from megamoe.model.multimodal import param_groups, parameter_part, set_trainable
 
     model = build(tiny_mm(vision=dict(lr_scale=0.1)))
     groups = {g["name"]: g for g in param_groups(model, lr=1e-3)}
@@ -125,7 +125,7 @@ def test_parameter_parts_freeze_and_learning_rates():
 
 
 def test_meta_budget_counts_the_vision_tower():
-    from megamoe.plan import budget
+    from megamoe.planning.plan import budget
 
     cfg = tiny_mm()
     model = build(cfg)
@@ -137,7 +137,7 @@ def test_meta_budget_counts_the_vision_tower():
 def lm_sections(layout_hybrid: str = "GeAe") -> tuple[str, dict]:
     """The hybrid (Gated DeltaNet + MoE) stack when both letters are registered, else dense."""
     import megamoe.layers  # noqa: F401
-    from megamoe.spec import MIXER_SPECS, MLP_SPECS
+    from megamoe.layers.spec import MIXER_SPECS, MLP_SPECS
 
     if "G" in MIXER_SPECS and "e" in MLP_SPECS:
         return layout_hybrid, dict(gdn=C.GDNConfig(num_key_heads=2, num_value_heads=2, key_head_dim=8,
@@ -192,11 +192,11 @@ def test_vit_plus_language_model_learns_shape_captions():
 # ---- split mode over 2 gloo ranks -------------------------------------------------------------
 
 def split_case(sp: bool, num_images: int, seed: int = 0, vision_parallel: dict | None = None) -> dict:
-    from megamoe.config import ParallelConfig
-    from megamoe.model import shift_labels
+    from megamoe.core.config import ParallelConfig
+    from megamoe.model.language_model import shift_labels
     from megamoe.parallel.groups import build_groups
     from megamoe.parallel.sharding import gather_full
-    from megamoe.weights import finalize_grads
+    from megamoe.model.weights import finalize_grads
 
     groups = build_groups(ParallelConfig(tp=2, sequence_parallel=sp))
     cfg = tiny_mm(vision=dict(parallel=C.VisionParallelConfig(**(vision_parallel or dict(mode="split")))))

@@ -9,9 +9,9 @@ import functools
 import pytest
 import torch
 
-from megamoe.cache import InferenceCache
-from megamoe.generate import generate_batch, left_pad, prefill
-from megamoe.paged_cache import PagedCache
+from megamoe.layers.cache.decode import InferenceCache
+from megamoe.inference.generate import generate_batch, left_pad, prefill
+from megamoe.layers.cache.paged import PagedCache
 from tests.mixer_utils import tiny_model
 from tests.numerics import rel_err
 
@@ -23,7 +23,7 @@ INT8_REL_SPARSE = 5e-2
 
 def build(cfg):
     from megamoe.convert import build_model
-    from megamoe.weights import initialize
+    from megamoe.model.weights import initialize
 
     model = build_model(cfg).eval()
     initialize(model, model.groups, seed=0)

@@ -1,4 +1,4 @@
-"""Expert placement (megamoe/placement.py): balanced slot orders from measured load, applied by
+"""Expert placement (megamoe/model/placement.py): balanced slot orders from measured load, applied by
 the converter, invisible in the outputs and in the HF files written back."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megamoe.errors import ConfigError
-from megamoe.placement import balanced_order, calibrate, imbalance, read_load, write_json
+from megamoe.core.errors import ConfigError
+from megamoe.model.placement import balanced_order, calibrate, imbalance, read_load, write_json
 from tests.numerics import rel_err
 
 E, EP = 8, 2

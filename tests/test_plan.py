@@ -1,4 +1,4 @@
-"""The planner's per-rank memory (megamoe/plan.py) against what real trainer ranks hold.
+"""The planner's per-rank memory (megamoe/planning/plan.py) against what real trainer ranks hold.
 
 For each layout the trainer runs one step; each rank sums the bytes of its parameters, of the
 gradients backward produced (read just before they are cleared) and of its optimizer state
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from megamoe.config import ParallelConfig
+from megamoe.core.config import ParallelConfig
 
 LAYOUTS = {
     "dp2": ({}, False, "float32"),
@@ -25,7 +25,7 @@ LAYOUTS = {
 def measured_case(parallel: dict, lora: bool, dtype: str) -> dict:
     from megamoe.data.synthetic import SyntheticDataset
     from megamoe.lora import LoRAConfig
-    from megamoe.plan import stage_memory
+    from megamoe.planning.plan import stage_memory
     from megamoe.training.trainer import Trainer
     from tests.test_trainer_parity import tiny_recipe
 

@@ -1,6 +1,6 @@
-"""The planner's per-rank peak (megamoe/plan.py) against the peak real trainer ranks reach.
+"""The planner's per-rank peak (megamoe/planning/plan.py) against the peak real trainer ranks reach.
 
-Measured: ``megamoe.memory.LiveTensorBytes``, the bytes of live tensor storage, over the
+Measured: ``megamoe.diagnostics.memory.LiveTensorBytes``, the bytes of live tensor storage, over the
 second of two trainer steps (the first creates AdamW's moments and the pipeline's buffers),
 counting what existed before (parameters, buffers, fp32 masters): on CPU the counterpart of
 ``torch.cuda.max_memory_allocated``. Planned: ``stage_memory(...)["device"]`` of the rank's
@@ -14,8 +14,8 @@ import gc
 import pytest
 import torch
 
-from megamoe.config import ParallelConfig
-from megamoe.memory import LiveTensorBytes, saved_tensor_bytes
+from megamoe.core.config import ParallelConfig
+from megamoe.diagnostics.memory import LiveTensorBytes, saved_tensor_bytes
 
 # name -> (processes, parallel degrees, run options); tiny models, 2 micro-batches per rank or more
 LAYOUTS = {
@@ -38,7 +38,7 @@ def measured_peak(parallel: dict, seq: int = 16, lora: bool = False, dtype: str 
     from megamoe.data import BatchLayout, TrainData
     from megamoe.data.synthetic import SyntheticDataset
     from megamoe.lora import LoRAConfig
-    from megamoe.plan import stage_memory
+    from megamoe.planning.plan import stage_memory
     from megamoe.training.entry import load_train_recipe
     from megamoe.training.trainer import Trainer
     from tests.test_trainer_parity import tiny_recipe
@@ -130,8 +130,8 @@ def test_live_tensor_bytes_follows_a_resize():
 def test_routed_bytes_is_what_the_routed_experts_save(top_k, ffn, experts):
     """``routed_bytes`` against the bytes autograd really saves in a MoE layer's routed part
     (router + dispatch + expert kernel), its input excluded (the caller counts it)."""
-    from megamoe.model import build_model
-    from megamoe.plan_activations import routed_bytes
+    from megamoe.model.language_model import build_model
+    from megamoe.planning.activations import routed_bytes
     from tests.test_trainer_parity import tiny_recipe
 
     cfg = tiny_recipe(ParallelConfig()).model

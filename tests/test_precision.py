@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.precision import capture, compare, first_past
+from megamoe.diagnostics.precision import capture, compare, first_past
 
 
 def qwen3_next_model():
     from megamoe.convert import build_model
     from megamoe.convert.family import get_family
-    from megamoe.weights import initialize
+    from megamoe.model.weights import initialize
     from tests.test_convert_qwen import qwen3_next_config
 
     hf = qwen3_next_config().to_dict()

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamoe.config import MoEConfig, ParallelConfig
+from megamoe.core.config import MoEConfig, ParallelConfig
 from megamoe.data import ByteTokenizer, DataConfig, PackedDataset, build_dataset, write_token_file
-from megamoe.errors import ConfigError, DataError
+from megamoe.core.errors import ConfigError, DataError
 from tests.mixer_utils import tiny_model
 from tests.numerics import rel_err
 
@@ -106,9 +106,9 @@ def model_config():
 def one_by_one(batch: dict, seed: int) -> dict:
     """Every document of every row run alone as its own sequence (positions from 0), one process:
     logits [b, S, V] put back in place, the summed loss and every gradient."""
-    from megamoe.model import LanguageModel
+    from megamoe.model.language_model import LanguageModel
     from megamoe.parallel.groups import ParallelGroups
-    from megamoe.weights import initialize
+    from megamoe.model.weights import initialize
 
     model = LanguageModel(model_config(), ParallelGroups())
     initialize(model, ParallelGroups(), seed)
@@ -130,11 +130,11 @@ def packed_case(batch: dict, seed: int, cp: int) -> dict:
     """The packed rows through one model (CP=``cp`` when > 1): gathered logits, the summed loss
     over all CP ranks and every gradient synchronised as the trainer does; plus the same rows
     without ``documents``/``positions`` (to show the documents do interact when not kept apart)."""
-    from megamoe.model import LanguageModel
+    from megamoe.model.language_model import LanguageModel
     from megamoe.parallel import comm
     from megamoe.parallel.groups import ParallelGroups, build_groups
     from megamoe.training.grads import sync_grads
-    from megamoe.weights import initialize
+    from megamoe.model.weights import initialize
 
     groups = build_groups(ParallelConfig(cp=cp)) if cp > 1 else ParallelGroups()
     model = LanguageModel(model_config(), groups)
@@ -182,11 +182,11 @@ def trainer_case(path: str, parallel: dict, log_dir: str) -> dict:
     """Three trainer steps on packed windows (loader, reset_at_eos, eos_mask_loss); the first
     step's loss (before any update) also from the documents run one by one."""
     from megamoe.data.samples import collate
-    from megamoe.model import LanguageModel
+    from megamoe.model.language_model import LanguageModel
     from megamoe.parallel.groups import ParallelGroups
     from megamoe.training.config import LoggingConfig, OptimConfig, TrainConfig
     from megamoe.training.trainer import Trainer, TrainRecipe
-    from megamoe.weights import initialize
+    from megamoe.model.weights import initialize
 
     data = DataConfig(kind="pretrain", paths=[path], seq_len=32, shuffle=False, reset_at_eos=True,
                       eos_mask_loss=True)

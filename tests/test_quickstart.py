@@ -61,7 +61,7 @@ def test_quickstart_trains_exports_and_reports_held_out_accuracy(tmp_path):
 
 
 def test_caption_scores_count_exact_matches_and_fields_per_shape():
-    from megamoe.caption_eval import score_captions
+    from megamoe.diagnostics.caption_eval import score_captions
     from megamoe.data.shapes import parse_caption
 
     assert parse_caption("a red circle at the top and a blue square on the right") == [
@@ -83,8 +83,8 @@ def test_caption_scores_count_exact_matches_and_fields_per_shape():
 
 
 def test_held_out_pairs_refuse_the_training_seed():
-    from megamoe.caption_eval import held_out_pairs
-    from megamoe.errors import ConfigError
+    from megamoe.diagnostics.caption_eval import held_out_pairs
+    from megamoe.core.errors import ConfigError
     from megamoe.training.entry import load_train_recipe
 
     recipe = load_train_recipe("quickstart_vlm", ["data.seed=5"])
@@ -105,7 +105,7 @@ def test_confirm_greedy_gives_transformers_greedy_decoding_from_any_draft():
     forward per new token decodes them."""
     import torch
 
-    from megamoe.caption_eval import confirm_greedy, greedy
+    from megamoe.diagnostics.caption_eval import confirm_greedy, greedy
     from megamoe.vision.hf_qwen import images_to_pixel_values
     from tests.test_convert_qwen import tiny_qwen3_5_moe
 

@@ -22,7 +22,7 @@ def hand_count_dense(m) -> int:
 
 
 def test_tiny_dense_count_matches_hand_count():
-    from megamoe.plan import budget
+    from megamoe.planning.plan import budget
 
     m = load_recipe("tiny_dense").model
     b = budget(m)
@@ -33,9 +33,9 @@ def test_100b_dense_builds_on_meta_fast_and_small():
     """A fresh process (so the RSS is the build's own): < 30 s, < 2 GiB, exact count."""
     code = textwrap.dedent("""
         import json, time
-        from megamoe.memory import peak_rss_mib
+        from megamoe.diagnostics.memory import peak_rss_mib
         t = time.time()
-        from megamoe.plan import budget
+        from megamoe.planning.plan import budget
         from megamoe.recipe import load_recipe
         b = budget(load_recipe("dense_105b").model)
         rss = peak_rss_mib()

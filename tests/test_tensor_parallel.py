@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megamoe.config import AttentionConfig, MLPConfig, ModelConfig, ParallelConfig
+from megamoe.core.config import AttentionConfig, MLPConfig, ModelConfig, ParallelConfig
 from tests.numerics import rel_err
 
 REL = 1e-5
@@ -37,10 +37,10 @@ def fp32_noise_floor(model, ids, labels) -> dict:
 def tp_parity_case(cfg: ModelConfig, tp: int, sp: bool, seed: int = 0, floor: bool = False) -> dict:
     """Relative errors of TP (+SP) against one process: logits, loss, each gathered gradient; with
     ``floor`` also each gradient's fp32 noise floor (``fp32_noise_floor``)."""
-    from megamoe.model import LanguageModel, shift_labels
+    from megamoe.model.language_model import LanguageModel, shift_labels
     from megamoe.parallel.groups import ParallelGroups, build_groups
     from megamoe.parallel.sharding import gather_full
-    from megamoe.weights import finalize_grads, initialize
+    from megamoe.model.weights import finalize_grads, initialize
 
     groups = build_groups(ParallelConfig(tp=tp, sequence_parallel=sp))
     ref = LanguageModel(cfg)

@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from megamoe.config import AttentionConfig, ExpertStoreConfig, ModelConfig, MoEConfig, ParallelConfig
-from megamoe.errors import CheckpointError, ConfigError
+from megamoe.core.config import AttentionConfig, ExpertStoreConfig, ModelConfig, MoEConfig, ParallelConfig
+from megamoe.core.errors import CheckpointError, ConfigError
 
 STEPS = 4
 
@@ -31,9 +31,9 @@ def experts_bytes(cfg: ModelConfig) -> int:
 
 
 def write_store(cfg: ModelConfig, out) -> str:
-    from megamoe.model import LanguageModel
-    from megamoe.tiers import save_converted
-    from megamoe.weights import initialize
+    from megamoe.model.language_model import LanguageModel
+    from megamoe.expert_store import save_converted
+    from megamoe.model.weights import initialize
 
     model = LanguageModel(cfg)
     initialize(model, model.groups, 0)
@@ -42,7 +42,7 @@ def write_store(cfg: ModelConfig, out) -> str:
 
 def peak_rss() -> int:
     """This process's peak resident set (VmHWM: anonymous and mapped file pages), bytes."""
-    from megamoe.memory import peak_rss_mib
+    from megamoe.diagnostics.memory import peak_rss_mib
 
     return int(peak_rss_mib() * 2**20)
 
@@ -58,7 +58,7 @@ def finetune(store: str, log_dir: str, budget_mib: float | None, parallel: dict 
     from megamoe.data.synthetic import SyntheticDataset
     from megamoe.lora import LoRAConfig
     from megamoe.recipe import config_from_dict
-    from megamoe.training.checkpoint import read_meta
+    from megamoe.checkpoint.dcp import read_meta
     from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
     from megamoe.training.trainer import Trainer, TrainRecipe
 
@@ -135,9 +135,9 @@ def _tiered_pair(tmp_path, budget_mib: float, kernel: str = "auto", expert_adapt
                  tier: str = "disk", mapped: bool = True, device: str = "cpu"):
     """(resident model, tiered model, its open store) on ``device``, same weights and adapters."""
     from megamoe.lora import LoRAConfig, apply_lora
-    from megamoe.model import LanguageModel
-    from megamoe.tiers import open_expert_store
-    from megamoe.training.checkpoint import load_checkpoint
+    from megamoe.model.language_model import LanguageModel
+    from megamoe.expert_store import open_expert_store
+    from megamoe.checkpoint.dcp import load_checkpoint
     from tests.lora_utils import randomize_adapters
 
     cfg = moe_heavy_config(hidden=32, experts=8, ffn=16)
@@ -223,10 +223,10 @@ def test_mapped_store_holds_its_budget_and_unmaps_everything(tmp_path):
     process stay within the capacity plus the huge pages at the ends of what is mapped (a
     fault may map a huge folio whole), and closing the store unmaps them all: nothing is left
     behind by the neighbours' pages that mapping an expert in also mapped."""
-    from megamoe.model import LanguageModel
-    from megamoe.tiers import open_expert_store
-    from megamoe.tiers.mapped import HUGE
-    from megamoe.training.checkpoint import load_checkpoint
+    from megamoe.model.language_model import LanguageModel
+    from megamoe.expert_store import open_expert_store
+    from megamoe.expert_store.mapped import HUGE
+    from megamoe.checkpoint.dcp import load_checkpoint
 
     cfg = moe_heavy_config()
     store_dir = write_store(cfg, tmp_path / "store")
@@ -252,8 +252,8 @@ def test_mapped_store_holds_its_budget_and_unmaps_everything(tmp_path):
 
 def test_bad_stores_fail_in_one_line_naming_the_file(tmp_path):
     from megamoe.lora import LoRAConfig, apply_lora  # noqa: F401
-    from megamoe.model import LanguageModel
-    from megamoe.tiers import open_expert_store
+    from megamoe.model.language_model import LanguageModel
+    from megamoe.expert_store import open_expert_store
 
     cfg = moe_heavy_config(hidden=32, experts=8, ffn=16)
     store_dir = write_store(cfg, tmp_path / "store")
@@ -330,10 +330,10 @@ def test_planner_counts_the_budget_instead_of_the_experts(tmp_path, mapped):
     bytes: the pages mapped in, or the cache's slots and one kernel call's stacks) is that
     figure, to within one expert's bytes (the store counts whole experts)."""
     from megamoe.lora import LoRAConfig, apply_lora
-    from megamoe.model import LanguageModel
-    from megamoe.plan import stage_memory
-    from megamoe.tiers import open_expert_store
-    from megamoe.training.checkpoint import load_checkpoint
+    from megamoe.model.language_model import LanguageModel
+    from megamoe.planning.plan import stage_memory
+    from megamoe.expert_store import open_expert_store
+    from megamoe.checkpoint.dcp import load_checkpoint
 
     cfg = moe_heavy_config(hidden=32, experts=8, ffn=16)
     store_dir = write_store(cfg, tmp_path / "store")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 from tests.test_tiers import finetune
 
 STEPS = 3
@@ -62,7 +62,7 @@ def test_lora_with_experts_read_from_the_hf_checkpoint_matches_resident(tmp_path
 
 def ep_run(ckpt: str, log_dir: str, hf: str) -> tuple[list[float], list[int]]:
     """The rank's losses and the (global) experts its store read from the HF files."""
-    from megamoe.tiers.hf import PerExpertTensors
+    from megamoe.expert_store.hf import PerExpertTensors
 
     read, seen = PerExpertTensors.read, set()
 
@@ -90,11 +90,11 @@ def test_hf_expert_store_at_ep2_matches_one_process(pool, tmp_path):
 
 
 def _open(hf: Path, ckpt: str):
-    from megamoe.config import ExpertStoreConfig
-    from megamoe.model import LanguageModel
+    from megamoe.core.config import ExpertStoreConfig
+    from megamoe.model.language_model import LanguageModel
     from megamoe.recipe import config_from_dict
-    from megamoe.tiers import open_expert_store
-    from megamoe.training.checkpoint import read_meta
+    from megamoe.expert_store import open_expert_store
+    from megamoe.checkpoint.dcp import read_meta
 
     cfg = config_from_dict(read_meta(ckpt)["model"])
     cfg.moe.expert_store = ExpertStoreConfig(budget_mib=0.001, path=str(hf))
@@ -107,7 +107,7 @@ def test_bf16_files_into_an_fp32_model_and_etp_slices(tmp_path):
     down weight in fp32; under ETP=2 each slice is its f-half of gate, of up, and of down's columns."""
     from safetensors import safe_open
 
-    from megamoe.tiers.hf import hf_expert_sources
+    from megamoe.expert_store.hf import hf_expert_sources
 
     hf = hf_dir("qwen3_moe", "per_expert", tmp_path, dtype=torch.bfloat16)
     tensors = {}
@@ -155,8 +155,8 @@ def test_import_without_experts_then_finetune_and_generate_read_them_from_hf(tmp
     (the checkpoint records it) and equal the full import's curve and transformers' tokens."""
     from megamoe.commands.convert import main as convert
     from megamoe.commands.generate import main as generate
-    from megamoe.errors import MegamoeError
-    from megamoe.training.checkpoint import read_meta
+    from megamoe.core.errors import MegamoeError
+    from megamoe.checkpoint.dcp import read_meta
 
     hf = hf_dir("qwen3_moe", "stacked", tmp_path)
     full = imported(hf, tmp_path)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from megamoe.data.chat import ChatTemplate, ChatTemplateError, resolve_template
-from megamoe.errors import DataError
+from megamoe.core.errors import DataError
 
 CORPUS = ("Hello world, it's a small corpus. The quick brown fox jumps over the lazy dog; "
           "你好世界，我们训练一个很小的分词器。 Numbers 12345 and 678 go in threes.\n") * 6

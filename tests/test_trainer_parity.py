@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megamoe.config import AttentionConfig, GDNConfig, MLPConfig, ModelConfig, MoEConfig, ParallelConfig
+from megamoe.core.config import AttentionConfig, GDNConfig, MLPConfig, ModelConfig, MoEConfig, ParallelConfig
 from megamoe.data import DataConfig
 from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
 from megamoe.training.trainer import TrainRecipe

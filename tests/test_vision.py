@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from megamoe.config import ImageBoundsConfig, ModelConfig, VisionConfig
-from megamoe.errors import CheckpointError, ConfigError
+from megamoe.core.config import ImageBoundsConfig, ModelConfig, VisionConfig
+from megamoe.core.errors import CheckpointError, ConfigError
 from megamoe.vision import ImageError, ImagePreprocessor, VisionTower
 from megamoe.vision.projector import MLPProjector, PatchMerger
 
@@ -204,7 +204,7 @@ def test_vision_config_errors_are_one_line():
          r"^model.vision.parallel.mode='split' is invalid: must be replicated with tp=2"),
         (dict(image_token_id=3, parallel=dict(mode="sharded")), r"^model.vision.parallel.mode='sharded'"),
     ]
-    from megamoe.config import VisionParallelConfig
+    from megamoe.core.config import VisionParallelConfig
 
     for vision, message in cases:
         if "parallel" in vision:

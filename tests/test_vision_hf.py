@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megamoe.multimodal import image_spans, mrope_positions
+from megamoe.model.multimodal import image_spans, mrope_positions
 from tests.numerics import max_abs
 
 IMAGE_TOKEN = 100
@@ -98,7 +98,7 @@ def test_qwen_tower_from_hf_checkpoint_matches_hf_image_features(hf_model):
 
 
 def test_hf_checkpoint_mismatch_is_one_line_error(hf_model):
-    from megamoe.errors import CheckpointError
+    from megamoe.core.errors import CheckpointError
     from megamoe.vision.hf_qwen import qwen_vision_config
     from megamoe.vision.tower import VisionTower
 
@@ -156,7 +156,7 @@ def qwen3_5_lm_state(hf, layer_types, heads: int, kv_heads: int, d: int, gdn=Non
     real table). q_proj rows are per head [q | gate]; megamoe fuses them per KV group as
     [q|gate of the group's heads, k_g, v_g]. GDN projections fuse into one in_proj; routed
     experts are already stacked [E, 2f, h] / [E, h, f] like megamoe's."""
-    from megamoe.layers.linear_attention import hf_layout as L
+    from megamoe.convert import hf_layout as L
 
     sd = {k: v.detach() for k, v in hf.state_dict().items()}
     lm = "model.language_model."
@@ -221,7 +221,7 @@ def prompt_with_images():
 
 
 def logits_error(hf, cfg, layer_types, gdn=None) -> float:
-    from megamoe.multimodal import MultimodalModel
+    from megamoe.model.multimodal import MultimodalModel
 
     ours = MultimodalModel(cfg).eval()
     state = qwen3_5_lm_state(hf, layer_types, 4, 2, 16, gdn)
@@ -236,7 +236,7 @@ def logits_error(hf, cfg, layer_types, gdn=None) -> float:
 
 
 def megamoe_text_config(layout: str, vision, **sections):
-    from megamoe.config import AttentionConfig, ModelConfig
+    from megamoe.core.config import AttentionConfig, ModelConfig
 
     return ModelConfig(vocab_size=128, hidden_size=64, layout=layout, norm_zero_centered=True, vision=vision,
                        attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
@@ -249,7 +249,7 @@ def test_multimodal_logits_match_hf_qwen3_5_moe(tmp_path):
     images: megamoe's forward equals transformers' Qwen3_5MoeForConditionalGeneration."""
     from transformers import Qwen3_5MoeForConditionalGeneration
 
-    from megamoe.config import GDNConfig, MoEConfig
+    from megamoe.core.config import GDNConfig, MoEConfig
     from megamoe.vision.hf_qwen import qwen_vision_config
 
     torch.manual_seed(0)
@@ -266,7 +266,7 @@ def test_multimodal_logits_match_hf_qwen3_5_dense(tmp_path):
     gated attention) against transformers' dense Qwen3_5ForConditionalGeneration."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from megamoe.config import MLPConfig
+    from megamoe.core.config import MLPConfig
     from megamoe.vision.hf_qwen import qwen_vision_config
 
     text = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

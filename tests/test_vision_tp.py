@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamoe.config import VisionConfig, VisionParallelConfig
+from megamoe.core.config import VisionConfig, VisionParallelConfig
 from tests.numerics import rel_err
 
 VIT_ARGS = dict(embed_dim=32, depth=2, num_heads=4, patch_size=8, img_size=32, qk_norm=True)
@@ -37,11 +37,11 @@ def vision_config(name: str, tp: int) -> VisionConfig:
 
 
 def tower_case(names: list[str]) -> dict:
-    from megamoe.config import ParallelConfig
+    from megamoe.core.config import ParallelConfig
     from megamoe.parallel.groups import ParallelGroups, build_groups
     from megamoe.parallel.sharding import gather_full
     from megamoe.vision import VisionTower
-    from megamoe.weights import finalize_grads, initialize
+    from megamoe.model.weights import finalize_grads, initialize
 
     groups = build_groups(ParallelConfig(tp=2))
     errs = {}
@@ -82,8 +82,8 @@ def test_encoder_tp2_equals_single(pool):
 
 
 def test_encoder_tp_config_errors():
-    from megamoe.config import ParallelConfig
-    from megamoe.errors import ConfigError
+    from megamoe.core.config import ParallelConfig
+    from megamoe.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^model.vision.parallel.mode='split' is invalid: must be replicated"):
         VisionConfig(**ENCODERS["vit-qknorm"], image_token_id=3,
@@ -102,11 +102,11 @@ def converted_case(root: str, ids: torch.Tensor, images: list, want: torch.Tenso
 
     import torch.distributed as dist
 
-    from megamoe.config import ParallelConfig
+    from megamoe.core.config import ParallelConfig
     from megamoe.convert import build_model, to_hf
     from megamoe.parallel.groups import build_groups
     from megamoe.recipe import config_from_dict
-    from megamoe.training.checkpoint import load_checkpoint, read_meta
+    from megamoe.checkpoint.dcp import load_checkpoint, read_meta
     from tests.numerics import max_abs
 
     meta = read_meta(Path(root) / "tp2")
@@ -145,9 +145,9 @@ def test_converted_tower_loads_into_a_split_encoder_and_exports(pool, tmp_path):
 def training_checkpoint_case(root: str) -> dict:
     """A training checkpoint saved with the tower replicated (vision tp=1) at TP=2 resumes into
     a model whose encoder is split (vision tp=2): the same logits."""
-    from megamoe.config import ParallelConfig
+    from megamoe.core.config import ParallelConfig
     from megamoe.parallel.groups import build_groups
-    from megamoe.training.checkpoint import load_checkpoint, save_checkpoint
+    from megamoe.checkpoint.dcp import load_checkpoint, save_checkpoint
     from tests.test_multimodal import batch, build, tiny_mm
 
     groups = build_groups(ParallelConfig(tp=2))
@@ -167,7 +167,7 @@ def test_training_checkpoint_of_a_replicated_tower_resumes_split(pool, tmp_path)
     """... and the split tower's checkpoint reads back in one process (what export-hf does):
     the encoder keeps its split rules with a group of one and reassembles the pieces."""
     from megamoe.parallel.groups import ParallelGroups
-    from megamoe.training.checkpoint import load_checkpoint
+    from megamoe.checkpoint.dcp import load_checkpoint
     from tests.test_multimodal import batch, build, tiny_mm
 
     results = pool(2).run(training_checkpoint_case, str(tmp_path))

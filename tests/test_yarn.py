@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe.config import YarnConfig
+from megamoe.core.config import YarnConfig
 from megamoe.convert.family import get_family
-from megamoe.errors import ConfigError
+from megamoe.core.errors import ConfigError
 from megamoe.layers.rotary import cached_yarn_cos_sin
-from megamoe.spec import ForwardInfo
+from megamoe.layers.spec import ForwardInfo
 from tests.mixer_utils import randomize, tiny_model
 
 # original_max_position 16 with positions up to 40: the interpolated frequencies matter

@@ -9,8 +9,8 @@ import dataclasses
 
 import torch
 
-from megamoe.config import (CompressedAttentionConfig, DSAConfig, HyperConnectionConfig, ModelConfig, MoEConfig,
-                            YarnConfig)
+from megamoe.core.config import (CompressedAttentionConfig, DSAConfig, HyperConnectionConfig, ModelConfig, MoEConfig,
+                                 YarnConfig)
 
 HF_TYPES = {"W": "sliding_attention", "C": "compressed_sparse_attention", "H": "heavily_compressed_attention",
             "h": "hash_moe", "e": "moe"}

@@ -22,7 +22,7 @@ CHILD = r"""
 import gc, json, sys, time
 import torch
 from megamoe.convert import import_hf
-from megamoe.memory import peak_rss_mib, reset_peak, rss_mib
+from megamoe.diagnostics.memory import peak_rss_mib, reset_peak, rss_mib
 import megamoe.convert.families  # all imports done before the baseline is read
 gc.collect()
 reset_peak()  # the peak restarts from the current RSS
@@ -51,7 +51,7 @@ def qwen3_config(gib: float) -> dict:
 def write_hf(out: Path, config: dict) -> int:
     """Random weights written one tensor at a time; returns the largest tensor's bytes."""
     from megamoe.convert.families.qwen3 import config_from_hf, rules
-    from megamoe.convert.hf_io import write_hf_dir
+    from megamoe.checkpoint.hf_io import write_hf_dir
     from megamoe.convert.table import expand
     from megamoe.convert.api import build_model, model_tensors
 

@@ -33,15 +33,15 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megamoe.bench import matmul_rate  # noqa: E402
-from megamoe.memory import saved_tensor_bytes  # noqa: E402
+from bench_common import matmul_rate  # noqa: E402
+from megamoe.diagnostics.memory import saved_tensor_bytes  # noqa: E402
 
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter", "reduce_scatter_tensor",
                "all_to_all", "all_to_all_single", "send", "isend", "broadcast", "batch_isend_irecv")
 
 
 def model_config(args):
-    from megamoe.config import AttentionConfig, GDNConfig, KDAConfig, LightningConfig, MLPConfig, ModelConfig, MoEConfig
+    from megamoe.core.config import AttentionConfig, GDNConfig, KDAConfig, LightningConfig, MLPConfig, ModelConfig, MoEConfig
 
     h = args.hidden
     return ModelConfig(vocab_size=256, hidden_size=h, layout=args.layout, max_seq_len=args.tokens,
@@ -97,8 +97,8 @@ class ByteCounter:
 
 def stack_run(args, groups, seed: int = 0) -> dict:
     """Saved activation bytes and seconds of one forward+backward of the stack (loss over all tokens)."""
-    from megamoe.model import LanguageModel, shift_labels
-    from megamoe.weights import initialize
+    from megamoe.model.language_model import LanguageModel, shift_labels
+    from megamoe.model.weights import initialize
 
     model = LanguageModel(model_config(args), groups)
     initialize(model, groups, seed)
@@ -112,10 +112,10 @@ def stack_run(args, groups, seed: int = 0) -> dict:
 
 def mixer_bytes(args, groups, letter: str, tokens: int) -> int:
     """Bytes one rank exchanges in one ``letter`` mixer's forward+backward at ``tokens`` tokens."""
-    from megamoe.model import LanguageModel
+    from megamoe.model.language_model import LanguageModel
     from megamoe.parallel.context import ContextShard
-    from megamoe.spec import ForwardInfo
-    from megamoe.weights import initialize
+    from megamoe.layers.spec import ForwardInfo
+    from megamoe.model.weights import initialize
 
     cfg = model_config(args)
     cfg.layout = f"{letter}n"
@@ -135,7 +135,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     torch.set_num_threads(args.threads)
     import torch.distributed as dist
 
-    from megamoe.config import ParallelConfig
+    from megamoe.core.config import ParallelConfig
     from megamoe.parallel.groups import ParallelGroups, build_groups
 
     from datetime import timedelta

@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from megamoe.bench import QWEN3_NEXT_PEER, matmul_rate
+from bench_common import QWEN3_NEXT_PEER, matmul_rate
 
 CONFIG = QWEN3_NEXT_PEER  # docs/performance.md, "Peer configurations"
 
@@ -67,10 +67,10 @@ def timed(fn) -> float:
 
 def v4_cache_bytes() -> None:
     """The measurement ``--v4-cache`` prints (see the module docstring)."""
-    from megamoe.cache import InferenceCache
-    from megamoe.config import CompressedAttentionConfig, DSAConfig, HyperConnectionConfig, ModelConfig, MoEConfig
-    from megamoe.model import build_model
-    from megamoe.weights import initialize
+    from megamoe.layers.cache.decode import InferenceCache
+    from megamoe.core.config import CompressedAttentionConfig, DSAConfig, HyperConnectionConfig, ModelConfig, MoEConfig
+    from megamoe.model.language_model import build_model
+    from megamoe.model.weights import initialize
 
     cfg = ModelConfig(vocab_size=256, hidden_size=64, layout="WeCeHe", params_dtype="bfloat16",
                       compressed=CompressedAttentionConfig(num_heads=2, head_dim=512, rope_head_dim=64, q_lora_rank=32,
@@ -115,8 +115,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 
     from megamoe.convert import from_hf
-    from megamoe.generate import generate_batch, stream
-    from megamoe.paged_cache import PagedCache
+    from megamoe.inference.generate import generate_batch, stream
+    from megamoe.layers.cache.paged import PagedCache
 
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, CONFIG["vocab_size"], (int(n),), generator=gen).tolist()

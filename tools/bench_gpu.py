@@ -73,7 +73,7 @@ def hf_loss(model, ids):
 
 
 def mm_loss(model, ids):
-    from megamoe.model import shift_labels
+    from megamoe.model.language_model import shift_labels
 
     return model(ids, labels=shift_labels(ids))
 
@@ -98,7 +98,7 @@ def grouped_vs_dense(args) -> float:
 
 
 def model_flops_per_step(cfg, args) -> float:
-    from megamoe.plan import budget
+    from megamoe.planning.plan import budget
 
     b = budget(cfg)
     embed = b.parts.get("embedding", (0, 0.0))[1]

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from megamoe.bench import matmul_rate
+from bench_common import matmul_rate
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -47,12 +47,12 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from megamoe.config import ParallelConfig
-    from megamoe.model import build_model
+    from megamoe.core.config import ParallelConfig
+    from megamoe.model.language_model import build_model
     from megamoe.parallel.groups import build_groups
-    from megamoe.params import count_parameters
+    from megamoe.model.params import count_parameters
     from megamoe.recipe import load_recipe
-    from megamoe.weights import initialize
+    from megamoe.model.weights import initialize
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = load_recipe("tiny_hybrid_moe", _overrides(args)).model

@@ -27,9 +27,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from megamoe.config import GDNConfig, KDAConfig
-from megamoe.fusion import Fusion
-from megamoe.layers.linear_attention.chunk_delta import chunk_delta_rule
+from megamoe.core.config import GDNConfig, KDAConfig
+from megamoe.layers.ops.fusion import Fusion
+from megamoe.layers.ops.delta_rule.chunk import chunk_delta_rule
 
 
 def peers():

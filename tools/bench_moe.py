@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from megamoe.config import ModelConfig, MoEConfig
+from megamoe.core.config import ModelConfig, MoEConfig
 
 
 def hf_block(args):
@@ -33,8 +33,8 @@ def hf_block(args):
 
 
 def megamoe_layer(args, hf, kernel: str):
-    from megamoe.layers.moe import MoELayer
-    from megamoe.model import build_context
+    from megamoe.layers.mlp.moe import MoELayer
+    from megamoe.model.language_model import build_context
 
     moe = MoEConfig(num_experts=args.experts, top_k=args.top_k, moe_ffn_hidden_size=args.ffn, expert_kernel=kernel)
     cfg = ModelConfig(hidden_size=args.hidden, layout="Ae", moe=moe)

@@ -6,7 +6,7 @@ of 1/8 of their bytes.
     python tools/bench_tiered.py --experts 16 --batch 2  # half of it (3.0 GiB)
     python tools/bench_tiered.py --store DIR --batch 2   # an existing store of the same model
 
-The store is a converted megamoe checkpoint (``megamoe.tiers.save_converted``) written first.
+The store is a converted megamoe checkpoint (``megamoe.expert_store.save_converted``) written first.
 Each run is a fresh process (its RSS is its own): build the model, load the non-expert
 weights (the resident run: all of them), add LoRA adapters, one warm-up step, then ``--steps``
 timed steps (forward, backward, AdamW on the adapters). Peak memory is the peak RSS over the
@@ -45,12 +45,12 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megamoe.bench import matmul_rate  # noqa: E402
-from megamoe.memory import peak_rss_mib, reset_peak, rss_mib  # noqa: E402
+from bench_common import matmul_rate  # noqa: E402
+from megamoe.diagnostics.memory import peak_rss_mib, reset_peak, rss_mib  # noqa: E402
 
 
 def model_config(args):
-    from megamoe.config import AttentionConfig, ModelConfig, MoEConfig
+    from megamoe.core.config import AttentionConfig, ModelConfig, MoEConfig
 
     return ModelConfig(vocab_size=1000, hidden_size=args.hidden, layout="Ae" * args.layers, fusion="off",
                        attention=AttentionConfig(num_heads=8, num_kv_heads=2, head_dim=64),
@@ -63,9 +63,9 @@ def experts_bytes(cfg) -> int:
 
 
 def write_store(args, out, queue) -> None:
-    from megamoe.model import LanguageModel
-    from megamoe.tiers import save_converted
-    from megamoe.weights import initialize
+    from megamoe.model.language_model import LanguageModel
+    from megamoe.expert_store import save_converted
+    from megamoe.model.weights import initialize
 
     cfg = model_config(args)
     model = LanguageModel(cfg)
@@ -77,11 +77,11 @@ def write_store(args, out, queue) -> None:
 def run(args, store: str, budget_mib: float | None, queue) -> None:
     import torch.nn.functional as F
 
-    from megamoe.config import ExpertStoreConfig
+    from megamoe.core.config import ExpertStoreConfig
     from megamoe.lora import LoRAConfig, apply_lora, lora_parameters
-    from megamoe.model import LanguageModel
-    from megamoe.tiers import open_expert_store
-    from megamoe.training.checkpoint import load_checkpoint
+    from megamoe.model.language_model import LanguageModel
+    from megamoe.expert_store import open_expert_store
+    from megamoe.checkpoint.dcp import load_checkpoint
 
     base = int(rss_mib() * 2 ** 20)  # after the imports, before the model
     cfg = model_config(args)

@@ -11,7 +11,7 @@ forward+backward steps; sides alternate over ``--rounds`` rounds and the medians
 Memory is the step's peak resident memory above the process's RSS once the model is loaded
 (activations, gradients, workspaces; the weights are the same on both sides); absolute peaks
 are printed too. Loading ends, on both sides, with one step on the first 64 tokens: there
-megamoe compiles its fused elementwise kernels (``megamoe.fusion``), whose compiler state
+megamoe compiles its fused elementwise kernels (``megamoe.layers.ops.fusion``), whose compiler state
 (~230 MB, whatever the model or batch size) is thus counted like the weights, in the base
 and in the absolute peak, not in the step. Last line: ``train_speedup_vs_hf=X peak_mem_ratio_vs_hf=Y``.
 
@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megamoe.bench import QWEN3_NEXT_PEER
+from bench_common import QWEN3_NEXT_PEER
 
 CONFIG = QWEN3_NEXT_PEER  # docs/performance.md, "Peer configurations"
 
@@ -42,7 +42,7 @@ import torch
 torch.set_num_threads(2)
 side, hf_dir, runs, batch, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 recompute = [p for p in sys.argv[6].split(",") if p]
-from megamoe.memory import peak_rss_mib, reset_peak, rss_mib
+from megamoe.diagnostics.memory import peak_rss_mib, reset_peak, rss_mib
 gen = torch.Generator().manual_seed(0)
 ids = torch.randint(0, 1000, (batch, seq), generator=gen)
 if side == "hf":
@@ -52,7 +52,7 @@ if side == "hf":
     step = lambda ids: model(input_ids=ids, labels=ids, use_cache=False).loss
 else:
     from megamoe.convert import from_hf
-    from megamoe.model import shift_labels
+    from megamoe.model.language_model import shift_labels
     model = from_hf(hf_dir)
     model.set_recompute(recompute)
     step = lambda ids: model(ids, labels=shift_labels(ids))
@@ -64,7 +64,7 @@ def run(ids=ids):
     loss = step(ids)
     loss.backward()
     return time.perf_counter() - start, loss.item()
-run(ids[:, :64])  # part of loading: megamoe compiles its fused kernels (megamoe.fusion) here
+run(ids[:, :64])  # part of loading: megamoe compiles its fused kernels (megamoe.layers.ops.fusion) here
 for p in model.parameters():
     p.grad = None
 gc.collect()

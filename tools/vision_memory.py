@@ -12,8 +12,8 @@ import argparse
 
 import torch
 
-from megamoe.config import VisionConfig
-from megamoe.memory import saved_tensor_bytes
+from megamoe.core.config import VisionConfig
+from megamoe.diagnostics.memory import saved_tensor_bytes
 from megamoe.vision import VisionTower
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

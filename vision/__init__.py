@@ -1,6 +1,6 @@
 """megamoe.vision: timm vision encoders, projectors/mergers and image preprocessing.
 
-Imports the megamoe core only (never megamoe.layers); ``megamoe.multimodal`` joins a
+Imports the megamoe core only (never megamoe.layers); ``megamoe.model.multimodal`` joins a
 ``VisionTower`` to the language model.
 """
 from megamoe.vision.encoder import TimmEncoder  # noqa: F401

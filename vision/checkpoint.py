@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from megamoe.errors import CheckpointError, ConfigError
+from megamoe.core.errors import CheckpointError, ConfigError
 
 
 def _take(name: str, prefix: str | None) -> bool:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.config import VisionConfig
-from megamoe.errors import ConfigError
+from megamoe.core.config import VisionConfig
+from megamoe.core.errors import ConfigError
 from megamoe.parallel.sharding import KEEP, mark_init
 from megamoe.vision.checkpoint import load_encoder_weights
 
@@ -115,7 +115,7 @@ class TimmEncoder(nn.Module):
                 self.model.merger = None
 
     def mark_init_rules(self) -> None:
-        """``megamoe.weights.initialize`` keeps the encoder's weights as built or loaded (timm
+        """``megamoe.model.weights.initialize`` keeps the encoder's weights as built or loaded (timm
         draws them under ``cfg.seed`` on every rank; split pieces were cut from those)."""
         for p in self.parameters():
             mark_init(p, KEEP)

@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from megamoe.config import ImageBoundsConfig, VisionConfig
-from megamoe.errors import ConfigError
+from megamoe.core.config import ImageBoundsConfig, VisionConfig
+from megamoe.core.errors import ConfigError
 
 # timm variant per encoder width (the name only picks timm's pretrained defaults: mean/std 0.5)
 VARIANTS = {768: "qwen3_vit_88m_enc", 1024: "qwen3_vit_306m_enc", 1152: "qwen3_vit_416m_enc"}

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megamoe.config import ImageBoundsConfig
-from megamoe.errors import ConfigError, MegamoeError
+from megamoe.core.config import ImageBoundsConfig
+from megamoe.core.errors import ConfigError, MegamoeError
 
 
 class ImageError(MegamoeError, ValueError):

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.config import VisionConfig
-from megamoe.errors import ConfigError
+from megamoe.core.config import VisionConfig
+from megamoe.core.errors import ConfigError
 from megamoe.parallel.sharding import const_init, mark_init, normal_init
 
 

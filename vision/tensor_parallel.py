@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.errors import ConfigError
+from megamoe.core.errors import ConfigError
 from megamoe.parallel.groups import ParallelGroups, group_size
 from megamoe.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from megamoe.parallel.sharding import mark_tp_partial_grad, sharding, split_full

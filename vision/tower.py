@@ -11,7 +11,7 @@ batch, i.e. the language model's TP group):
 - ``split``: images are assigned to ranks (largest first, to the least-loaded rank), each rank
   encodes and projects its own, and the tokens are all-gathered (padded to the largest
   share). Each rank's gradient covers its own images, so every tower parameter is marked
-  ``mark_tp_partial_grad`` and ``megamoe.weights.finalize_grads`` sums it over the group.
+  ``mark_tp_partial_grad`` and ``megamoe.model.weights.finalize_grads`` sums it over the group.
 
 With ``cfg.parallel.tp > 1`` the encoder's attention and MLP blocks are split over
 ``tp_group`` (the language model's TP group) instead, see ``megamoe.vision.tensor_parallel``.
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamoe.config import VisionConfig
-from megamoe.errors import ConfigError
+from megamoe.core.config import VisionConfig
+from megamoe.core.errors import ConfigError
 from megamoe.parallel import comm
 from megamoe.parallel.groups import group_rank, group_size
 from megamoe.parallel.sharding import mark_tp_partial_grad

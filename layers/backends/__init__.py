@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from megamoe.errors import ConfigError
-from megamoe.fusion import EAGER, Fusion
+from megamoe.core.errors import ConfigError
+from megamoe.layers.ops.fusion import EAGER, Fusion
 from megamoe.layers.backends.cpu import CpuBackend
 from megamoe.layers.backends.cuda import FP8_RECIPES, CudaBackend, missing as cuda_missing
 from megamoe.layers.backends.local import LocalBackend

@@ -10,16 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamoe.fusion import EAGER, Fusion
+from megamoe.layers.ops.fusion import EAGER, Fusion
 from megamoe.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from megamoe.spec import BuildContext
-from megamoe.layers.block_sparse import block_sparse_attention
-from megamoe.layers.core_attention import CoreAttention
-from megamoe.layers.dsa import sparse_latent_attention
-from megamoe.layers.experts import GroupedExperts
-from megamoe.layers.tiered_experts import TieredExperts
-from megamoe.layers.mla import latent_attention
-from megamoe.layers.mlp import GLU
+from megamoe.layers.spec import BuildContext
+from megamoe.layers.mixers.block_sparse import block_sparse_attention
+from megamoe.layers.ops.attention.core import CoreAttention
+from megamoe.layers.mixers.dsa import sparse_latent_attention
+from megamoe.layers.mlp.experts import GroupedExperts
+from megamoe.layers.mlp.stored_experts import TieredExperts
+from megamoe.layers.mixers.mla import latent_attention
+from megamoe.layers.mlp.dense import GLU
 from megamoe.layers.ops.compressed_attention import chunk_compressed_attention
 from megamoe.layers.norm import ShardedRMSNorm
 
@@ -31,7 +31,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class BaseBackend:
     """Shared roles; subclasses add the kernel-bearing ones. ``fusion``: the instance's policy
-    for compiled elementwise kernels (``megamoe.fusion``)."""
+    for compiled elementwise kernels (``megamoe.layers.ops.fusion``)."""
 
     name = "base"
     # the classes the linear roles build (a backend with another local GEMM overrides them)
@@ -82,11 +82,11 @@ class BaseBackend:
         return CoreAttention(softmax_scale, window)
 
     def latent_attention(self, ctx: BuildContext):
-        """MLA's absorbed attention over cached latents (``megamoe.layers.mla.latent_attention``)."""
+        """MLA's absorbed attention over cached latents (``megamoe.layers.mixers.mla.latent_attention``)."""
         return latent_attention
 
     def block_sparse_attention(self, ctx: BuildContext):
-        """Letter B's attention over each query's kept keys (``megamoe.layers.block_sparse``):
+        """Letter B's attention over each query's kept keys (``megamoe.layers.mixers.block_sparse``):
         (q [b, s, H, d], k, v [b, T, G, d], tok [b, s, G, N], scale) -> [b, s, H, d]."""
         return block_sparse_attention
 
@@ -96,7 +96,7 @@ class BaseBackend:
         return chunk_compressed_attention
 
     def sparse_latent_attention(self, ctx: BuildContext):
-        """DSA's attention over the indexer's selection (``megamoe.layers.dsa.sparse_latent_attention``)."""
+        """DSA's attention over the indexer's selection (``megamoe.layers.mixers.dsa.sparse_latent_attention``)."""
         return sparse_latent_attention
 
     # ---- routed experts -----------------------------------------------------------------------
@@ -105,7 +105,7 @@ class BaseBackend:
                        active_fraction: float, glu: GLU, store=None, cls=GroupedExperts):
         """``cls`` (the backend's experts class) with resident weights, or ``TieredExperts`` when
         ``store`` (``ExpertStoreConfig``) is enabled: the weights then stay in the expert store
-        and come in when routed to (``megamoe.tiers``)."""
+        and come in when routed to (``megamoe.expert_store``)."""
         kw = dict(kernel=kernel, active_fraction=active_fraction, glu=glu, fusion=self.fusion)
         if store is not None and store.enabled:
             return TieredExperts(ctx, num_experts, ffn_hidden_size, store=store, **kw)

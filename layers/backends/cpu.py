@@ -11,19 +11,19 @@ import functools
 
 import torch
 
-from megamoe.config import MLPConfig
-from megamoe.fusion import EAGER, Fusion
-from megamoe.layers.grouped_gemm import shared_swiglu_add
-from megamoe.layers.mlp import SWIGLU, GLU
-from megamoe.spec import BuildContext
+from megamoe.core.config import MLPConfig
+from megamoe.layers.ops.fusion import EAGER, Fusion
+from megamoe.layers.ops.grouped_gemm import shared_swiglu_add
+from megamoe.layers.mlp.dense import SWIGLU, GLU
+from megamoe.layers.spec import BuildContext
 from megamoe.layers.backends.base import BaseBackend
 from megamoe.layers.backends.local import _norm
-from megamoe.layers.lightning import lightning_chunked, lightning_recurrent
-from megamoe.layers.linear_attention.chunk_delta import chunk_delta_rule
-from megamoe.layers.linear_attention.common import causal_conv, l2norm
-from megamoe.layers.linear_attention.delta_rule import recurrent_delta_rule
+from megamoe.layers.mixers.lightning import lightning_chunked, lightning_recurrent
+from megamoe.layers.ops.delta_rule.chunk import chunk_delta_rule
+from megamoe.layers.ops.conv import causal_conv, l2norm
+from megamoe.layers.ops.delta_rule.naive import recurrent_delta_rule
 from megamoe.layers.norm import HandwrittenRMSNorm
-from megamoe.layers.shared_expert import SharedExpert
+from megamoe.layers.mlp.shared_expert import SharedExpert
 
 
 class ChunkedDeltaRule:
@@ -43,7 +43,7 @@ class ChunkedDeltaRule:
 
 class ChunkedLightning:
     def chunked(self, q, k, v, slope, initial_state=None, block: int = 64, resets=None):
-        """``resets`` [b, t] bool: packed documents (``megamoe.layers.lightning``)."""
+        """``resets`` [b, t] bool: packed documents (``megamoe.layers.mixers.lightning``)."""
         return lightning_chunked(q, k, v, slope, initial_state, block=block, resets=resets)
 
     def recurrent(self, q, k, v, slope, initial_state=None):

@@ -8,7 +8,7 @@
 - Routed experts through torch's grouped GEMM over the whole permuted batch (``grouped_mm``).
 - ``fp8="torch"`` (``train.fp8=torch``): the column, row and replicated linears and the routed
   experts run their forward and input-gradient GEMMs in e4m3 with row-wise scales
-  (``megamoe.layers.fp8``, ``megamoe.layers.fp8_experts``); the router GEMM, the norms, the
+  (``megamoe.layers.ops.fp8.linear``, ``megamoe.layers.ops.fp8.experts``); the router GEMM, the norms, the
   attention cores and the linear-attention ops stay in higher precision. Weights stay in their
   dtype (FP8 copies live only inside a GEMM), so checkpoints and HF export do not depend on it.
 
@@ -20,16 +20,16 @@ import importlib.util
 
 import torch
 
-from megamoe.errors import ConfigError
-from megamoe.fusion import EAGER, Fusion
+from megamoe.core.errors import ConfigError
+from megamoe.layers.ops.fusion import EAGER, Fusion
 from megamoe.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from megamoe.spec import BuildContext
+from megamoe.layers.spec import BuildContext
 from megamoe.layers.backends.cpu import ChunkedDeltaRule, ChunkedLightning, CpuBackend
-from megamoe.layers.experts import GroupedExperts
-from megamoe.layers.fp8 import fp8_linear
-from megamoe.layers.mlp import SWIGLU, GLU
-from megamoe.layers.fp8_experts import swiglu_experts_fp8
-from megamoe.layers.linear_attention.delta_rule import expand_key_heads
+from megamoe.layers.mlp.experts import GroupedExperts
+from megamoe.layers.ops.fp8.linear import fp8_linear
+from megamoe.layers.mlp.dense import SWIGLU, GLU
+from megamoe.layers.ops.fp8.experts import swiglu_experts_fp8
+from megamoe.layers.ops.delta_rule.naive import expand_key_heads
 
 FP8_RECIPES = ("torch",)  # the Transformer Engine recipes (delayed, current, blockwise, mxfp8) need TE
 

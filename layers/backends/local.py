@@ -7,20 +7,20 @@ modules. Slow where the CPU backend is fast; it is what the contract tests compa
 """
 from __future__ import annotations
 
-from megamoe.fusion import EAGER, Fusion
-from megamoe.spec import BuildContext
+from megamoe.layers.ops.fusion import EAGER, Fusion
+from megamoe.layers.spec import BuildContext
 from megamoe.layers.backends.base import BaseBackend
-from megamoe.layers.lightning import lightning_recurrent
-from megamoe.layers.linear_attention.common import causal_conv_reference, l2norm_reference
-from megamoe.layers.linear_attention.delta_rule import recurrent_delta_rule
+from megamoe.layers.mixers.lightning import lightning_recurrent
+from megamoe.layers.ops.conv import causal_conv_reference, l2norm_reference
+from megamoe.layers.ops.delta_rule.naive import recurrent_delta_rule
 from megamoe.layers.norm import RMSNorm, rms_norm_reference
-from megamoe.layers.mlp import SWIGLU, GLU
-from megamoe.layers.shared_expert import SharedExpert
+from megamoe.layers.mlp.dense import SWIGLU, GLU
+from megamoe.layers.mlp.shared_expert import SharedExpert
 
 
 class RecurrentDeltaRule:
     """The gated delta rule (GDN: g [b, t, hv]; KDA: g [b, t, h, dk]) as its recurrence, for
-    whole sequences and decode steps alike (shapes: ``megamoe.layers.linear_attention.delta_rule``)."""
+    whole sequences and decode steps alike (shapes: ``megamoe.layers.ops.delta_rule.naive``)."""
 
     def chunked(self, q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
                 recompute: bool = False):
@@ -31,7 +31,7 @@ class RecurrentDeltaRule:
 
 
 class RecurrentLightning:
-    """Lightning attention as its token-by-token recurrence (``megamoe.layers.lightning``)."""
+    """Lightning attention as its token-by-token recurrence (``megamoe.layers.mixers.lightning``)."""
 
     def chunked(self, q, k, v, slope, initial_state=None, block: int = 64, resets=None):
         return lightning_recurrent(q, k, v, slope, initial_state, resets=resets)

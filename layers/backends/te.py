@@ -27,10 +27,10 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from megamoe.errors import ConfigError
-from megamoe.fusion import EAGER, Fusion
+from megamoe.core.errors import ConfigError
+from megamoe.layers.ops.fusion import EAGER, Fusion
 from megamoe.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from megamoe.spec import BuildContext
+from megamoe.layers.spec import BuildContext
 from megamoe.layers.backends.cuda import CudaBackend
 
 TE_RECIPES = ("delayed", "current", "blockwise", "mxfp8")

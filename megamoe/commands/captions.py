@@ -6,14 +6,14 @@ Reads the training recipe from LOG_DIR/recipe.yaml (written by megamoe-pretrain)
 --images new pairs from its data.generator with --seed (never data.seed), captions them with
 the transformers model of the HF directory, prints the exact-match and per-field accuracy with
 a right and a wrong example, and appends the accuracy to LOG_DIR's metrics.jsonl and
-TensorBoard (eval/caption_*) at the recipe's last step (megamoe/caption_eval.py).
+TensorBoard (eval/caption_*) at the recipe's last step (megamoe/diagnostics/caption_eval.py).
 """
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from megamoe.cli import number_in, run_main, tool_parser
+from megamoe.commands.cli import number_in, run_main, tool_parser
 
 
 def quiet_load(hf_dir: str):
@@ -39,9 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     import transformers
 
-    from megamoe.caption_eval import caption_images, held_out_pairs, record, score_captions
+    from megamoe.diagnostics.caption_eval import caption_images, held_out_pairs, record, score_captions
     from megamoe.data import build_tokenizer
-    from megamoe.errors import ConfigError
+    from megamoe.core.errors import ConfigError
     from megamoe.training.entry import load_train_recipe
 
     recipe_file = Path(args.log_dir) / "recipe.yaml"

@@ -8,7 +8,7 @@ rank measures (all groups of a kind run at once, as in training).
 """
 from __future__ import annotations
 
-from megamoe.cli import number_in, run_main, tool_parser
+from megamoe.commands.cli import number_in, run_main, tool_parser
 
 
 def parser():
@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     import torch.distributed as dist
 
-    from megamoe.comm_profile import HEADER, parse_sizes, profile
-    from megamoe.config import ParallelConfig
+    from megamoe.diagnostics.comm_profile import HEADER, parse_sizes, profile
+    from megamoe.core.config import ParallelConfig
     from megamoe.parallel.groups import build_groups, init_distributed
 
     sizes = parse_sizes(args.sizes)

@@ -20,8 +20,8 @@ a checkpoint megamoe or an HF checkpoint wrote.
 import argparse
 from pathlib import Path
 
-from megamoe.cli import DEBUG_HELP, number_in, run_main, tool_parser
-from megamoe.commands.models import BASE_HELP
+from megamoe.commands.cli import DEBUG_HELP, number_in, run_main, tool_parser
+from megamoe.inference.load import BASE_HELP
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,14 +70,14 @@ def main(argv: list[str] | None = None) -> None:
             fp8 = "  [maps FP8: block-scaled e4m3]" if fam.maps_fp8 else ""
             print(f"{name:<16} {fam.architecture}  {fam.notes}{fp8}")
     elif args.command == "export-peft":
-        from megamoe.files import check_replaceable, is_checkpoint_dir
+        from megamoe.core.files import check_replaceable, is_checkpoint_dir
         from megamoe.lora import export_peft_checkpoint
 
         check_replaceable(Path(args.out_dir), args.overwrite, is_checkpoint_dir, "checkpoint")
         out = export_peft_checkpoint(args.ckpt_dir, args.out_dir, family=args.family, overwrite=args.overwrite)
         print(f"wrote PEFT adapter {out} (peft.PeftModel.from_pretrained(hf_model, '{out}'))")
     elif args.command == "import-hf":
-        from megamoe.placement import read_placement
+        from megamoe.model.placement import read_placement
 
         placement = read_placement(args.placement) if args.placement else None
         out = import_hf(args.hf_dir, args.out_dir, tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp,
@@ -91,11 +91,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def export(args):
     """export-hf: a checkpoint as it is, or a LoRA checkpoint merged into its base."""
-    from megamoe.commands.models import checkpoint_path, load_model
+    from megamoe.inference.load import checkpoint_path, load_model
     from megamoe.convert import export_hf, to_hf
-    from megamoe.errors import CheckpointError, ConfigError
-    from megamoe.files import check_replaceable, is_checkpoint_dir
-    from megamoe.training.checkpoint import read_meta
+    from megamoe.core.errors import CheckpointError, ConfigError
+    from megamoe.core.files import check_replaceable, is_checkpoint_dir
+    from megamoe.checkpoint.dcp import read_meta
 
     check_replaceable(Path(args.out_dir), args.overwrite, is_checkpoint_dir, "checkpoint")  # before any loading
     shard_bytes = int(args.shard_gib * 2**30)

@@ -8,8 +8,8 @@ The model is the checkpoint's own (its meta.json): the recipe adds data, trainin
 settings, and a model.* override that differs from the checkpoint is refused. Everything else is
 as in megamoe-pretrain (recipe + key=value overrides).
 """
-from megamoe.cli import recipe_parser, run_main
-from megamoe.errors import ConfigError
+from megamoe.commands.cli import recipe_parser, run_main
+from megamoe.core.errors import ConfigError
 from megamoe.training.entry import adopt_checkpoint_model, finish, load_train_recipe, run_training, weights_source
 
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.cli import number_in, run_main, tool_parser
-from megamoe.commands.models import BASE_HELP
-from megamoe.errors import ConfigError
-from megamoe.parallel_inference import parallel_flags, parallel_from_args
+from megamoe.commands.cli import number_in, run_main, tool_parser
+from megamoe.inference.load import BASE_HELP
+from megamoe.core.errors import ConfigError
+from megamoe.inference.distributed import parallel_flags, parallel_from_args
 
 
 def image_prompt(model, path: str, ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:
@@ -132,13 +132,13 @@ def load_for_layout(args):
     under torchrun at --tp/--pp/--ep/--etp (every rank decodes, the first prints)."""
     import torch.distributed as dist
 
-    from megamoe.commands.models import load_model
-    from megamoe.parallel_inference import StageForward, inference_groups, load_model as load_stage
+    from megamoe.inference.load import load_model
+    from megamoe.inference.distributed import StageForward, inference_groups, load_model as load_stage
 
     parallel = parallel_from_args(args)
     store = None
     if args.expert_budget is not None:
-        from megamoe.config import ExpertStoreConfig
+        from megamoe.core.config import ExpertStoreConfig
 
         store = ExpertStoreConfig(budget_mib=args.expert_budget, tier=args.expert_tier, path=args.expert_store,
                                   map=args.expert_map)
@@ -159,8 +159,8 @@ def cache_factory(kind: str, block_size: int):
     """--kv-cache: the decode cache ``stream`` makes for the batch."""
     import functools
 
-    from megamoe.cache import InferenceCache
-    from megamoe.paged_cache import PagedCache
+    from megamoe.layers.cache.decode import InferenceCache
+    from megamoe.layers.cache.paged import PagedCache
 
     if kind == "contiguous":
         return InferenceCache
@@ -170,7 +170,7 @@ def cache_factory(kind: str, block_size: int):
 def decode_lines(model, prompts: list[list[int]], tok, args, images, forward=None):
     """Decode the prompts as one batch; yield the lines to print (with --stream one per token as
     it comes, then one line per prompt)."""
-    from megamoe.generate import stream
+    from megamoe.inference.generate import stream
 
     new: list[list[int]] = [[] for _ in prompts]
     for rows, tokens in stream(model, prompts, args.max_new_tokens, do_sample=args.sample,

@@ -14,13 +14,13 @@ busiest-rank load (max/mean) before and after, and writes the placement that
 """
 import sys
 
-from megamoe.cli import number_in, recipe_parser, run_main, tool_parser
-from megamoe.plan import describe, fitting_layouts, long_context_plan, memory_plan, recipe_options
+from megamoe.commands.cli import number_in, recipe_parser, run_main, tool_parser
+from megamoe.planning.plan import describe, fitting_layouts, long_context_plan, memory_plan, recipe_options
 from megamoe.training.entry import load_train_recipe
 
 
 def experts(argv: list[str]) -> None:
-    from megamoe.placement import balanced_order, imbalance, read_load, write_json
+    from megamoe.model.placement import balanced_order, imbalance, read_load, write_json
 
     p = tool_parser("Place experts over EP ranks from their measured load")
     src = p.add_mutually_exclusive_group(required=True)
@@ -58,8 +58,8 @@ def _calibrate(args) -> dict:
 
     from megamoe.convert import from_hf
     from megamoe.data.tokenizer import load_tokenizer
-    from megamoe.errors import ConfigError
-    from megamoe.placement import calibrate
+    from megamoe.core.errors import ConfigError
+    from megamoe.model.placement import calibrate
 
     if not args.text:
         raise ConfigError("--calibrate needs --text FILE (the user data to route)")
@@ -109,7 +109,7 @@ def _bytes(text: str) -> float:
     """'141GiB', '80GB', '512MiB' -> bytes."""
     import re
 
-    from megamoe.errors import ConfigError
+    from megamoe.core.errors import ConfigError
 
     m = re.fullmatch(r"\s*([0-9.]+)\s*(KiB|MiB|GiB|TiB|KB|MB|GB|TB)\s*", text)
     units = {"KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.cli import number_in, run_main, tool_parser
-from megamoe.errors import ConfigError
+from megamoe.commands.cli import number_in, run_main, tool_parser
+from megamoe.core.errors import ConfigError
 
 
 def parser():
@@ -30,7 +30,7 @@ def parser():
 
 
 def dtypes_of(text: str) -> list[str]:
-    from megamoe.precision import DTYPES
+    from megamoe.diagnostics.precision import DTYPES
 
     names = [t.strip() for t in text.split(",") if t.strip()]
     for name in names:
@@ -47,7 +47,7 @@ def hf_comparison(model, hf_dir: str, ids: torch.Tensor, fp32):
     from pathlib import Path
 
     from megamoe.convert.verify import load_hf_model
-    from megamoe.precision import Capture
+    from megamoe.diagnostics.precision import Capture
 
     if not (Path(hf_dir) / "config.json").is_file():
         raise ConfigError(f"--reference hf: {hf_dir} is not an HF folder (no config.json)")
@@ -61,8 +61,8 @@ def hf_comparison(model, hf_dir: str, ids: torch.Tensor, fp32):
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     names = dtypes_of(args.dtypes)
-    from megamoe.commands.models import load_model
-    from megamoe.precision import DTYPES, capture, cast, compare, plot, table
+    from megamoe.inference.load import load_model
+    from megamoe.diagnostics.precision import DTYPES, capture, cast, compare, plot, table
 
     model = load_model(args.model_dir).float()
     layout = model.config.parsed_layout()

@@ -16,12 +16,12 @@ import json
 
 from pathlib import Path
 
-from megamoe.cli import run_main, tool_parser
+from megamoe.commands.cli import run_main, tool_parser
 from megamoe.data import TokenFile, load_tokenizer, write_token_file
 from megamoe.data.indexed import IndexedTokens, is_indexed_prefix, write_indexed_dataset
 from megamoe.data.records import FORMATS
 from megamoe.data.tokfile import encoded_documents
-from megamoe.errors import DataError
+from megamoe.core.errors import DataError
 
 
 def show(path: str, tokenizer_spec: str | None) -> None:

@@ -3,7 +3,7 @@
     megamoe-pretrain --config tiny_train
     torchrun --nproc-per-node 4 -m megamoe.commands.pretrain --config tiny_train parallel.tp=2 parallel.pp=2
 """
-from megamoe.cli import recipe_parser, run_main
+from megamoe.commands.cli import recipe_parser, run_main
 from megamoe.training.entry import finish, load_train_recipe, run_training
 
 

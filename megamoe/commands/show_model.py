@@ -8,16 +8,16 @@ import time
 
 import torch
 
-from megamoe.cli import number_in, recipe_parser, run_main
-from megamoe.config import validate_model_parallel
-from megamoe.plan import describe
+from megamoe.commands.cli import number_in, recipe_parser, run_main
+from megamoe.core.config import validate_model_parallel
+from megamoe.planning.plan import describe
 from megamoe.recipe import load_recipe
 
 
 def smoke_step(model_cfg, seq_len: int, batch: int) -> None:
     """Build the model for real (single process), run forward+backward on random tokens."""
-    from megamoe.model import LanguageModel, shift_labels
-    from megamoe.weights import initialize
+    from megamoe.model.language_model import LanguageModel, shift_labels
+    from megamoe.model.weights import initialize
 
     t = time.time()
     model = LanguageModel(model_cfg)

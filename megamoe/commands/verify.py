@@ -12,9 +12,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megamoe.cli import number_in, run_main, tool_parser
-from megamoe.commands.models import BASE_HELP
-from megamoe.parallel_inference import parallel_flags, parallel_from_args
+from megamoe.commands.cli import number_in, run_main, tool_parser
+from megamoe.inference.load import BASE_HELP
+from megamoe.inference.distributed import parallel_flags, parallel_from_args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,8 +52,8 @@ def verify_at_layout(hf_dir: str, parallel, run):
     transformers reference and gets the report."""
     import torch.distributed as dist
 
-    from megamoe.errors import ConfigError
-    from megamoe.parallel_inference import StageForward, inference_groups, load_model
+    from megamoe.core.errors import ConfigError
+    from megamoe.inference.distributed import StageForward, inference_groups, load_model
 
     if not (Path(hf_dir) / "config.json").is_file():
         raise ConfigError(f"{hf_dir}: at a parallel layout verify reads an HF folder (export a checkpoint first)")
@@ -65,9 +65,9 @@ def verify_at_layout(hf_dir: str, parallel, run):
 def verify_checkpoint(path: str, run, base: str | None = None):
     """A megamoe checkpoint: its model (LoRA adapters merged) against transformers on the same
     weights written as an HF directory (in a temporary folder, removed afterwards)."""
-    from megamoe.commands.models import hf_origin_of, load_model
+    from megamoe.inference.load import hf_origin_of, load_model
     from megamoe.convert import to_hf
-    from megamoe.errors import CheckpointError
+    from megamoe.core.errors import CheckpointError
 
     if not hf_origin_of(path, base):
         raise CheckpointError(f"{path}: the weights did not come from an HF checkpoint, so there is no "

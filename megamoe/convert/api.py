@@ -9,24 +9,24 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megamoe.config import ModelConfig, ParallelConfig, validate_model_parallel
+from megamoe.core.config import ModelConfig, ParallelConfig, validate_model_parallel
 from megamoe.convert.family import Family, get_family
-from megamoe.convert.hf_io import HFCheckpoint, write_hf_dir
-from megamoe.convert.mm_format import FORMAT, ConvertedCheckpoint, write_checkpoint
+from megamoe.checkpoint.hf_io import HFCheckpoint, write_hf_dir
+from megamoe.checkpoint.converted import FORMAT, ConvertedCheckpoint, write_checkpoint
 from megamoe.convert.quant import (FP8_DTYPES, DequantizedHF, QuantFormat, fp8_plan, fp8_record, fp8_stream,
                                    quant_format, set_quantization_config)
-from megamoe.convert.st_io import DTYPE_CODES
+from megamoe.checkpoint.safetensors_io import DTYPE_CODES
 from megamoe.convert.table import Entry, check_plan, expand
-from megamoe.errors import CheckpointError, ConfigError
-from megamoe.files import AtomicDir, check_replaceable, is_checkpoint_dir
+from megamoe.core.errors import CheckpointError, ConfigError
+from megamoe.core.files import AtomicDir, check_replaceable, is_checkpoint_dir
 from megamoe.lora.adapters import adapter_of, has_lora
-from megamoe.model import build_model
+from megamoe.model.language_model import build_model
 from megamoe.recipe import config_from_dict, config_to_dict
 from megamoe.parallel.groups import ParallelGroups
-from megamoe.parallel.pieces import GROUPS
+from megamoe.checkpoint.pieces import GROUPS
 from megamoe.parallel.record import is_expert_param
 from megamoe.parallel.sharding import full_shape, gather_full, shard_full, sharding
-from megamoe.placement import to_logical, to_slots
+from megamoe.model.placement import to_logical, to_slots
 
 log = logging.getLogger(__name__)
 TORCH_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
@@ -94,7 +94,7 @@ def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequenc
             pipeline: tuple[int, int] = (0, 1)):
     """A megamoe model holding an HF checkpoint's weights (this rank's shards under ``groups``);
     ``fp8``: the backend's FP8 recipe (as ``train.fp8``); ``placement``: {layer: expert order}
-    laid out over the EP slots (``megamoe.placement``; recorded in ``model.moe.placement``).
+    laid out over the EP slots (``megamoe.model.placement``; recorded in ``model.moe.placement``).
     ``pipeline`` (stage, stages): build and load only that pipeline stage's layers (cut by
     ``Layout.stages(stages, balanced=True)``; the first holds the embedding, the last the output
     layer); tensors of other stages are never read. Each tensor is read, sliced to this rank's
@@ -130,9 +130,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int =
               shard_bytes: int = 2 << 30, overwrite: bool = False, progress: bool = True,
               placement: dict | None = None, experts: bool = True) -> Path:
     """Convert an HF directory into a megamoe checkpoint (optionally split for a TP/PP/EP layout;
-    ``placement``: {layer: expert order} over the EP slots, see ``megamoe.placement``).
+    ``placement``: {layer: expert order} over the EP slots, see ``megamoe.model.placement``).
     ``experts=False``: the routed experts stay in ``hf_dir`` only (never read here); runs with
-    tiered experts (``model.moe.expert_store``) read them from there (``megamoe.tiers.hf``)."""
+    tiered experts (``model.moe.expert_store``) read them from there (``megamoe.expert_store.hf``)."""
     start = time.time()
     check_replaceable(Path(out_dir), overwrite, is_checkpoint_dir, "checkpoint")  # before any reading
     ck, family, cfg = open_hf(hf_dir)
@@ -154,7 +154,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int =
     # hf.path: where the weights came from (a PEFT adapter of a fine-tune names it as its base)
     hf = {"model_type": family.model_type, "config": ck.config, "path": str(Path(hf_dir).resolve())}
     if not experts:
-        hf["experts_in_hf"] = True  # megamoe.tiers reads the routed experts from hf["path"]
+        hf["experts_in_hf"] = True  # megamoe.expert_store reads the routed experts from hf["path"]
     if ck.scales:
         hf["fp8"] = fp8_record(ck)  # an export with --fp8-blocks writes these tensors in FP8 again
     meta = {"step": 0, "model": config_to_dict(cfg), "hf": hf,
@@ -261,7 +261,7 @@ def to_hf(model, out_dir: str | Path, *, family: str | None = None, hf_config: d
 def open_megamoe_checkpoint(path: str | Path):
     """(meta, config, meta-device tensors, full-tensor reader) for a converted checkpoint, a
     training checkpoint (step_XXXXXXXX) or a training run's directory (its latest checkpoint)."""
-    from megamoe.training.checkpoint import latest_checkpoint, read_meta
+    from megamoe.checkpoint.dcp import latest_checkpoint, read_meta
 
     if not (Path(path) / "meta.json").is_file() and latest_checkpoint(path) is not None:
         path = latest_checkpoint(path)
@@ -274,7 +274,7 @@ def open_megamoe_checkpoint(path: str | Path):
     if meta.get("format") == FORMAT:
         ck = ConvertedCheckpoint(path, meta)
         return meta, cfg, tensors, lambda n: ck.full(n, sharding(tensors[n]))
-    from megamoe.training.checkpoint import read_full_tensor
+    from megamoe.checkpoint.dcp import read_full_tensor
 
     return meta, cfg, tensors, lambda n: read_full_tensor(path, meta, n, sharding(tensors[n]))
 

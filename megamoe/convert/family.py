@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from megamoe.config import ModelConfig
+from megamoe.core.config import ModelConfig
 from megamoe.convert.table import Rule
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 
 
 FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448

@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from megamoe.config import ModelConfig
-from megamoe.errors import CheckpointError
+from megamoe.core.config import ModelConfig
+from megamoe.core.errors import CheckpointError
 
 
 @dataclass
@@ -121,7 +121,7 @@ class Experts(Rule):
 
     ``row_blocks``: ``per_expert`` only stacks one expert's HF tensors by rows as they are (gate
     then up; down alone) and the stacked tensors are megamoe's as they are, so a reader may take
-    an expert's slices from the HF files directly (``megamoe.tiers.hf``, tiered experts).
+    an expert's slices from the HF files directly (``megamoe.expert_store.hf``, tiered experts).
     """
 
     stacked: tuple[str, ...] = ()

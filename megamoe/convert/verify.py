@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from megamoe.convert.api import from_hf
-from megamoe.convert.hf_io import read_config
-from megamoe.generate import generate
+from megamoe.checkpoint.hf_io import read_config
+from megamoe.inference.generate import generate
 
 
 @dataclass
@@ -45,7 +45,7 @@ def verify(hf_dir: str | Path, *, prompt_len: int = 12, new_tokens: int = 16, ba
     """megamoe's logits and greedy tokens against transformers' on a random prompt.
 
     At a parallel layout every rank passes its ``model`` stage and ``forward`` (a
-    ``megamoe.parallel_inference.StageForward``); only the rank with ``reference`` loads the
+    ``megamoe.inference.distributed.StageForward``); only the rank with ``reference`` loads the
     transformers model and gets the report (the others get None)."""
     model = model if model is not None else from_hf(hf_dir)
     model.float()

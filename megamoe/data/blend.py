@@ -30,7 +30,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from megamoe.data.sampling import global_order
-from megamoe.errors import ConfigError
+from megamoe.core.errors import ConfigError
 
 
 def parse_blend(paths: Sequence, field: str = "data.paths") -> tuple[list[str], list[float] | None]:

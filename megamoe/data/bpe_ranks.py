@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megamoe.errors import DataError
+from megamoe.core.errors import DataError
 
 # Kimi's pre-tokenisation (tokenization_kimi.py, which ships as remote code and is not run): Han
 # runs, cased words with English contractions (letters outside Han), digits in threes,

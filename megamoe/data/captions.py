@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 from megamoe.data.records import data_error, iter_jsonl, require_text
 from megamoe.data.samples import Truncations, make_sample
 from megamoe.data.tokenizer import Tokenizer
-from megamoe.errors import DataError
+from megamoe.core.errors import DataError
 
 ImageTokens = Union[int, Callable[[Any], int]]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from megamoe.data.tokenizer import Tokenizer
-from megamoe.errors import DataError
+from megamoe.core.errors import DataError
 
 BUILTIN_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -5,7 +5,7 @@ No ``from __future__ import annotations``: OmegaConf reads these annotations at 
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from megamoe.config import check, check_choice, check_positive
+from megamoe.core.config import check, check_choice, check_positive
 from megamoe.data.blend import parse_blend
 
 KINDS = ("pretrain", "sft", "image_caption", "synthetic")

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from megamoe.data.tokenizer import Tokenizer
-from megamoe.errors import DataError
+from megamoe.core.errors import DataError
 
 log = logging.getLogger(__name__)
 

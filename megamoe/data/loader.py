@@ -29,7 +29,7 @@ from megamoe.data.samples import SEQUENCE_KEYS, collate
 from megamoe.data.sampling import BatchLayout, global_order
 from megamoe.data.sft import PackedSFTDataset, SFTDataset
 from megamoe.data.tokenizer import Tokenizer, load_tokenizer
-from megamoe.errors import ConfigError, DataError
+from megamoe.core.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import Dataset
 
 from megamoe.data.tokenizer import Tokenizer
-from megamoe.errors import DataError
+from megamoe.core.errors import DataError
 from megamoe.parallel.context import position_in_document
 from megamoe.parallel.cross_entropy import IGNORE_INDEX
 

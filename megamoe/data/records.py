@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from megamoe.errors import DataError
+from megamoe.core.errors import DataError
 
 FORMATS = ("auto", "jsonl", "paragraphs", "lines")
 

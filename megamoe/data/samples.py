@@ -2,7 +2,7 @@
 
 Sample: ``input_ids`` LongTensor[s], ``labels`` LongTensor[s] with ``labels[t]`` the target of
 position t (``ids[t+1]`` when that token is trainable, else -100) — already shifted, as
-``megamoe.model.shift_labels`` does for plain text. Shorter records are padded on the right
+``megamoe.model.language_model.shift_labels`` does for plain text. Shorter records are padded on the right
 with the tokenizer's pad id (labels -100); longer ones follow the truncation policy:
 
 - ``right``: keep the first ``seq_len`` tokens (the targets of the kept positions stay; a reply

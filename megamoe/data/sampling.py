@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megamoe.errors import ConfigError
+from megamoe.core.errors import ConfigError
 
 _MASK64 = (1 << 64) - 1
 ROUNDS = 6

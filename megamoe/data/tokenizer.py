@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megamoe.data.bpe_ranks import KIMI_PATTERN, MAX_CONFIG_BYTES, bounded_file, read_bpe_ranks
-from megamoe.errors import DataError
+from megamoe.core.errors import DataError
 
 # Strings that name an end-of-sequence token in common tokenizer.json files without a config.
 KNOWN_EOS = ("</s>", "<|endoftext|>", "<|im_end|>", "<eos>", "<|end_of_text|>", "<｜end▁of▁sentence｜>")

@@ -25,8 +25,8 @@ import numpy as np
 
 from megamoe.data.records import data_error, iter_documents
 from megamoe.data.tokenizer import Tokenizer
-from megamoe.errors import DataError
-from megamoe.files import check_replaceable, has_header, replace_dir, temp_dir_beside
+from megamoe.core.errors import DataError
+from megamoe.core.files import check_replaceable, has_header, replace_dir, temp_dir_beside
 
 log = logging.getLogger(__name__)
 

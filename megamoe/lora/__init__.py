@@ -14,7 +14,7 @@ _LAZY = {
     "check_targets": "megamoe.lora.api", "lora_parameters": "megamoe.lora.api",
     "adapter_state_dict": "megamoe.lora.api", "load_adapter_state_dict": "megamoe.lora.api",
     "trainable_count": "megamoe.lora.api", "is_adapter_name": "megamoe.lora.adapters",
-    "export_peft": "megamoe.lora.peft", "export_peft_checkpoint": "megamoe.lora.peft",
+    "export_peft": "megamoe.convert.peft", "export_peft_checkpoint": "megamoe.convert.peft",
 }
 
 __all__ = ["LoRAConfig", *_LAZY]

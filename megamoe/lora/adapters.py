@@ -44,7 +44,7 @@ whole stage: marked over tp, and summed over dp_cp like any dense parameter. Per
 adapters are expert parameters (reduced over the expert-data-parallel group).
 
 Init (PEFT's default): A uniform in +-1/sqrt(fan_in) (kaiming-uniform with a=sqrt(5)), B zero,
-drawn from the full tensor like every parameter (``megamoe.weights.initialize``).
+drawn from the full tensor like every parameter (``megamoe.model.weights.initialize``).
 """
 from __future__ import annotations
 
@@ -52,10 +52,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamoe.errors import ConfigError
+from megamoe.core.errors import ConfigError
 from megamoe.lora.config import LoRAConfig
 from megamoe.lora.experts import ExpertLoRA, lora_swiglu_experts
-from megamoe.params import mark_active_fraction
+from megamoe.model.params import mark_active_fraction
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.record import record
 from megamoe.parallel.sharding import (Shard, const_init, full_shape, mark_init, mark_partial_grad, set_sharding,

@@ -13,12 +13,12 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn
 
-from megamoe.errors import CheckpointError, ConfigError
+from megamoe.core.errors import CheckpointError, ConfigError
 from megamoe.lora.adapters import adapter_of, attach, has_lora, is_adaptable, is_adapter_name
 from megamoe.lora.config import LoRAConfig
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.sharding import full_shape, gather_full, shard_full
-from megamoe.weights import initialize
+from megamoe.model.weights import initialize
 
 
 def adaptable_modules(model: nn.Module) -> dict[str, nn.Module]:

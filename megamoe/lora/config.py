@@ -2,7 +2,7 @@
 from dataclasses import dataclass, field
 from typing import List
 
-from megamoe.config import check, check_choice, check_positive
+from megamoe.core.config import check, check_choice, check_positive
 
 EXPERT_ADAPTERS = ("per_expert", "shared")
 

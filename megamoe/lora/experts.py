@@ -1,9 +1,9 @@
 """Routed SwiGLU experts with low-rank adapters: the maths on grouped rows.
 
-For the rows routed to expert e (grouped as ``megamoe.layers.grouped_gemm`` describes)::
+For the rows routed to expert e (grouped as ``megamoe.layers.ops.grouped_gemm`` describes)::
 
     gate|up = x W1_e^T + s * (drop(x) A1_e^T) B1_e^T
-    act     = glu(gate, up)            (the role's gated unit, megamoe.layers.mlp; times the routing prob)
+    act     = glu(gate, up)            (the role's gated unit, megamoe.layers.mlp.dense; times the routing prob)
     out     = act W2_e^T + s * (drop(act) A2_e^T) B2_e^T
 
 Per-expert adapters are stacked like the weights, A1 [E, r, h], B1 [E, 2f, r], A2 [E, r, f],
@@ -27,8 +27,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from megamoe.layers.grouped_gemm import expert_slices, swiglu_act_, swiglu_pre_grad, swiglu_recompute
-from megamoe.layers.mlp import SWIGLU, GLU, glu_act
+from megamoe.layers.ops.grouped_gemm import expert_slices, swiglu_act_, swiglu_pre_grad, swiglu_recompute
+from megamoe.layers.mlp.dense import SWIGLU, GLU, glu_act
 
 
 @dataclass
@@ -79,7 +79,7 @@ def expert_linear(rows: torch.Tensor, w: torch.Tensor, counts: Sequence[int], gr
 
 def lora_swiglu_experts(kernel: str, x, idx, counts: Sequence[int], probs, w1, w2, lora: ExpertLoRA,
                         out_rows: int, glu: GLU = SWIGLU) -> torch.Tensor:
-    """The expert kernel contract of ``megamoe.layers.grouped_gemm`` with adapters added, in the
+    """The expert kernel contract of ``megamoe.layers.ops.grouped_gemm`` with adapters added, in the
     form of the base role's ``kernel`` (``reference``, ``loop`` or ``grouped_mm``): the loop
     kernel's hand-written backward for ``loop`` (plain autograd with adapter dropout), whole-batch
     products under autograd otherwise (grouped GEMMs for ``grouped_mm``, per-expert ones else).

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megamoe.errors import ConfigError
+from megamoe.core.errors import ConfigError
 from megamoe.parallel.comm import gather_reduce_scatter
 from megamoe.parallel.groups import group_rank, group_size
 

@@ -15,8 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megamoe.config import ParallelConfig
-from megamoe.errors import ConfigError
+from megamoe.core.config import ParallelConfig
+from megamoe.core.errors import ConfigError
 
 # process group -> its names in the grid ("dp_cp", or "dp+dp_cp" when two fields share one
 # group), for the communication monitor; kept as long as the grid (see _GRIDS, release_groups)

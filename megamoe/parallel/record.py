@@ -6,10 +6,10 @@ field               meaning (who reads it)
 ``shard``           ordered ``Shard`` rules: how the full tensor splits over the grid
                     (initialisation, checkpoints, conversion, gradient sync)
 ``partial_grad``    groups over which each rank's gradient is a partial sum
-                    (``megamoe.weights.finalize_grads`` sums it over them, in order)
-``init``            the init rule, a function of a ``Draw`` (``megamoe.weights.initialize``)
+                    (``megamoe.model.weights.finalize_grads`` sums it over them, in order)
+``init``            the init rule, a function of a ``Draw`` (``megamoe.model.weights.initialize``)
 ``active_fraction`` share of the tokens that use it: routed experts top_k / E (the budget)
-``stored``          its values live in the expert store (``megamoe.tiers``): a meta-device
+``stored``          its values live in the expert store (``megamoe.expert_store``): a meta-device
                     placeholder that is never initialised, loaded, saved or moved
 ==================  ==========================================================================
 

@@ -3,7 +3,7 @@ OmegaConf reads them)."""
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from megamoe.config import check, check_choice, check_positive
+from megamoe.core.config import check, check_choice, check_positive
 
 PRECISIONS = ("auto", "fp32", "bf16")
 FP8_CHOICES = ("torch", "delayed", "current", "blockwise", "mxfp8")

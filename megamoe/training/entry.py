@@ -23,7 +23,7 @@ def load_train_recipe(path, overrides: Sequence[str] = (), validate: bool = True
 
 def weights_source(recipe) -> Path | None:
     """Where a run's starting weights come from: ``checkpoint.load``, else the checkpoint it resumes."""
-    from megamoe.training.checkpoint import latest_checkpoint
+    from megamoe.checkpoint.dcp import latest_checkpoint
 
     c = recipe.checkpoint
     if c.load:
@@ -38,7 +38,7 @@ def adopt_checkpoint_model(recipe, overrides: Sequence[str] = ()) -> None:
     from omegaconf import OmegaConf
 
     from megamoe.recipe import config_from_dict, config_to_dict
-    from megamoe.training.checkpoint import read_meta
+    from megamoe.checkpoint.dcp import read_meta
     from megamoe.training.guards import changed_fields
 
     source = weights_source(recipe)

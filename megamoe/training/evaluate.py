@@ -68,7 +68,7 @@ class Evaluator:
 
     @contextlib.contextmanager
     def _eval_mode(self):
-        from megamoe.moe import recording
+        from megamoe.model.moe_controls import recording
 
         t = self.trainer
         t.phase = "evaluation"

@@ -9,7 +9,7 @@ restarts and resumes from the latest complete checkpoint.
 """
 from __future__ import annotations
 
-from megamoe.errors import MegamoeError
+from megamoe.core.errors import MegamoeError
 
 # which process groups each part of a training step communicates over
 PHASE_GROUPS = {

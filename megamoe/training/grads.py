@@ -18,7 +18,7 @@ from megamoe.parallel import comm
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.record import is_expert_param  # noqa: F401  (also imported from here)
 from megamoe.parallel.sharding import sharding
-from megamoe.weights import finalize_grads
+from megamoe.model.weights import finalize_grads
 
 BUCKET_ELEMENTS = 1 << 24
 

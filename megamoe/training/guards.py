@@ -14,7 +14,7 @@ import json
 import logging
 from pathlib import Path
 
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 from megamoe.recipe import config_to_dict
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megamoe.memory import peak_rss_mib, rss_mib
+from megamoe.diagnostics.memory import peak_rss_mib, rss_mib
 from megamoe.training.config import LoggingConfig
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from megamoe.config import ModelConfig, ParallelConfig, check_pipeline_support
-from megamoe.model import LanguageModel, build_model
+from megamoe.core.config import ModelConfig, ParallelConfig, check_pipeline_support
+from megamoe.model.language_model import LanguageModel, build_model
 from megamoe.parallel import comm
 from megamoe.parallel.groups import ParallelGroups
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megamoe.errors import ConfigError
+from megamoe.core.errors import ConfigError
 from megamoe.training.config import WandbConfig
 
 

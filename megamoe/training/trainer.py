@@ -3,7 +3,7 @@
 One optimizer step consumes one global batch of ``train.global_batch_size`` samples; data
 parallel rank r of D takes its slice, split into micro-batches. The ranks of a CP group share
 a data-parallel rank: each gets the same full samples and the model cuts them to its chunks
-(``megamoe.model``). The loss of every micro-batch is divided by the global number of target
+(``megamoe.model.language_model``). The loss of every micro-batch is divided by the global number of target
 tokens, so gradients are plain sums (over ``dp_cp``) and any layout reproduces the
 single-process run.
 """
@@ -20,14 +20,14 @@ import torch
 import torch.distributed as dist
 
 from megamoe.data import BatchLayout, TrainData
-from megamoe.errors import CheckpointError, ConfigError, DataError, MegamoeError
-from megamoe.layout import MOE_LETTERS
-from megamoe.plan import budget
+from megamoe.core.errors import CheckpointError, ConfigError, DataError, MegamoeError
+from megamoe.core.layout import MOE_LETTERS
+from megamoe.planning.plan import budget
 from megamoe.parallel import comm
 from megamoe.parallel.cross_entropy import IGNORE_INDEX
 from megamoe.parallel.groups import ParallelGroups, build_groups, init_distributed
 from megamoe.recipe import Recipe, config_to_dict
-from megamoe.training import checkpoint as ckpt
+from megamoe.checkpoint import dcp as ckpt
 from megamoe.training.config import TrainConfig
 from megamoe.training.grads import clip_grads, global_grad_norm, sync_grads
 from megamoe.training.faults import describe, is_collective_failure
@@ -35,7 +35,7 @@ from megamoe.training.guards import CheckpointMismatch, check_unchanged, run_rec
 from megamoe.training.monitor import Monitor, memory_gib, peak_tflops
 from megamoe.training.optimizer import DistributedOptimizer, lr_at
 from megamoe.training.pipeline import build_chunks, build_schedule, timed_p2p
-from megamoe.weights import initialize
+from megamoe.model.weights import initialize
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class Trainer:
         if self.recipe.lora is None:
             raise ConfigError("model.moe.expert_store.budget_mib is set but lora is not: tiered experts are frozen "
                               "(LoRA fine-tuning, inference); unset the budget to train the experts")
-        from megamoe.tiers import open_expert_store
+        from megamoe.expert_store import open_expert_store
 
         return open_expert_store(self.chunks, self.groups, self.base_weights, moe.placement)
 
@@ -165,7 +165,7 @@ class Trainer:
     # ---- MoE ------------------------------------------------------------------------------
 
     def _setup_moe(self) -> None:
-        from megamoe.moe import set_aux_loss_scale, update_expert_bias
+        from megamoe.model.moe_controls import set_aux_loss_scale, update_expert_bias
 
         # each micro-batch's balancing losses weigh like its share of the global batch
         for chunk in self.chunks:
@@ -179,7 +179,7 @@ class Trainer:
         gathered to rank 0 (a collective; the trainer calls it on logging steps only)."""
         if not self.has_moe:
             return {}, {}
-        from megamoe.moe import moe_metrics
+        from megamoe.model.moe_controls import moe_metrics
 
         mine = {}
         for chunk in self.chunks:

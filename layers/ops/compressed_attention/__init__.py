@@ -1,4 +1,4 @@
-"""DeepSeek-V4's compressed attention (letters W, C, H of ``megamoe.layers.compressed_attention``).
+"""DeepSeek-V4's compressed attention (letters W, C, H of ``megamoe.layers.mixers.compressed_attention``).
 
 - ``pool``: complete blocks of a segment of tokens and their gated pooling into entries
   (``find_blocks``, ``pool_blocks``);

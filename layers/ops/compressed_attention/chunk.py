@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megamoe.layers.context_attention import allowed_mask, tile_rows
+from megamoe.layers.ops.attention.context import allowed_mask, tile_rows
 from megamoe.layers.ops.compressed_attention.naive import entry_mask
 from megamoe.layers.ops.compressed_attention.pool import Entries
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.layers.context_attention import allowed_mask
-from megamoe.layers.dsa import indices_to_mask
+from megamoe.layers.ops.attention.context import allowed_mask
+from megamoe.layers.mixers.dsa import indices_to_mask
 from megamoe.layers.ops.compressed_attention.pool import Entries
 
 

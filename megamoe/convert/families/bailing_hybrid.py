@@ -21,14 +21,14 @@ The KDA's head count is num_attention_heads, its head size ``linear_head_dim`` (
 """
 from __future__ import annotations
 
-from megamoe.config import KDAConfig, ModelConfig
+from megamoe.core.config import KDAConfig, ModelConfig
 from megamoe.convert.families.common import dense_mlp_rules, embedding_rules, norm_rules
 from megamoe.convert.families.deepseek_v3 import (base_model_config, deepseek_moe_rules, expressible, mla_from_hf,
                                                   mla_rules, mlp_letters, mtp_skipped)
 from megamoe.convert.families.kimi_linear import hybrid_to_hf, kda_rules, layer_types_to_letters
 from megamoe.convert.family import Family, hf_get, register
 from megamoe.convert.table import Rule, Same, alternatives
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 
 ROPE_THETA = 6_000_000.0  # transformers' default for bailing_hybrid
 

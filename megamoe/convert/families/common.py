@@ -6,9 +6,9 @@ import copy
 
 import torch
 
-from megamoe.config import ModelConfig, YarnConfig
+from megamoe.core.config import ModelConfig, YarnConfig
 from megamoe.convert.family import hf_get
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 from megamoe.convert.table import Cat, Ctx, Experts, Fn, OneOf, Rule, Same
 
 # ---- HF config readers -------------------------------------------------------------------
@@ -132,7 +132,7 @@ def split_qkv(w: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, ...]:
 
 def attention_rules(prefix: str, letters: str = "AS", q_norm: str | None = "q_norm",
                     k_norm: str | None = "k_norm", bias: bool = False) -> list[Rule]:
-    """GQA attention (layers/attention.py) from HF q/k/v/o projections (+ QK-norm)."""
+    """GQA attention (layers/mixers/attention.py) from HF q/k/v/o projections (+ QK-norm)."""
     rules: list[Rule] = [
         Fn("layers.{L}.mixer.linear_qkv.weight", tuple(f"{prefix}.{x}_proj.weight" for x in "qkv"), when=letters,
            forward=lambda t, ctx: fuse_qkv(*t, ctx), backward=split_qkv),
@@ -148,7 +148,7 @@ def attention_rules(prefix: str, letters: str = "AS", q_norm: str | None = "q_no
 
 
 def dense_mlp_rules(prefix: str, letters: str = "d") -> list[Rule]:
-    """SwiGLU MLP (layers/mlp.py): gate|up fused as linear_fc1, down as linear_fc2."""
+    """SwiGLU MLP (layers/mlp/dense.py): gate|up fused as linear_fc1, down as linear_fc2."""
     return [Cat("layers.{L}.mlp.linear_fc1.weight", (f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"),
                 when=letters),
             Same("layers.{L}.mlp.linear_fc2.weight", f"{prefix}.down_proj.weight", when=letters)]
@@ -166,7 +166,7 @@ def moe_rules(prefix: str, letters: str = "e", *, stacked_prefix: str | None = N
               expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), gate: str = "gate",
               shared: str | None = None, shared_gate: str | None = None, expert_bias: str | None = None
               ) -> list[Rule]:
-    """Routed experts (layers/moe.py) from HF's router ``{prefix}.{gate}.weight`` and experts,
+    """Routed experts (layers/mlp/moe.py) from HF's router ``{prefix}.{gate}.weight`` and experts,
     per-expert ``{prefix}.experts.{E}.<gate|up|down>.weight`` (``expert_names``) or stacked
     ``{stacked_prefix}.experts.gate_up_proj`` [E, 2F, h] / ``.down_proj`` [E, h, F]
     (``stacked_prefix``: where the stacked layout keeps them, default ``prefix``).

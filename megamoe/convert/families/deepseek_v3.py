@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import re
 
-from megamoe.config import MLAConfig, MLPConfig, ModelConfig, MoEConfig, YarnConfig
+from megamoe.core.config import MLAConfig, MLPConfig, ModelConfig, MoEConfig, YarnConfig
 from megamoe.convert.families.common import (base_hf_config, dense_mlp_rules, dtype_name, embedding_rules, moe_rules,
                                              norm_rules, rope_theta, rope_to_hf, yarn_from_hf)
 from megamoe.convert.family import WITH_FP8, Family, hf_get, register
 from megamoe.convert.table import Rule, Same
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 
 HF_LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the default eps, whatever rms_norm_eps
 
@@ -74,7 +74,7 @@ def mla_to_hf(cfg: ModelConfig, out: dict, model_type: str, *, rope: str, head_g
 
 
 def mla_rules(prefix: str, letters: str, cfg: ModelConfig, *, o_proj: str = "o_proj") -> list[Rule]:
-    """MLA (layers/mla.py) from HF's DeepseekV3Attention names (same layouts: q_b_proj rows per
+    """MLA (layers/mixers/mla.py) from HF's DeepseekV3Attention names (same layouts: q_b_proj rows per
     head [nope | rope], kv_a_proj_with_mqa rows [latent | k_rope], kv_b_proj rows per head [k_nope | v])."""
     names = {"linear_kv_down": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "linear_kv_up": "kv_b_proj",
              "linear_proj": o_proj}

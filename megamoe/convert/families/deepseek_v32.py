@@ -2,7 +2,7 @@
 
 Every layer is MLA (interleaved RoPE, YaRN) whose keys a lightning indexer restricts to the
 ``index_topk`` best per query; the indexer's RoPE is rotate-half on its first qk_rope_head_dim
-channels (layers/dsa.py). MLPs follow ``mlp_layer_types`` (dense/sparse) and the MoE is
+channels (layers/mixers/dsa.py). MLPs follow ``mlp_layer_types`` (dense/sparse) and the MoE is
 DeepSeek-V3's (deepseek_v3.py). HF -> megamoe indexer names:
 
     indexer.wq_b -> indexer.linear_q     indexer.wk -> indexer.linear_k
@@ -10,14 +10,14 @@ DeepSeek-V3's (deepseek_v3.py). HF -> megamoe indexer names:
 """
 from __future__ import annotations
 
-from megamoe.config import DSAConfig, ModelConfig
+from megamoe.core.config import DSAConfig, ModelConfig
 from megamoe.convert.families.common import dense_mlp_rules, embedding_rules, norm_rules
 from megamoe.convert.families.deepseek_v3 import (base_model_config, base_to_hf, deepseek_moe_rules, expressible,
                                                   mla_from_hf, mla_rules, mla_to_hf, mlp_letters, mlp_types_to_hf,
                                                   mtp_skipped)
 from megamoe.convert.family import WITH_FP8, Family, hf_get, register
 from megamoe.convert.table import Rule, Same
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 
 INDEXER = {"linear_q.weight": "wq_b.weight", "linear_k.weight": "wk.weight", "k_norm.weight": "k_norm.weight",
            "k_norm.bias": "k_norm.bias", "linear_weights.weight": "weights_proj.weight"}

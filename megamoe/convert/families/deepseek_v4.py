@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.config import (CompressedAttentionConfig, DSAConfig, HyperConnectionConfig, ModelConfig, MoEConfig,
-                            SCORE_FUNCTIONS, YarnConfig)
+from megamoe.core.config import (CompressedAttentionConfig, DSAConfig, HyperConnectionConfig, ModelConfig, MoEConfig,
+                                 SCORE_FUNCTIONS, YarnConfig)
 from megamoe.convert.families.common import base_hf_config, dtype_name
 from megamoe.convert.families.deepseek_v3 import expressible
 from megamoe.convert.family import Family, hf_get, register
 from megamoe.convert.table import Cat, Experts, Rule, Same, alternatives
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 
 MIXERS = {"sliding_attention": "W", "compressed_sparse_attention": "C", "heavily_compressed_attention": "H"}
 MLPS = {"hash_moe": "h", "moe": "e"}

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megamoe.config import DSAConfig, HyperConnectionConfig, KDAConfig, ModelConfig
+from megamoe.core.config import DSAConfig, HyperConnectionConfig, KDAConfig, ModelConfig
 from megamoe.convert.families.common import base_hf_config, dense_mlp_rules, embedding_rules, norm_rules, text_config
 from megamoe.convert.families.deepseek_v3 import (HF_LATENT_NORM_EPS, base_model_config, base_to_hf,
                                                   deepseek_moe_rules, expressible, mla_from_hf, mla_rules, mla_to_hf,
@@ -37,7 +37,7 @@ from megamoe.convert.families.deepseek_v32 import indexer_rules as dsa_indexer_r
 from megamoe.convert.families.kimi_linear import kda_rules
 from megamoe.convert.family import Family, hf_get, register
 from megamoe.convert.table import Rule, Same, alternatives
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 
 LETTERS = {"linear_attention": "K", "indexed_attention": "I", "full_attention": "I"}
 VISION_NOTICE = ("glm5_next: only the text model converts; the vision tower (model.visual.*) is not expressible as "
@@ -160,7 +160,7 @@ def hc_rules(layer: str, letters: str) -> list[Rule]:
 
 def indexer_rules(attn: str, letters: str = "I") -> list[Rule]:
     """GLM-5's pooled lightning indexer: DeepSeek-V3.2's tensors plus the pool's position
-    embedding and gate (layers/dsa.py ``Indexer``)."""
+    embedding and gate (layers/mixers/dsa.py ``Indexer``)."""
     pool = {"pool_ape": "index_kpool_compress_ape", "linear_pool_gate.weight": "index_kpool_compress_gate"}
     return dsa_indexer_rules(attn, letters) + [Same(f"layers.{{L}}.mixer.indexer.{ours}", f"{attn}.indexer.{theirs}",
                                                     when=letters) for ours, theirs in pool.items()]

@@ -14,7 +14,7 @@ routed scaling, shared experts; see deepseek_v3.py).
     block_sparse_moe.gate, .shared_experts,                mlp.gate, .shared_experts,
       .experts.{E}.w1 / w3 / w2 (gate / up / down)          .experts.gate_up_proj / .down_proj
 
-KDA -> megamoe (layers/linear_attention/hf_layout.py): q_proj, k_proj, v_proj, b_proj -> in_proj;
+KDA -> megamoe (megamoe/convert/hf_layout.py): q_proj, k_proj, v_proj, b_proj -> in_proj;
 conv weights -> conv_weight [3W, K]; f_a_proj / f_b_proj -> forget_gate.down / .up; g_a_proj /
 g_b_proj -> output_gate.down / .up; o_norm -> norm; o_proj -> out_proj.
 
@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.config import KDAConfig, ModelConfig
+from megamoe.core.config import KDAConfig, ModelConfig
 from megamoe.convert.families.common import dense_mlp_rules, embedding_rules, norm_rules
 from megamoe.convert.families.deepseek_v3 import (base_model_config, base_to_hf, deepseek_moe_rules, expressible,
                                                   mla_from_hf, mla_rules, mla_to_hf, mlp_letters, mlp_types_to_hf)
 from megamoe.convert.family import Family, hf_get, register
 from megamoe.convert.table import Fn, Rule, Same, alternatives
-from megamoe.errors import CheckpointError
-from megamoe.layers.linear_attention import hf_layout
+from megamoe.core.errors import CheckpointError
+from megamoe.convert import hf_layout
 
 MIXER_LETTERS = {"linear_attention": "K", "full_attention": "M"}
 
@@ -70,7 +70,7 @@ def _split_in_proj(w, ctx):
 
 def kda_rules(prefix: str, *, forget: str, split_conv: bool, a_log_shape: tuple[int, ...], low_rank: bool,
               o_proj: str = "o_proj", letters: str = "K") -> list[Rule]:
-    """KDA (layers/linear_attention/kda.py) from one HF layout: ``forget`` is the forget gate's
+    """KDA (layers/mixers/kda.py) from one HF layout: ``forget`` is the forget gate's
     module under ``prefix`` ('' or 'forget_gate.'), ``split_conv`` whether q/k/v convolutions are
     separate tensors, ``a_log_shape`` how HF shapes A_log ([H] in megamoe), ``low_rank`` the
     f_a/f_b and g_a/g_b gates (else full-rank f_proj and g_proj)."""

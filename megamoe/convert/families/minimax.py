@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from megamoe.config import LightningConfig, ModelConfig, ScaledResidualConfig
+from megamoe.core.config import LightningConfig, ModelConfig, ScaledResidualConfig
 from megamoe.convert.families.common import (attention_rules, base_hf_config, dtype_name, embedding_rules,
                                              moe_rules, norm_rules)
 from megamoe.convert.families.deepseek_v3 import check_silu, expressible
@@ -26,8 +26,8 @@ from megamoe.convert.families.qwen3 import attention_from_hf, attention_to_hf, c
 from megamoe.convert.families.qwen3_moe import check_moe_routing, moe_from_hf, moe_to_hf
 from megamoe.convert.family import WITH_FP8, Family, hf_get, register
 from megamoe.convert.table import Ctx, Rule, Same, fmt
-from megamoe.errors import CheckpointError
-from megamoe.layers.lightning import lightning_slopes
+from megamoe.core.errors import CheckpointError
+from megamoe.layers.mixers.lightning import lightning_slopes
 
 LETTERS = {"full_attention": "A", "linear_attention": "L"}
 HF_LIGHTNING_NORM_EPS = 1e-6  # HF builds the lightning output norm with the default eps

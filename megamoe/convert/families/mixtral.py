@@ -7,13 +7,13 @@ stacked layout moves the router and experts to ``mlp``.
 """
 from __future__ import annotations
 
-from megamoe.config import ModelConfig
+from megamoe.core.config import ModelConfig
 from megamoe.convert.family import Family, hf_get, register
 from megamoe.convert.families.common import (attention_rules, base_hf_config, dtype_name, embedding_rules,
                                              moe_rules, norm_rules)
 from megamoe.convert.families.qwen3 import attention_from_hf, attention_to_hf, common_to_hf
 from megamoe.convert.families.qwen3_moe import check_moe_routing, moe_from_hf, moe_to_hf
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

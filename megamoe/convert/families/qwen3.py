@@ -5,9 +5,9 @@ map RoPE, YaRN included (``rope_parameters`` or the legacy ``rope_scaling`` with
 ``rope_type: yarn`` <-> ``model.attention.yarn``)."""
 from __future__ import annotations
 
-from megamoe.config import AttentionConfig, MLPConfig, ModelConfig
+from megamoe.core.config import AttentionConfig, MLPConfig, ModelConfig
 from megamoe.convert.family import Family, hf_get, register
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 from megamoe.convert.families.common import (attention_rules, base_hf_config, dense_mlp_rules, dtype_name,
                                              embedding_rules, norm_rules, rope_theta, rope_to_hf,
                                              yarn_from_hf)

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import copy
 
-from megamoe.config import ModelConfig, VisionConfig
+from megamoe.core.config import ModelConfig, VisionConfig
 from megamoe.convert.family import Family, hf_get, register
 from megamoe.convert.families.common import base_hf_config
 from megamoe.convert.families.qwen3_next import check_exportable, hybrid_config, hybrid_rules, hybrid_to_hf
 from megamoe.convert.table import Fn, Rule, Same
-from megamoe.errors import CheckpointError, ConfigError
+from megamoe.core.errors import CheckpointError, ConfigError
 
 DEFAULT_MROPE = [11, 11, 10]  # transformers' default for Qwen3.5 when rope_parameters has none
 

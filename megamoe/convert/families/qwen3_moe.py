@@ -6,12 +6,12 @@ qwen3_next share, see ``mlp_letters``).
 """
 from __future__ import annotations
 
-from megamoe.config import MLPConfig, ModelConfig, MoEConfig
+from megamoe.core.config import MLPConfig, ModelConfig, MoEConfig
 from megamoe.convert.family import Family, hf_get, register
 from megamoe.convert.families.common import (attention_rules, base_hf_config, dense_mlp_rules, dtype_name,
                                              embedding_rules, moe_rules, norm_rules)
 from megamoe.convert.families.qwen3 import attention_from_hf, attention_to_hf, common_to_hf
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 
 
 def num_experts(hf: dict, required: bool = True) -> int:

@@ -5,12 +5,12 @@ gate; zero-centred RMSNorms ``(1 + w)`` everywhere except GDN's gated output nor
 Layout: mixers from ``layer_types`` (linear_attention -> G, full_attention -> A), MLPs from
 ``decoder_sparse_step``/``mlp_only_layers`` (see qwen3_moe.mlp_letters). GDN's fused
 ``in_proj_qkvz``/``in_proj_ba`` (per-key-head interleave) map onto megamoe's ``in_proj`` with
-the typed transforms of ``megamoe.layers.linear_attention.hf_layout``. The builders here are
+the typed transforms of ``megamoe.convert.hf_layout``. The builders here are
 shared with qwen3_5_moe (separate GDN projections, nested text config, M-RoPE).
 """
 from __future__ import annotations
 
-from megamoe.config import AttentionConfig, GDNConfig, MLPConfig, ModelConfig, MoEConfig
+from megamoe.core.config import AttentionConfig, GDNConfig, MLPConfig, ModelConfig, MoEConfig
 from megamoe.convert.family import Family, hf_get, register
 from megamoe.convert.families.common import (attention_rules, base_hf_config, dense_mlp_rules, dtype_name,
                                              embedding_rules, moe_rules, norm_rules)
@@ -18,8 +18,8 @@ from megamoe.convert.families.qwen3 import attention_from_hf, attention_to_hf, c
 from megamoe.convert.families.qwen3_moe import (check_moe_routing, mlp_letters, moe_from_hf, moe_to_hf,
                                                 sparse_layout_to_hf)
 from megamoe.convert.table import Fn, Rule, Same
-from megamoe.errors import CheckpointError
-from megamoe.layers.linear_attention import hf_layout as L
+from megamoe.core.errors import CheckpointError
+from megamoe.convert import hf_layout as L
 
 MIXER_TYPES = {"linear_attention": "G", "full_attention": "A"}
 
@@ -134,7 +134,7 @@ def _shapes(ctx) -> L.GDNShapes:
 
 
 def gdn_rules(prefix: str, fused: bool) -> list[Rule]:
-    """GDN (layers/linear_attention/gdn.py) from HF ``linear_attn``: fused in_proj_qkvz + in_proj_ba
+    """GDN (layers/mixers/gdn.py) from HF ``linear_attn``: fused in_proj_qkvz + in_proj_ba
     (Qwen3-Next) or separate in_proj_qkv, _z, _b, _a (Qwen3.5); conv1d [C, 1, K] -> [C, K]."""
     mixer = "layers.{L}.mixer"
     if fused:

@@ -1,0 +1,1 @@
+"""megamoe.layers.mixers: the token mixers, one per layout letter (or two)."""

@@ -1,0 +1,1 @@
+"""megamoe.checkpoint (floor 4): every checkpoint format megamoe reads and writes."""

@@ -1,0 +1,1 @@
+"""megamoe.core (floor 0): errors, typed configs, layout strings, output folders."""

@@ -1,0 +1,1 @@
+"""megamoe.diagnostics (floor 6): measurements of a model or a layout."""

@@ -1,0 +1,261 @@
+"""Where tiered experts are read from: the safetensors files of a converted megamoe checkpoint.
+
+A converted checkpoint (``megamoe-convert import-hf``, ``megamoe.expert_store.save_converted``) keeps
+each MoE layer's experts stacked in slot order, whole or split over EP at import::
+
+    model/<name>.gate_up_weight            [E, 2f, h]      (or #ep<r>of<n>: [E/n, 2f, h])
+    model/<name>.down_weight               [E, h, f]       (or #ep<r>of<n>: [E/n, h, f])
+
+so one expert's weights are contiguous byte ranges of one file. ``DiskSource`` reads exactly
+those ranges with positioned reads into the destination tensors (the copy path: no file page
+counts in the process's RSS, and a read costs the expert's bytes only), or, on a CPU, makes
+views of the memory-mapped file that kernels read in place (``ExpertTensors.views``,
+``megamoe.expert_store.mapped``: the pages mapped in are bounded by the budget).
+Under expert-tensor parallelism (etp = q of Q) a rank reads its f-slice: two row ranges of
+gate|up, and the down weight's [h, f] read whole and sliced (one expert at a time).
+
+``HostSource`` reads this rank's experts once into host memory (pinned when the cache is on
+a GPU) and serves copies: the ``host`` tier.
+
+Every file problem is one line naming the file (``CheckpointError``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megamoe.checkpoint.safetensors_io import DTYPE_CODES
+from megamoe.core.errors import CheckpointError
+from megamoe.expert_store.mapped import MappedFile
+
+_TORCH_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+_INDEX = "model.safetensors.index.json"
+_PIECE = re.compile(r"^ep(\d+)of(\d+)$")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One stored tensor: its file, dtype, shape and where its bytes start in the file."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+
+    def expert_bytes(self) -> int:
+        return self.shape[1] * self.shape[2] * self.dtype.itemsize
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """(the safetensors header, offset of the data) of one file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise CheckpointError(f"{path}: not a safetensors file (shorter than its header length)")
+            n = struct.unpack("<Q", raw)[0]
+            if n > path.stat().st_size - 8:
+                raise CheckpointError(f"{path}: not a readable safetensors file (header length {n} past its end)")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (a file of the expert store)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (its header is not a table)")
+    return header, 8 + n
+
+
+class DiskSource:
+    """Reads experts' slices from a converted checkpoint directory (see the module docstring)."""
+
+    def __init__(self, root: str | Path, files: dict[str, str] | None = None, prefix: str = "model/"):
+        """``files``: {tensor: file} when known (an HF directory's, ``megamoe.expert_store.hf``), else
+        the converted checkpoint's index; ``prefix``: what model tensor names carry in it."""
+        self.root, self.prefix = Path(root), prefix
+        self._headers: dict[str, tuple[dict, int]] = {}
+        self._fds: dict[Path, int] = {}
+        self._maps: dict[Path, MappedFile] = {}
+        if files is not None:
+            self.files = files
+            return
+        index = self.root / _INDEX
+        try:
+            self.files = json.loads(index.read_text())["weight_map"]
+        except FileNotFoundError:
+            raise CheckpointError(f"{index}: missing: the expert store is a converted megamoe checkpoint "
+                                  "(megamoe-convert import-hf)") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a checkpoint index ({e})") from None
+
+    # ---- the index -------------------------------------------------------------------------
+
+    def _entry(self, key: str) -> _Entry:
+        name = self.files[key]
+        if name not in self._headers:
+            path = self.root / name
+            header, data = read_header(path)
+            size = path.stat().st_size
+            for k, v in header.items():  # every tensor's bytes inside the file: a truncated file fails here
+                if k != "__metadata__" and (not isinstance(v, dict) or data + v["data_offsets"][1] > size):
+                    raise CheckpointError(f"{path}: truncated or corrupt (tensor {k} ends past the file's end)")
+            self._headers[name] = (header, data)
+        header, data = self._headers[name]
+        info = header.get(key)
+        if info is None or info.get("dtype") not in _TORCH_DTYPES:
+            raise CheckpointError(f"{self.root / name}: lacks tensor {key} (or its dtype is unknown)")
+        return _Entry(self.root / name, _TORCH_DTYPES[info["dtype"]], tuple(info["shape"]),
+                      data + info["data_offsets"][0])
+
+    def pieces(self, name: str, num_experts: int) -> list[tuple[int, _Entry]]:
+        """[(first global expert, entry)] of a stacked expert tensor, whole or split over EP."""
+        whole = f"{self.prefix}{name}"
+        if whole in self.files:
+            return [(0, self._checked(self._entry(whole), name, num_experts))]
+        out = []
+        for key in self.files:
+            base, _, piece = key.partition("#")
+            if base != whole:
+                continue
+            m = _PIECE.match(piece)
+            if m is None:
+                raise CheckpointError(f"{self.root}: tensor {name} is stored split as {piece!r}; the expert store "
+                                      "reads whole or EP-split experts (import without --etp/--tp)")
+            r, n = int(m.group(1)), int(m.group(2))
+            out.append((r * num_experts // n, self._checked(self._entry(key), name, num_experts // n)))
+        if not out:
+            raise CheckpointError(f"{self.root}: the expert store lacks tensor {name}")
+        return sorted(out, key=lambda p: p[0])
+
+    def _checked(self, entry: _Entry, name: str, experts: int) -> _Entry:
+        if len(entry.shape) != 3 or entry.shape[0] != experts:
+            raise CheckpointError(f"{entry.file}: tensor {name} has shape {list(entry.shape)}, expected "
+                                  f"{experts} stacked experts")
+        return entry
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    def _fd(self, path: Path) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def read_into(self, entry: _Entry, offset: int, out: torch.Tensor) -> None:
+        """Fill the contiguous CPU tensor ``out`` from ``entry``'s bytes at element ``offset``,
+        converting from the stored dtype."""
+        buf = out if out.dtype == entry.dtype else torch.empty(out.shape, dtype=entry.dtype)
+        view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+        pos, done = entry.start + offset * entry.dtype.itemsize, 0
+        fd = self._fd(entry.file)
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], pos + done)
+            if got <= 0:
+                raise CheckpointError(f"{entry.file}: truncated (the expert store ended mid-tensor)")
+            done += got
+        if buf is not out:
+            out.copy_(buf)
+
+    def view(self, entry: _Entry, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor of ``shape`` over ``entry``'s bytes from element ``offset`` in the mapped
+        file (``megamoe.expert_store.mapped``): nothing is read until it is touched."""
+        if entry.file not in self._maps:
+            self._maps[entry.file] = MappedFile(entry.file)
+        return self._maps[entry.file].view(entry.start + offset * entry.dtype.itemsize, entry.dtype, shape)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._maps.clear()  # each mapping goes when the last view of it does
+
+
+class ExpertTensors:
+    """One tiered layer's two stacked tensors in a source, read one expert (this rank's
+    f-slice of it) at a time.
+
+    name: the experts module's full name (``layers.3.mlp.experts``); num_experts: E (global);
+    f: the full ffn width; etp: (this rank's slice, slices); ``tensors``: the two stacked
+    tensors' names in the source (default the converted checkpoint's ``<name>.gate_up_weight``,
+    ``<name>.down_weight``); ``order``: the stored expert of each slot (an expert placement
+    applied to a store in logical order, e.g. an HF checkpoint; None: the same)."""
+
+    def __init__(self, source: DiskSource, name: str, num_experts: int, f: int, h: int, etp: tuple[int, int],
+                 tensors: tuple[str, str] | None = None, order: list[int] | None = None):
+        self.source, self.name, self.f, self.h, self.order = source, name, f, h, order
+        self.q, self.etp = etp
+        gate_up, down = tensors or (f"{name}.gate_up_weight", f"{name}.down_weight")
+        self.gate_up = source.pieces(gate_up, num_experts)
+        self.down = source.pieces(down, num_experts)
+        for first, e in self.gate_up:
+            if e.shape[1:] != (2 * f, h):
+                raise CheckpointError(f"{e.file}: {gate_up} has shape {list(e.shape)}, the model "
+                                      f"expects [{num_experts}, {2 * f}, {h}]")
+        for first, e in self.down:
+            if e.shape[1:] != (h, f):
+                raise CheckpointError(f"{e.file}: {down} has shape {list(e.shape)}, the model "
+                                      f"expects [{num_experts}, {h}, {f}]")
+
+    @staticmethod
+    def _find(pieces, expert: int) -> tuple[_Entry, int]:
+        for first, entry in reversed(pieces):
+            if expert >= first:
+                return entry, expert - first
+        raise AssertionError(expert)
+
+    def views(self, first: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | str:
+        """W1 [n, 2f, h], W2 [n, h, f] of global experts ``first`` .. ``first + n`` as views of
+        the mapped files (``megamoe.expert_store.mapped``), or why they cannot be."""
+        if self.order is not None:
+            return "an expert placement is applied at read time"
+        if self.etp != 1:
+            return "the experts are split over ETP"
+        out = []
+        for pieces, shape in ((self.gate_up, (2 * self.f, self.h)), (self.down, (self.h, self.f))):
+            entry, local = self._find(pieces, first)
+            if local + n > entry.shape[0]:
+                return f"{entry.file.name}: the rank's experts span two EP pieces"
+            if entry.dtype != dtype:
+                return f"{entry.file.name}: stored as {entry.dtype}, the model runs in {dtype}"
+            if entry.start % dtype.itemsize:
+                return f"{entry.file.name}: its tensor data starts unaligned for {dtype}"
+            out.append(self.source.view(entry, local * shape[0] * shape[1], (n, *shape)))
+        return tuple(out)
+
+    def read(self, expert: int, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        """Global ``expert``'s slices into w1 [2f/etp, h] and w2 [h, f/etp] (contiguous, CPU)."""
+        f, h, fl = self.f, self.h, self.f // self.etp
+        expert = expert if self.order is None else self.order[expert]
+        entry, local = self._find(self.gate_up, expert)
+        base = local * 2 * f * h
+        for part, rows in enumerate((slice(0, fl), slice(fl, 2 * fl))):  # gate, then up
+            self.source.read_into(entry, base + (part * f + self.q * fl) * h, w1[rows])
+        entry, local = self._find(self.down, expert)
+        if self.etp == 1:
+            self.source.read_into(entry, local * h * f, w2)
+        else:  # [h, f] rows are strided in the f-slice: read the expert's whole down weight once
+            whole = torch.empty(h, f, dtype=w2.dtype)
+            self.source.read_into(entry, local * h * f, whole)
+            w2.copy_(whole[:, self.q * fl:(self.q + 1) * fl])
+
+
+class HostSource:
+    """The ``host`` tier: a layer's local experts read once into host memory (``pin``: pinned,
+    for asynchronous copies to a GPU); ``read`` copies one expert out."""
+
+    def __init__(self, tensors: ExpertTensors, experts: range, shapes, dtype: torch.dtype, pin: bool):
+        s1, s2 = shapes
+        self.first = experts.start
+        self.w1 = torch.empty(len(experts), *s1, dtype=dtype, pin_memory=pin)
+        self.w2 = torch.empty(len(experts), *s2, dtype=dtype, pin_memory=pin)
+        for i, e in enumerate(experts):
+            tensors.read(e, self.w1[i], self.w2[i])
+
+    def read(self, expert: int, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        w1.copy_(self.w1[expert - self.first])
+        w2.copy_(self.w2[expert - self.first])

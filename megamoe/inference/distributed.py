@@ -1,0 +1,144 @@
+"""Generation and verification at a training layout (TP, EP, ETP, PP, CP) under ``torchrun``.
+
+Every rank builds only its pipeline stage with its own shards (``load_model``: an HF folder is
+read tensor by tensor, each sliced to this rank's piece; a megamoe checkpoint loads its own
+piece through torch.distributed.checkpoint) and runs the same decoding loop
+(``megamoe.inference.generate.stream``) over the same prompts. ``StageForward`` is the forward that loop
+calls:
+
+    stage 0:       ids [b, s] -> embed, its layers -> send hidden [b, s, (n,) h] to stage 1
+    stage r:       recv hidden from r - 1 -> its layers -> send to r + 1
+    last stage:    recv -> its layers, norm, output -> logits gathered over TP [b, s, V]
+    every rank:    the last stage's logits broadcast over the pipeline group
+
+so every rank picks the same token from the same logits (sampling draws from one seed on
+every rank). Each stage keeps its own decode cache. TP ranks gather logits as in training;
+EP/ETP ranks all-to-all their tokens inside MoE layers as in training.
+
+Context parallelism (``--cp``) splits the prefill: each CP rank runs its two chunks of the
+prompt as in training (ring attention, state passing, all-gathered latents), and every mixer
+leaves the whole prompt's state in each rank's cache (keys and values all-gathered, linear
+states passed on to the end), so the decode steps run without CP, the same on every CP rank.
+The prompt's last token is the last local token of CP rank 0, whose logits are broadcast over
+the CP group; stages send their local chunks' hidden states. Prompts must have equal length.
+
+Sequence parallelism is not used for decoding: a step feeds one token per row, which cannot be
+split over TP ranks. Its weights are those of TP alone, so a TP+SP checkpoint decodes at the
+same tp without SP.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megamoe.core.config import ParallelConfig
+from megamoe.core.errors import ConfigError
+from megamoe.parallel import comm
+from megamoe.parallel.groups import ParallelGroups, build_groups, init_distributed
+
+
+def inference_groups(parallel: ParallelConfig) -> ParallelGroups:
+    """The process groups of ``parallel`` (torch.distributed initialised from torchrun's env)."""
+    if parallel.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel: decoding feeds one token per step, which cannot be split "
+                          "over TP ranks; decode at the same tp without it (the weights are the same)")
+    if parallel.vpp > 1:
+        raise ConfigError(f"parallel.vpp={parallel.vpp}: decoding supports tp, pp, ep, etp and cp")
+    init_distributed()
+    return build_groups(parallel)
+
+
+def load_model(path: str | Path, parallel: ParallelConfig, groups: ParallelGroups):
+    """This rank's pipeline stage of the model in ``path`` (HF folder or megamoe checkpoint), its
+    own shards only, eval mode."""
+    stage = (groups.rank("pp"), parallel.pp)
+    if (Path(path) / "config.json").is_file():
+        from megamoe.convert import from_hf
+
+        return from_hf(path, groups, pipeline=stage)
+    from megamoe.inference.load import checkpoint_path
+    from megamoe.model.language_model import build_model
+    from megamoe.recipe import config_from_dict
+    from megamoe.checkpoint.dcp import load_checkpoint, read_meta
+
+    path = checkpoint_path(path)
+    meta = read_meta(path)
+    if meta.get("lora"):
+        raise ConfigError(f"{path}: a LoRA checkpoint decodes in one process; for a parallel layout merge it "
+                          f"first (megamoe-convert export-hf --merge, then decode the HF folder)")
+    if "model" not in meta:
+        raise ConfigError(f"{path}/meta.json: no model config (written by an older megamoe?)")
+    cfg = config_from_dict(meta["model"])
+    cut = {} if parallel.pp == 1 else dict(layer_ids=cfg.parsed_layout().stages(parallel.pp, balanced=True)[stage[0]],
+                                           pre_process=stage[0] == 0, post_process=stage[0] == parallel.pp - 1)
+    model = build_model(cfg, groups, **cut)
+    load_checkpoint(path, groups, [model], load_rng=False)
+    if meta.get("hf"):
+        model.hf_origin = meta["hf"]
+    return model.eval()
+
+
+class StageForward:
+    """``forward(ids, cache, last_only=True, **kw)`` -> logits [b, 1 or s, V] on every rank of a
+    pipeline; ``ids`` [b, s] is given on every rank (later stages read only its shape)."""
+
+    def __init__(self, model, groups: ParallelGroups):
+        self.model, self.groups = model, groups
+        self.pp = groups.pp
+        self.stages = dist.get_process_group_ranks(self.pp) if groups.size("pp") > 1 else [dist.get_rank()]
+        self.stage = groups.rank("pp")
+        h = model.config.hidden_size
+        self.stream_shape = tuple(model.block.enter_stream(torch.zeros(1, 1, h), model.config).shape[2:])
+        self.dtype = model.ctx.dtype
+
+    def __call__(self, ids: torch.Tensor, cache=None, last_only: bool = True, **kw) -> torch.Tensor:
+        m, last = self.model, len(self.stages) - 1
+        b, s = ids.shape[:2]
+        shard = m.context_shard(s, cache)  # CP: this forward runs on the local chunks (a prefill)
+        x = ids
+        if self.stage > 0:
+            local = s if shard is None else shard.local_len
+            x = torch.empty(b, local, *self.stream_shape, dtype=self.dtype, device=ids.device)
+            dist.recv(x, self.stages[self.stage - 1], group=self.pp)
+        if self.stage > 0:  # hash-routed MoE layers route by token on every stage
+            kw = {**kw, "token_ids": ids}
+        out = m.forward_stage(x, cache=cache, **kw)
+        if self.stage < last:
+            dist.send(out.contiguous(), self.stages[self.stage + 1], group=self.pp)
+            logits = torch.empty(b, 1 if last_only else s, m.config.vocab_size, dtype=self.dtype, device=ids.device)
+        else:
+            logits = m.gather_logits(out[:, -1:] if last_only else out)  # gather only what is kept
+            if shard is not None:
+                logits = self.cp_logits(logits, shard, last_only)
+            logits = (logits[:, -1:] if last_only else logits).contiguous()
+        return comm.broadcast_tensor(logits, last, self.pp)
+
+    def cp_logits(self, local: torch.Tensor, shard, last_only: bool) -> torch.Tensor:
+        """[b, s_local, V] of this CP rank's chunks -> the full sequence's [b, S, V] (all-gathered),
+        or for ``last_only`` CP rank 0's (its back chunk ends the sequence) on every CP rank."""
+        if not last_only:
+            return shard.gather(local, 1)
+        return comm.broadcast_tensor(local[:, -1:].contiguous(), 0, self.model.groups.cp)
+
+
+def parallel_flags(parser) -> None:
+    """--tp/--pp/--ep/--etp/--cp for a command run under torchrun."""
+    from megamoe.commands.cli import number_in
+
+    group = parser.add_argument_group("parallel layout (run under torchrun; world size = tp*pp*cp*dp, "
+                                      "dp ranks decode the same batch; cp splits the prefill)")
+    for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert"), ("etp", "expert tensor"),
+                       ("cp", "context (prefill)")):
+        group.add_argument(f"--{name}", type=number_in(int, 1), default=1, help=f"{what} parallel size")
+
+
+def parallel_from_args(args) -> ParallelConfig | None:
+    """The layout the flags ask for; None for one process without torchrun."""
+    import os
+
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, cp=args.cp)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and (args.tp, args.pp, args.ep, args.etp, args.cp) == (1,) * 5:
+        return None
+    return parallel

@@ -1,0 +1,1 @@
+"""megamoe.planning (floor 6): plans a model without allocating it."""
