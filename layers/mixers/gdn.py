@@ -16,9 +16,11 @@ Parameters per layer: hidden * (2*Hk*dk + 2*Hv*dv + 2*Hv)   (in_proj)
                       + 2*Hv + dv                           (A_log, dt_bias, norm)
                       + Hv*dv * hidden                      (out_proj)
 HF layouts (fused ``in_proj_qkvz``/``in_proj_ba`` or separate) map onto ``in_proj`` with the
-transforms in ``hf_layout.py``.
+transforms in ``megamoe/convert/hf_layout.py``.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +33,32 @@ from megamoe.layers.spec import BuildContext, ForwardInfo, ModuleSpec, register_
 from megamoe.layers.ops.conv import (conv_and_state, conv_param, head_param, log_uniform_init,
                                      run_delta_rule)
 from megamoe.layers.ops.sequence_view import SequenceView
-from megamoe.convert.hf_layout import GDNShapes
+
+
+@dataclass(frozen=True)
+class GDNShapes:
+    """Head counts and sizes of the GDN ``in_proj`` / ``conv_weight`` parts (rows per part)."""
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+
+    @classmethod
+    def from_config(cls, cfg) -> "GDNShapes":
+        return cls(cfg.num_key_heads, cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim)
+
+    @property
+    def ratio(self) -> int:
+        return self.value_heads // self.key_heads
+
+    def in_proj_parts(self) -> tuple[int, ...]:
+        """Row counts of q, k, v, z, b, a in ``in_proj``."""
+        kd, vd = self.key_heads * self.key_head_dim, self.value_heads * self.value_head_dim
+        return (kd, kd, vd, vd, self.value_heads, self.value_heads)
+
+    def conv_parts(self) -> tuple[int, ...]:
+        return self.in_proj_parts()[:3]
 
 
 class GatedDeltaNet(nn.Module):

@@ -26,33 +26,9 @@ HF -> megamoe names (identical names and shapes are not listed):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class GDNShapes:
-    key_heads: int
-    value_heads: int
-    key_head_dim: int
-    value_head_dim: int
-
-    @classmethod
-    def from_config(cls, cfg) -> "GDNShapes":
-        return cls(cfg.num_key_heads, cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim)
-
-    @property
-    def ratio(self) -> int:
-        return self.value_heads // self.key_heads
-
-    def in_proj_parts(self) -> tuple[int, ...]:
-        """Row counts of q, k, v, z, b, a in ``in_proj``."""
-        kd, vd = self.key_heads * self.key_head_dim, self.value_heads * self.value_head_dim
-        return (kd, kd, vd, vd, self.value_heads, self.value_heads)
-
-    def conv_parts(self) -> tuple[int, ...]:
-        return self.in_proj_parts()[:3]
+from megamoe.layers.mixers.gdn import GDNShapes  # noqa: F401  (the mixer's own in_proj layout)
 
 
 def _check_rows(name: str, w: torch.Tensor, rows: int) -> None:
