@@ -122,11 +122,11 @@ def test_the_gpu_backends_build_every_layer_kind_anywhere(registry, name, store)
     """The cuda and te backends' classes build a model of every mixer and MLP kind on any machine
     (their kernels are imported at the first call, not at build): a role override that lost an
     argument of the base role (te's grouped_experts had no ``store=``) fails here, not on a GPU."""
-    from megamoe.config import ExpertStoreConfig, MoEConfig
+    from megamoe.core.config import ExpertStoreConfig, MoEConfig
     from megamoe.layers.backends.cuda import CudaBackend
     from megamoe.layers.backends.te import TEBackend
-    from megamoe.layers.tiered_experts import TieredExperts
-    from megamoe.model import LanguageModel
+    from megamoe.layers.mlp.stored_experts import TieredExperts
+    from megamoe.model.language_model import LanguageModel
 
     registry(f"{name}_probe", {"cuda": CudaBackend, "te": TEBackend}[name])
     expert_store = ExpertStoreConfig(budget_mib=1.0 if store else None)

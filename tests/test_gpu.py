@@ -137,7 +137,7 @@ def test_tiered_cache_refill_waits_for_the_copy_out_of_its_slot():
     """One slot: expert 1 is copied out on the current stream behind a long sleep, then expert 2
     evicts it and is read into the same slot on the side stream. The refill must wait for the
     queued copy out (it did not: expert 1's copy read expert 2's values)."""
-    from megamoe.tiers.cache import ExpertCache
+    from megamoe.expert_store.slot_cache import ExpertCache
 
     shapes = ((512, 256), (256, 256))
     cache = ExpertCache(sum(a * b for a, b in shapes) * 4, "cuda", torch.float32, shapes,
