@@ -68,10 +68,13 @@ def test_a_registered_backend_fills_the_roles(registry):
     assert len(asked) == 2 + 2 + 2 + 1 + 1  # two norms per layer, GDN's and attention's q/k norms, the final norm
 
 
-LAYER_FILES = [p for p in Path(__file__).resolve().parents[1].joinpath("layers").rglob("*.py")
+LAYERS = Path(__file__).resolve().parents[1] / "layers"
+LAYER_FILES = [p for p in LAYERS.rglob("*.py")
                if "backends" not in p.parts
-               # op libraries the backends pick kernels from (probes of torch's grouped GEMM, FP8, fla)
-               and p.name not in ("grouped_gemm.py", "fp8.py", "fp8_experts.py", "common.py")]
+               # op libraries the backends pick kernels from (probes of torch's grouped GEMM, FP8,
+               # fla; the fusion policy's compiler probe, which the backend instance owns)
+               and p.relative_to(LAYERS).as_posix() not in ("ops/grouped_gemm.py", "ops/fp8/linear.py",
+                                                           "ops/fp8/experts.py", "ops/conv.py", "ops/fusion.py")]
 FORBIDDEN = re.compile(r"__class__|\btype\([^)]*\)\s+is\b|Backend\b|[\"'](local|cpu|te|cuda)[\"']|\.device\.type|"
                        r"\.is_cuda|torch\.cuda")
 
