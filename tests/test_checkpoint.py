@@ -73,7 +73,7 @@ def test_kill9_then_resume_is_bitwise(tmp_path, uninterrupted):
 
 KILL_DURING_SAVE = textwrap.dedent("""
     import os, signal, sys
-    from megamoe.training import checkpoint
+    from megamoe.checkpoint import dcp as checkpoint
     calls = []
     real = checkpoint._finalize
     def dying_finalize(tmp, final, root):

@@ -237,7 +237,7 @@ def test_resume_from_an_earlier_step_logs_each_step_once(ckpts, tmp_path):
 DISK_FULL_AT_SAVE_2 = """
 import errno, sys
 import torch.distributed.checkpoint.filesystem as fs
-from megamoe.training import checkpoint
+from megamoe.checkpoint import dcp as checkpoint
 real_write, saves = fs._write_item, []
 real_save = checkpoint.save_checkpoint
 def counting_save(*a, **k):

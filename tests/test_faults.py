@@ -96,7 +96,7 @@ def test_killed_rank_restarts_and_ends_on_the_uninterrupted_curve(tmp_path):
 DIE_IN_ASYNC_WRITE = """
 import os, signal, sys
 import torch.distributed.checkpoint.filesystem as fs
-from megamoe.training import checkpoint
+from megamoe.checkpoint import dcp as checkpoint
 real_write, real_save, saves = fs._write_item, checkpoint.save_checkpoint, []
 def counting_save(*a, **k):
     saves.append(1)
