@@ -66,9 +66,9 @@ def assert_gradients_match(errs: dict) -> None:
 def parallel_grads_case(hf_dir: str, parallel: dict | None, ids: torch.Tensor, sp: bool = False) -> dict:
     """Loss, logits and every gradient (full size) of one training forward of the HF checkpoint
     imported for ``parallel`` (None: one process)."""
-    from megamoe.config import ParallelConfig
+    from megamoe.core.config import ParallelConfig
     from megamoe.convert import from_hf
-    from megamoe.model import shift_labels
+    from megamoe.model.language_model import shift_labels
     from megamoe.parallel.groups import ParallelGroups, build_groups
     from megamoe.parallel.sharding import gather_full
     from megamoe.training.grads import sync_grads
@@ -103,13 +103,13 @@ def lora_case(ckpt: str, log_dir: str, steps: int = 50) -> dict:
     """``steps`` LoRA steps (every linear role and the routed experts adapted) from a converted
     checkpoint: the losses, and whether every router's weight and bias stayed bitwise the same
     after every step."""
-    from megamoe.config import ParallelConfig
+    from megamoe.core.config import ParallelConfig
     from megamoe.data import DataConfig
     from megamoe.data.synthetic import SyntheticDataset
     from megamoe.lora import LoRAConfig
-    from megamoe.moe import routers
+    from megamoe.model.moe_controls import routers
     from megamoe.recipe import config_from_dict
-    from megamoe.training.checkpoint import read_meta
+    from megamoe.checkpoint.dcp import read_meta
     from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
     from megamoe.training.trainer import Trainer, TrainRecipe
 

@@ -163,7 +163,7 @@ def test_lora_finetune_lowers_loss_with_frozen_routing(tmp_path):
     falls, the adapters move and every router weight and selection bias stays bitwise."""
     from megamoe.convert import from_hf
     from megamoe.lora import LoRAConfig, apply_lora
-    from megamoe.moe import routers
+    from megamoe.model.moe_controls import routers
 
     hf = tiny_kimi_k25()
     hf.save_pretrained(tmp_path / "hf")

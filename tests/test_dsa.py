@@ -170,8 +170,8 @@ def test_shared_selection_layer_attends_over_the_full_layers_selection():
     """R (no indexer of its own) equals an MLA restricted to D's selection, computed sparse and
     dense-mask, forward and every gradient; it reuses the nearest earlier D layer's selection
     and, with none before it, says so in one line."""
-    from megamoe.errors import ConfigError
-    from megamoe.layers.dsa import SELECTION
+    from megamoe.core.errors import ConfigError
+    from megamoe.layers.mixers.dsa import SELECTION
 
     full, shared = shared_pair()
     assert not any(n.startswith("indexer.") for n, _ in shared.named_parameters())
@@ -200,7 +200,7 @@ def test_shared_selection_layer_attends_over_the_full_layers_selection():
 @pytest.mark.parametrize("rope", ["half", "interleaved"])
 def test_shared_selection_decoding_equals_full_forward(rope):
     """D then R, decoded token by token after a prefill, equal the full forward of the pair."""
-    from megamoe.cache import InferenceCache
+    from megamoe.layers.cache.decode import InferenceCache
 
     full, shared = shared_pair(rope)
     x = x_of(9, t=10)

@@ -23,7 +23,7 @@ GRAD_REL = 1e-5  # as tests/test_moe_hf.py and the parallel tests
 
 @torch.no_grad()
 def check_images(hf, ours, ids, images, hf_inputs, new_tokens: int = 16) -> float:
-    from megamoe.generate import generate
+    from megamoe.inference.generate import generate
 
     want = hf(**hf_inputs).logits
     err = max_abs(ours(ids, images), want)
@@ -69,13 +69,13 @@ def parallel_case(root: str, layouts: dict, ids, images, targets, want_logits) -
     (``root/<name>``), forward with images and a cross-entropy backward; errors of the parallel
     run against the single one (logits, loss, every gathered gradient) and of its logits
     against transformers' (``want_logits``)."""
-    from megamoe.config import ParallelConfig
+    from megamoe.core.config import ParallelConfig
     from megamoe.convert import build_model
     from megamoe.parallel.groups import build_groups
     from megamoe.parallel.sharding import gather_full
     from megamoe.recipe import config_from_dict
-    from megamoe.training.checkpoint import load_checkpoint, read_meta
-    from megamoe.weights import finalize_grads
+    from megamoe.checkpoint.dcp import load_checkpoint, read_meta
+    from megamoe.model.weights import finalize_grads
 
     def run(path: Path, groups):
         model = build_model(config_from_dict(read_meta(path)["model"]), groups).eval()

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.config import ImageBoundsConfig, VisionConfig
-from megamoe.errors import ConfigError
+from megamoe.core.config import ImageBoundsConfig, VisionConfig
+from megamoe.core.errors import ConfigError
 
 # field -> (transformers' name, hub remote-code name, default)
 FIELDS = {"width": ("hidden_size", "vt_hidden_size", 1152), "depth": ("num_hidden_layers", "vt_num_hidden_layers", 27),

@@ -15,7 +15,7 @@ the way transformers reads them. The multi-token-prediction layers the hub check
 """
 from __future__ import annotations
 
-from megamoe.config import ModelConfig
+from megamoe.core.config import ModelConfig
 from megamoe.convert.families.common import dense_mlp_rules, embedding_rules, norm_rules
 from megamoe.convert.families.deepseek_v3 import (base_model_config, base_to_hf, deepseek_moe_rules, expressible,
                                                   mla_from_hf, mla_rules, mla_to_hf, mlp_letters, mlp_types_to_hf,
@@ -23,7 +23,7 @@ from megamoe.convert.families.deepseek_v3 import (base_model_config, base_to_hf,
 from megamoe.convert.families.deepseek_v32 import indexer_from_hf, indexer_rules
 from megamoe.convert.family import Family, hf_get, register
 from megamoe.convert.table import Rule
-from megamoe.errors import CheckpointError
+from megamoe.core.errors import CheckpointError
 
 LETTERS = {"full": "D", "shared": "R"}
 

@@ -32,12 +32,12 @@ import copy
 
 import torch
 
-from megamoe.config import ModelConfig
+from megamoe.core.config import ModelConfig
 from megamoe.convert.families import deepseek_v3
 from megamoe.convert.families.common import base_hf_config, text_config
 from megamoe.convert.family import WITH_FP8, Family, register
 from megamoe.convert.table import Cat, Fn, Rule, Same, alternatives
-from megamoe.errors import CheckpointError, ConfigError
+from megamoe.core.errors import CheckpointError, ConfigError
 
 ENCODER = "kimi_k25_vit_enc"
 

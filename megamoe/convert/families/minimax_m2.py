@@ -16,7 +16,7 @@ Also the pieces MiniMax-M3 (``minimax_m3_vl.py``) builds on: ``attention_section
 """
 from __future__ import annotations
 
-from megamoe.config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
+from megamoe.core.config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
 from megamoe.convert.families.common import (attention_rules, base_hf_config, dtype_name, embedding_rules,
                                              moe_rules, norm_rules, partial_rotary)
 from megamoe.convert.families.deepseek_v3 import check_silu, expressible
