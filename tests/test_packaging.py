@@ -135,8 +135,11 @@ def test_wheel_installs_every_module_and_the_commands(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
+    # without PYTHONPATH: a checkout on it (with the megamoe.egg-info the wheel build leaves there)
+    # reads as megamoe "already installed", and pip would install nothing
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index",
-                    str(wheel)], check=True)
+                    str(wheel)], check=True, env=env)
     # dependencies (torch, ...) come from this environment's site-packages folders (a venv may
     # chain to another's), appended after the new venv's own, so the installed wheel is what
     # 'import megamoe' finds; the checkout itself is on no path
@@ -149,7 +152,6 @@ def test_wheel_installs_every_module_and_the_commands(tmp_path):
             "    f = importlib.import_module(m).__file__\n"
             "    assert f.startswith(sys.prefix), (m, f)\n"
             "print(len(sys.argv) - 1)")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     out = subprocess.run([str(py), "-c", code, *modules], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-1] == str(len(modules))
