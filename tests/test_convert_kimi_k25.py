@@ -197,14 +197,14 @@ def test_released_size_preset_counts_on_meta():
     import sys
     import textwrap
 
-    from megamoe.config import validate_model_parallel
+    from megamoe.core.config import validate_model_parallel
     from megamoe.recipe import load_recipe
     from tests.test_moe import hand_count_moe_1t
 
     code = textwrap.dedent("""
         import json, time
-        from megamoe.memory import peak_rss_mib
-        from megamoe.plan import budget
+        from megamoe.diagnostics.memory import peak_rss_mib
+        from megamoe.planning.plan import budget
         from megamoe.recipe import load_recipe
         cfg = load_recipe("kimi_k25").model
         t = time.time()
