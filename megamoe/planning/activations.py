@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from megamoe.layout import MOE_LETTERS
+from megamoe.core.layout import MOE_LETTERS
 
 PARTS = ("input_norm", "mixer", "pre_mlp_norm", "mlp")
 
