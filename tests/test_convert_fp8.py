@@ -28,9 +28,12 @@ IDS = torch.randint(3, 64, (2, 11), generator=torch.Generator().manual_seed(5))
 
 def tiny(family: str):
     from tests.test_convert_deepseek import tiny_deepseek_v3, tiny_deepseek_v32
+    from tests.test_convert_dense import tiny_qwen3
     from tests.test_convert_glm_minimax import tiny_minimax
+    from tests.test_convert_qwen import tiny_qwen3_moe
 
-    return {"deepseek_v3": tiny_deepseek_v3, "deepseek_v32": tiny_deepseek_v32, "minimax": tiny_minimax}[family]()
+    return {"deepseek_v3": tiny_deepseek_v3, "deepseek_v32": tiny_deepseek_v32, "minimax": tiny_minimax,
+            "qwen3": tiny_qwen3, "qwen3_moe": tiny_qwen3_moe}[family]()
 
 
 def fp8_checkpoint(hf_model, root):
@@ -60,13 +63,13 @@ def test_quantizer_and_dequantizer_match_the_release_and_transformers():
         assert torch.equal(q[e].view(torch.uint8), quantize_block_by_block(stack[e])[0].view(torch.uint8))
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "minimax"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "minimax", "qwen3", "qwen3_moe"])
 @torch.no_grad()
 def test_fp8_release_imports_with_transformers_logits(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
     fp8_dir, quantised = fp8_checkpoint(tiny(family), tmp_path)
-    assert quantised and any("experts" in n for n in quantised)
+    assert quantised and (family == "qwen3" or any("experts" in n for n in quantised))
     want = AutoModelForCausalLM.from_pretrained(fp8_dir, dtype=torch.float32).eval()(input_ids=IDS).logits
     model = load_converted(import_hf(fp8_dir, tmp_path / "mm", progress=False))
     assert (model(IDS) - want).abs().max() <= ATOL
@@ -163,10 +166,11 @@ def test_fp8_refusals_are_one_line(case, tmp_path):
 
 
 def test_family_without_fp8_refuses_naming_the_tensor(tmp_path):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import MixtralConfig, MixtralForCausalLM
 
-    Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=8, vocab_size=64)).save_pretrained(tmp_path / "hf")
+    MixtralForCausalLM(MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=8, vocab_size=64, num_local_experts=2)
+                       ).save_pretrained(tmp_path / "hf")
     quantize_like_release(tmp_path / "hf", tmp_path / "fp8")
-    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\.\S+ is F8_E4M3; qwen3 does not convert FP8"):
+    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\.\S+ is F8_E4M3; mixtral does not convert FP8"):
         import_hf(tmp_path / "fp8", tmp_path / "out", progress=False)

@@ -17,6 +17,7 @@ from megamoe.layers.mixers.block_sparse import block_sparse_attention
 from megamoe.layers.ops.attention.core import CoreAttention
 from megamoe.layers.mixers.dsa import sparse_latent_attention
 from megamoe.layers.mlp.experts import GroupedExperts
+from megamoe.layers.ops.fp8.frozen import dequantize_rows, frozen_linear
 from megamoe.layers.mlp.stored_experts import TieredExperts
 from megamoe.layers.mixers.mla import latent_attention
 from megamoe.layers.mlp.dense import GLU
@@ -110,6 +111,17 @@ class BaseBackend:
         if store is not None and store.enabled:
             return TieredExperts(ctx, num_experts, ffn_hidden_size, store=store, **kw)
         return cls(ctx, num_experts, ffn_hidden_size, **kw)
+
+    # ---- frozen FP8 weights (megamoe.model.fp8_base) -----------------------------------------------
+
+    def frozen_fp8_linear(self, ctx: BuildContext):
+        """(x, q, scale, col_block, bias) -> y through a frozen e4m3 weight (``megamoe.layers.ops.fp8.frozen``):
+        dequantised per GEMM, here and on the GPU (the dequantise-on-the-fly form)."""
+        return frozen_linear
+
+    def frozen_fp8_weight(self, ctx: BuildContext):
+        """(q, scale, col_block, dtype) -> the dequantised weight (routed experts, absorbed MLA)."""
+        return dequantize_rows
 
     def router_logits(self, ctx: BuildContext):
         """The router GEMM: (x [T, h], weight [E, h]) -> fp32 logits [T, E]."""

@@ -112,8 +112,7 @@ class _TELocalGemm:
     (set by the backend as ``te_gemm``). Row-parallel bias is added after the reduction by the
     base class, so its local GEMM has none."""
 
-    te_gemm: TEGemm
-    local_bias = True
+    te_gemm: TEGemm  # the bias goes where the parallel class says (its local_bias)
 
     def local_linear(self, x: torch.Tensor) -> torch.Tensor:
         return self.te_gemm(x, self.weight, self.bias if self.local_bias else None)
@@ -124,7 +123,7 @@ class TEColumnParallelLinear(_TELocalGemm, ColumnParallelLinear):
 
 
 class TERowParallelLinear(_TELocalGemm, RowParallelLinear):
-    local_bias = False
+    pass
 
 
 class TEReplicatedLinear(_TELocalGemm, ReplicatedLinear):

@@ -1,6 +1,7 @@
 """Convert checkpoints between HF and megamoe, streaming one tensor at a time.
 
     megamoe-convert import-hf HF_DIR OUT_DIR [--tp N --ep N --etp N --pp N] [--placement FILE] [--experts-in-hf]
+                              [--keep-fp8]
     megamoe-convert export-hf CKPT_DIR OUT_DIR [--family MODEL_TYPE] [--fp8-blocks 128]
     megamoe-convert export-hf LORA_CKPT_DIR OUT_DIR --merge      # base + adapters merged, one HF model
     megamoe-convert export-peft LORA_CKPT_DIR OUT_DIR [--family MODEL_TYPE]
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     imp.add_argument("--experts-in-hf", action="store_true",
                      help="leave the routed experts in HF_DIR (not read, not written): runs with tiered experts "
                           "(model.moe.expert_store.budget_mib, --expert-budget) read them from there")
+    imp.add_argument("--keep-fp8", action="store_true",
+                     help="an FP8 checkpoint's linear and expert weights stay e4m3 with their block scales (a frozen "
+                          "base for LoRA: about half the bytes of bf16); the rest is dequantised")
     exp = sub.add_parser("export-hf", help="megamoe checkpoint -> HF directory")
     exp.add_argument("ckpt_dir")
     exp.add_argument("out_dir")
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         placement = read_placement(args.placement) if args.placement else None
         out = import_hf(args.hf_dir, args.out_dir, tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp,
                         overwrite=args.overwrite, shard_bytes=int(args.shard_gib * 2**30), placement=placement,
-                        experts=not args.experts_in_hf)
+                        experts=not args.experts_in_hf, keep_fp8=args.keep_fp8)
         print(f"wrote megamoe checkpoint {out} (load it with checkpoint.load={out})")
     else:
         out = export(args)

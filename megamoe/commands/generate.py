@@ -90,6 +90,9 @@ def parser():
                    help="with --expert-budget: where the experts are read from (a converted checkpoint or the HF "
                         "directory the model was imported from; default: the checkpoint, or its HF directory "
                         "when imported with --experts-in-hf)")
+    p.add_argument("--keep-fp8", action="store_true",
+                   help="an FP8 HF checkpoint's linear and expert weights stay e4m3 with their block scales, "
+                        "dequantised per GEMM (about half the memory of bf16; one process)")
     parallel_flags(p)
     return p
 
@@ -143,7 +146,10 @@ def load_for_layout(args):
         store = ExpertStoreConfig(budget_mib=args.expert_budget, tier=args.expert_tier, path=args.expert_store,
                                   map=args.expert_map)
     if parallel is None:
-        return load_model(args.model_dir, base=args.base, expert_store=store), None, True
+        return load_model(args.model_dir, base=args.base, expert_store=store, keep_fp8=args.keep_fp8), None, True
+    if args.keep_fp8:
+        raise ConfigError("--keep-fp8 runs in one process (drop --tp/--pp/--ep/--etp/--cp; a checkpoint imported "
+                          "with import-hf --keep-fp8 loads at any layout)")
     if store is not None:
         raise ConfigError("--expert-budget runs in one process (drop --tp/--pp/--ep/--etp/--cp)")
     if args.compile:  # before loading: compiled decode steps run the whole model in one process

@@ -13,7 +13,8 @@ from megamoe.core.config import ModelConfig, ParallelConfig, validate_model_para
 from megamoe.convert.family import Family, get_family
 from megamoe.checkpoint.hf_io import HFCheckpoint, write_hf_dir
 from megamoe.checkpoint.converted import FORMAT, ConvertedCheckpoint, write_checkpoint
-from megamoe.convert.quant import (FP8_DTYPES, DequantizedHF, QuantFormat, fp8_plan, fp8_record, fp8_stream,
+from megamoe.convert.keep_fp8 import fp8_producer, kept_to_hf, plan_fp8_base, split_fp8
+from megamoe.convert.quant import (E4M3, FP8_DTYPES, DequantizedHF, QuantFormat, fp8_plan, fp8_record, fp8_stream,
                                    quant_format, set_quantization_config)
 from megamoe.checkpoint.safetensors_io import DTYPE_CODES
 from megamoe.convert.table import Entry, check_plan, expand
@@ -91,7 +92,7 @@ def _checked_plan(ck: HFCheckpoint, family: Family, cfg: ModelConfig, meta_tenso
 
 def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequence_parallel: bool = False,
             device=None, progress: bool = False, fp8: str | None = None, placement: dict | None = None,
-            pipeline: tuple[int, int] = (0, 1)):
+            pipeline: tuple[int, int] = (0, 1), keep_fp8: bool = False):
     """A megamoe model holding an HF checkpoint's weights (this rank's shards under ``groups``);
     ``fp8``: the backend's FP8 recipe (as ``train.fp8``); ``placement``: {layer: expert order}
     laid out over the EP slots (``megamoe.model.placement``; recorded in ``model.moe.placement``).
@@ -101,14 +102,13 @@ def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequenc
     shard and dropped before the next, so the whole model is never in one process.
 
     ``model(input_ids)`` returns logits [b, t, V]. The HF origin is kept on ``model.hf_origin``
-    so ``to_hf`` can write the same family back.
+    so ``to_hf`` can write the same family back. ``keep_fp8``: an FP8 checkpoint's weights stay
+    e4m3 with their block scales (``model.fp8_base``, ``megamoe.model.fp8_base``).
     """
     ck, family, cfg = open_hf(hf_dir)
     _set_placement(cfg, placement)
     groups = groups or ParallelGroups()
-    with torch.device("meta"):
-        meta_tensors = model_tensors(build_model(cfg, device="meta"))
-    entries = _checked_plan(ck, family, cfg, meta_tensors)
+    entries, produce_fp8 = _plan(ck, family, cfg, keep_fp8)
     stage, stages = pipeline
     cut = {} if stages == 1 else dict(layer_ids=cfg.parsed_layout().stages(stages, balanced=True)[stage],
                                       pre_process=stage == 0, post_process=stage == stages - 1)
@@ -116,39 +116,57 @@ def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequenc
     tensors = model_tensors(model)
     entries = [e for e in entries if e.mm in tensors]  # this pipeline stage's only
     for e in tqdm(entries, desc="load HF", disable=not progress, unit="tensor"):
-        full = to_slots(e.mm, e.to_mm([ck.tensor(n) for n in e.hf]), _placement(cfg))
-        dest = tensors[e.mm]
-        with torch.no_grad():
-            dest.copy_(shard_full(full.to(dest.dtype), dest, groups))
+        for name in (e.mm, f"{e.mm}_scale") if f"{e.mm}_scale" in tensors else (e.mm,):
+            full = produce_fp8(name)
+            full = to_slots(name, e.to_mm([ck.tensor(n) for n in e.hf]) if full is None else full, _placement(cfg))
+            dest = tensors[name]
+            with torch.no_grad():
+                dest.copy_(shard_full(full.to(dest.dtype), dest, groups))
     model.hf_origin = {"model_type": family.model_type, "config": ck.config, "path": str(Path(hf_dir).resolve())}
     if ck.scales:
         model.hf_origin["fp8"] = fp8_record(ck)
     return model.eval()
 
 
+def _plan(ck, family: Family, cfg: ModelConfig, keep_fp8: bool):
+    """(the checked entries, ``produce(name)`` of the FP8 weights kept and their scales, None for
+    any other name); with ``keep_fp8`` ``cfg.fp8_base`` is set to the weights kept."""
+    with torch.device("meta"):
+        plain = build_model(cfg, device="meta")
+    entries = _checked_plan(ck, family, cfg, model_tensors(plain))
+    if not keep_fp8:
+        return entries, lambda name: None
+    cfg.fp8_base = plan_fp8_base(ck, entries, plain)
+    return entries, fp8_producer(ck, {e.mm: e for e in entries}, cfg.fp8_base)
+
+
 def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
               shard_bytes: int = 2 << 30, overwrite: bool = False, progress: bool = True,
-              placement: dict | None = None, experts: bool = True) -> Path:
+              placement: dict | None = None, experts: bool = True, keep_fp8: bool = False) -> Path:
     """Convert an HF directory into a megamoe checkpoint (optionally split for a TP/PP/EP layout;
     ``placement``: {layer: expert order} over the EP slots, see ``megamoe.model.placement``).
     ``experts=False``: the routed experts stay in ``hf_dir`` only (never read here); runs with
-    tiered experts (``model.moe.expert_store``) read them from there (``megamoe.expert_store.hf``)."""
+    tiered experts (``model.moe.expert_store``) read them from there (``megamoe.expert_store.hf``).
+    ``keep_fp8``: an FP8 checkpoint's weights are written as e4m3 + block scales
+    (``megamoe.convert.keep_fp8``), the others dequantised."""
     start = time.time()
     check_replaceable(Path(out_dir), overwrite, is_checkpoint_dir, "checkpoint")  # before any reading
     ck, family, cfg = open_hf(hf_dir)
     _set_placement(cfg, placement)
     parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp)
     layout = validate_model_parallel(cfg, parallel)
+    entries, produce_fp8 = _plan(ck, family, cfg, keep_fp8)
     with torch.device("meta"):
         meta_tensors = model_tensors(build_model(cfg, device="meta"))
-    entries = _checked_plan(ck, family, cfg, meta_tensors)
     by_name = {e.mm: e for e in entries}
     planned = []
     for name, t in meta_tensors.items():
         if not experts and is_expert_param(t):  # the routed experts' stacks (their record: sharded over ep/etp)
             continue
-        src_dtype = TORCH_DTYPES[ck.dtypes[by_name[name].hf[0]]]
-        dtype = src_dtype if src_dtype.is_floating_point and t.dtype.is_floating_point else t.dtype
+        dtype = t.dtype  # kept FP8 weights (e4m3) and their scales (float32) as the model holds them
+        if name in by_name and dtype != E4M3:
+            src_dtype = TORCH_DTYPES[ck.dtypes[by_name[name].hf[0]]]
+            dtype = src_dtype if src_dtype.is_floating_point and t.dtype.is_floating_point else t.dtype
         planned.append((name, dtype, tuple(t.shape), sharding(t)))
     sizes = {g: 1 for g in GROUPS} | {"tp": tp, "pp": pp, "ep": ep, "etp": etp}
     # hf.path: where the weights came from (a PEFT adapter of a fine-tune names it as its base)
@@ -162,8 +180,11 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int =
     bar = tqdm(total=len(planned), desc=f"import {family.model_type}", unit="tensor", disable=not progress)
 
     def produce(name: str) -> torch.Tensor:
-        e = by_name[name]
-        return to_slots(name, e.to_mm([ck.tensor(n) for n in e.hf]), _placement(cfg))
+        full = produce_fp8(name)
+        if full is None:
+            e = by_name[name]
+            full = e.to_mm([ck.tensor(n) for n in e.hf])
+        return to_slots(name, full, _placement(cfg))
 
     with AtomicDir(out_dir, overwrite) as tmp:
         write_checkpoint(tmp, meta, planned, produce, sizes, layout.stages(pp), shard_bytes, bar)
@@ -211,16 +232,22 @@ def _write_hf(out_dir, family: Family, cfg: ModelConfig, hf_config: dict | None,
     fmt = QuantFormat((fp8_blocks, fp8_blocks)) if fp8_blocks else None
     set_quantization_config(config, fmt)
     entries = plan_entries(family, cfg, config, None)
+    shapes_dtypes, kept = split_fp8(shapes_dtypes)  # weights kept in FP8 (model.fp8_base) are planned as float
     check_plan(entries, {n: s for n, (s, _) in shapes_dtypes.items()}, None, "export")
     planned, quantised = _hf_plan(entries, shapes_dtypes.__getitem__), set()
     if fmt is not None:
         planned, quantised = fp8_plan(planned, fmt, fp8_origin)
     bar = tqdm(total=len(entries), desc=f"export {family.model_type}", unit="tensor", disable=not progress)
+    logical = lambda name: to_logical(name, read_full(name), _placement(cfg))  # noqa: E731  (HF: logical order)
 
     def stream():
         for e in entries:
-            outs = e.to_hf(to_logical(e.mm, read_full(e.mm), _placement(cfg)))  # HF holds the logical order
-            yield from zip(e.hf, (o.contiguous() for o in outs))
+            if e.mm in kept:
+                outs = kept_to_hf(e, logical(e.mm), logical(f"{e.mm}_scale"), tuple(cfg.fp8_base.block),
+                                  getattr(torch, cfg.params_dtype), fmt, quantised)
+            else:
+                outs = e.to_hf(logical(e.mm))
+            yield from zip(e.hf, (o if isinstance(o, tuple) else o.contiguous() for o in outs))
             bar.update(1)
 
     tensors = fp8_stream(stream(), quantised, fmt) if fmt is not None else stream()

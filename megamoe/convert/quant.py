@@ -243,10 +243,11 @@ def fp8_plan(planned: list[tuple[str, torch.dtype, tuple]], fmt: QuantFormat, re
 
 
 def fp8_stream(tensors, quantised: set[str], fmt: QuantFormat):
-    """(name, tensor) pairs with the ``quantised`` ones as (name, e4m3), (scale name, scale)."""
+    """(name, tensor) pairs with the ``quantised`` ones as (name, e4m3), (scale name, scale);
+    a tensor given as (e4m3, block scales) already is written as it is."""
     for name, t in tensors:
         if name in quantised:
-            q, s = quantize_blocks(t, fmt.block)
+            q, s = t if isinstance(t, tuple) else quantize_blocks(t, fmt.block)
             yield name, q
             yield scale_name(name), s
         else:

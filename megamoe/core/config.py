@@ -712,6 +712,22 @@ class HyperConnectionConfig:
 
 
 @dataclass
+class Fp8BaseConfig:
+    """Frozen FP8 base weights (``import-hf --keep-fp8``, ``megamoe.model.fp8_base``): the named linear
+    and expert weights stay e4m3 with their float32 block scales in memory and in checkpoints,
+    dequantised per GEMM; they never train (adapters and every other weight do)."""
+
+    block: list = field(default_factory=lambda: [128, 128])  # the release's weight_block_size (rows, cols)
+    tensors: list = field(default_factory=list)  # megamoe parameter names held in FP8
+
+    def validate(self, path: str) -> None:
+        check(len(self.block) == 2 and all(isinstance(b, int) and b > 0 for b in self.block), f"{path}.block",
+              self.block, "must be two positive integers")
+        check(all(isinstance(t, str) for t in self.tensors), f"{path}.tensors", self.tensors,
+              "must be parameter names")
+
+
+@dataclass
 class ModelConfig:
     """A causal language model (plus, later, its vision encoder) described by a layout string.
 
@@ -740,6 +756,7 @@ class ModelConfig:
     backend: str = "auto"  # role provider (megamoe.layers.backends): auto | local (pure-torch reference) | cpu | cuda | te
     fusion: Optional[str] = None  # auto | on | off: compiled elementwise kernels (megamoe.layers.ops.fusion); None: MEGAMOE_FUSION
     vision: Optional[VisionConfig] = None  # image encoder + projector (megamoe.model.multimodal)
+    fp8_base: Optional[Fp8BaseConfig] = None  # weights kept in FP8 (import-hf --keep-fp8; megamoe.model.fp8_base)
 
     def parsed_layout(self) -> Layout:
         return parse_layout(self.layout, "model.layout")
@@ -768,6 +785,8 @@ class ModelConfig:
             moe_layers = [i for i, k in enumerate(layout.layers) if k.mlp in MOE_LETTERS]
             check_placement(self.moe.placement, self.moe.num_experts, moe_layers, self.moe.n_group,
                             f"{path}.moe.placement")
+        if self.fp8_base is not None:
+            self.fp8_base.validate(f"{path}.fp8_base")
         if self.vision is not None:
             self.vision.validate(self.hidden_size, f"{path}.vision")
             check(self.vision.image_token_id < self.vocab_size, f"{path}.vision.image_token_id",

@@ -51,12 +51,15 @@ def hf_origin_of(path: str | Path, base: str | Path | None = None) -> dict | Non
     return read_meta(lora_base(path, meta, base)).get("hf")
 
 
-def load_model(path: str | Path, merge: bool = True, base: str | Path | None = None, expert_store=None):
+def load_model(path: str | Path, merge: bool = True, base: str | Path | None = None, expert_store=None,
+               keep_fp8: bool = False):
     """The model in ``path`` on CPU, in eval mode, with ``hf_origin`` set when known. A LoRA
     checkpoint gives its base (``base``, else the one its meta.json records) with the adapters
     applied, merged into the weights unless ``merge=False``. ``expert_store`` (an enabled
     ``ExpertStoreConfig``): the routed experts stay in the weights' converted checkpoint and
-    come in when routed to (``megamoe.expert_store``; adapters then stay unmerged)."""
+    come in when routed to (``megamoe.expert_store``; adapters then stay unmerged). ``keep_fp8``: an FP8
+    HF directory's weights stay e4m3 (``from_hf(keep_fp8=True)``; a converted checkpoint holds
+    them as it was imported)."""
     from megamoe.convert import build_model, from_hf
     from megamoe.recipe import config_from_dict
     from megamoe.checkpoint.dcp import load_checkpoint, read_meta
@@ -66,7 +69,7 @@ def load_model(path: str | Path, merge: bool = True, base: str | Path | None = N
         if tiered:
             raise CheckpointError(f"{path}: tiered experts read a converted checkpoint: megamoe-convert import-hf "
                                   f"{path} OUT first")
-        return from_hf(path)
+        return from_hf(path, keep_fp8=keep_fp8)
     path = checkpoint_path(path)
     meta = read_meta(path)
     if "model" not in meta:

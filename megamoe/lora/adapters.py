@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamoe.core.errors import ConfigError
+from megamoe.model.fp8_base import is_fp8, thaw
 from megamoe.lora.config import LoRAConfig
 from megamoe.lora.experts import ExpertLoRA, lora_swiglu_experts
 from megamoe.model.params import mark_active_fraction
@@ -125,10 +126,16 @@ class Adapter:
             weight.copy_((weight.float() + sign * delta).to(weight.dtype))
 
     def merge(self) -> None:
-        """Fold the adapter into the local base weights (the role's own kernel then runs alone)."""
+        """Fold the adapter into the local base weights (the role's own kernel then runs alone).
+        A frozen FP8 base (``megamoe.model.fp8_base``) is dequantised first: the merged weight is float."""
         if not self.merged:
+            if is_fp8(self.role):
+                self.rebind(thaw(self.role))
             self._fold(1.0)
             self.merged = True
+
+    def rebind(self, own: dict) -> None:
+        """Take the role's own entry points (``own``, by name, from ``thaw``) as the base again."""
 
     def unmerge(self) -> None:
         """Subtract the folded adapter again (exact up to rounding of the weight dtype)."""
@@ -145,6 +152,9 @@ class LinearAdapter(Adapter):
     def __init__(self, role: nn.Module, cfg: LoRAConfig):
         super().__init__(role, cfg)
         self.base_product, self.base_weight = role.local_linear, role.effective_weight  # the backend's own
+
+    def rebind(self, own: dict) -> None:
+        self.base_product, self.base_weight = own["local_linear"], own["effective_weight"]
 
     def local_linear(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_product(x)
@@ -212,7 +222,9 @@ class ExpertAdapter(Adapter):
 def _attach_linear(m: nn.Module, cfg: LoRAConfig, groups: ParallelGroups) -> None:
     rules = sharding(m.weight)
     out_local, in_local = m.weight.shape
-    m.lora_A, m.lora_B = _param(m.weight, cfg.rank, in_local), _param(m.weight, out_local, cfg.rank)
+    like = getattr(m, "weight_like", None)  # a frozen FP8 weight computes in another dtype
+    w = like() if like is not None else m.weight
+    m.lora_A, m.lora_B = _param(w, cfg.rank, in_local), _param(w, out_local, cfg.rank)
     if any(r.dim == 0 for r in rules):  # column-parallel: B split like W's rows, A's gradient partial
         set_sharding(m.lora_B, *rules)
         for r in rules:

@@ -26,6 +26,7 @@ import megamoe.layers  # noqa: F401  (registers the layout letters)
 from megamoe.layers.ops.fusion import Fusion
 from megamoe.core.config import ModelConfig
 from megamoe.core.errors import ConfigError
+from megamoe.model.fp8_base import keep_fp8
 from megamoe.layers.backends import get_backend
 from megamoe.layers.hyper_connection import HyperConnection, HyperHead, expand_streams, merge_streams
 from megamoe.core.layout import MIXERS, MLPS, LayerKind
@@ -232,6 +233,8 @@ class LanguageModel(nn.Module):
             padded = self.embedding.padded_vocab if self.embedding is not None else \
                 -(-cfg.vocab_size // ctx.groups.tp_size) * ctx.groups.tp_size
             self.output_layer = OutputLayer(cfg, ctx, padded, tied=cfg.tie_embeddings)
+        if cfg.fp8_base is not None:
+            keep_fp8(self, cfg.fp8_base)  # the released FP8 weights stay e4m3 (megamoe.model.fp8_base)
 
     def set_recompute(self, parts) -> None:
         """Selective activation recomputation for every layer: any of RECOMPUTE_CHOICES."""

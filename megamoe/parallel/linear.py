@@ -34,6 +34,8 @@ class ColumnParallelLinear(nn.Module):
     (``[b, s, out]`` with gather_output).
     """
 
+    local_bias = True  # local_linear adds the bias (a row-parallel one adds it after the reduction)
+
     def __init__(self, in_features: int, out_features: int | Sequence[int], group=None, *,
                  bias: bool = False, gather_output: bool = False, sequence_parallel: bool = False,
                  init_std: float = 0.02, dtype=None, device=None, group_name: str = "tp"):
@@ -84,6 +86,8 @@ class RowParallelLinear(nn.Module):
 
     x: [b, s, in/tp] -> y: [b, s, out] (``[b, s/tp, out]`` with sequence_parallel).
     """
+
+    local_bias = False  # local_linear adds the bias (a row-parallel one adds it after the reduction)
 
     def __init__(self, in_features: int | Sequence[int], out_features: int, group=None, *,
                  bias: bool = False, sequence_parallel: bool = False, init_std: float = 0.02,
@@ -169,6 +173,8 @@ class ReplicatedLinear(nn.Module):
 
     x: [b, s, in] (``[b, s/tp, in]`` with sequence_parallel) -> y: [b, s, out].
     """
+
+    local_bias = True  # local_linear adds the bias (a row-parallel one adds it after the reduction)
 
     def __init__(self, in_features: int, out_features: int, group=None, *, bias: bool = False,
                  sequence_parallel: bool = False, init_std: float = 0.02, dtype=None, device=None):

@@ -104,11 +104,12 @@ def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, 
     model = model if model is not None else planned_model(cfg, lora)
     rows = [dict(layers=ids, params=0.0, weights=0.0, grads=0.0, optim=0.0, activations=0.0, stored=0.0)
             for ids in stages]
+    fp8_scales = {f"{n}_scale" for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
     for name, p in model.named_parameters():
         rules = sharding(p)
         local = math.prod(p.shape) / math.prod(g.get(r.group, 1) for r in rules)
         row = rows[_stage_of(name, stages)]
-        row["params"] += local
+        row["params"] += 0 if name in fp8_scales else local  # a frozen FP8 weight's scales: bytes, not parameters
         row["stored" if record(p).stored else "weights"] += local * p.element_size()
         if p.requires_grad:
             replicas = g["edp"] if any(r.group in ("ep", "etp") for r in rules) else g["dp_cp"]

@@ -6,7 +6,7 @@ map RoPE, YaRN included (``rope_parameters`` or the legacy ``rope_scaling`` with
 from __future__ import annotations
 
 from megamoe.core.config import AttentionConfig, MLPConfig, ModelConfig
-from megamoe.convert.family import Family, hf_get, register
+from megamoe.convert.family import WITH_FP8, Family, hf_get, register
 from megamoe.core.errors import CheckpointError
 from megamoe.convert.families.common import (attention_rules, base_hf_config, dense_mlp_rules, dtype_name,
                                              embedding_rules, norm_rules, rope_theta, rope_to_hf,
@@ -58,4 +58,5 @@ def rules(cfg: ModelConfig, hf: dict):
             *dense_mlp_rules(f"{layer}.mlp")]
 
 
-QWEN3 = register(Family("qwen3", "Qwen3ForCausalLM", config_from_hf, config_to_hf, rules))
+QWEN3 = register(Family("qwen3", "Qwen3ForCausalLM", config_from_hf, config_to_hf, rules,
+                        weight_dtypes=WITH_FP8))

@@ -7,7 +7,7 @@ qwen3_next share, see ``mlp_letters``).
 from __future__ import annotations
 
 from megamoe.core.config import MLPConfig, ModelConfig, MoEConfig
-from megamoe.convert.family import Family, hf_get, register
+from megamoe.convert.family import WITH_FP8, Family, hf_get, register
 from megamoe.convert.families.common import (attention_rules, base_hf_config, dense_mlp_rules, dtype_name,
                                              embedding_rules, moe_rules, norm_rules)
 from megamoe.convert.families.qwen3 import attention_from_hf, attention_to_hf, common_to_hf
@@ -95,4 +95,5 @@ def rules(cfg: ModelConfig, hf: dict):
 
 
 QWEN3_MOE = register(Family("qwen3_moe", "Qwen3MoeForCausalLM", config_from_hf, config_to_hf, rules,
-                            notes="GQA + QK-norm, softmax top-k MoE, dense layers by decoder_sparse_step"))
+                            notes="GQA + QK-norm, softmax top-k MoE, dense layers by decoder_sparse_step",
+                            weight_dtypes=WITH_FP8))
