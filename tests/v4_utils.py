@@ -74,6 +74,8 @@ def randomize_v4(module: torch.nn.Module, seed: int = 0, std: float = 0.2) -> to
     a hash table of distinct experts per token and a random selection bias."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in sorted(module.named_parameters()):
+        if not p.is_floating_point():  # megamoe's hash table keeps its (distinct experts) default
+            continue
         noise = torch.randn(p.shape, generator=gen)
         if "norm" in name and name.endswith("weight"):
             p.copy_(1.0 + 0.2 * noise)
