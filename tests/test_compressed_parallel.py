@@ -12,9 +12,9 @@ import dataclasses
 import pytest
 import torch
 
-from megamoe.config import ParallelConfig
+from megamoe.core.config import ParallelConfig
 from megamoe.parallel.context import position_in_document
-from megamoe.spec import ForwardInfo
+from megamoe.layers.spec import ForwardInfo
 from tests.mixer_utils import build_mixer, param_grad_errors
 from tests.numerics import rel_err
 from tests.v4_utils import randomize_v4, tiny_v4
@@ -50,7 +50,7 @@ def mixer_case(letter: str, tp: int = 1, cp: int = 1, sp: bool = False, seq: int
     (summed over CP)."""
     from megamoe.parallel.context import ContextShard
     from megamoe.parallel.groups import build_groups
-    from megamoe.weights import finalize_grads
+    from megamoe.model.weights import finalize_grads
 
     groups = build_groups(ParallelConfig(tp=tp, cp=cp, sequence_parallel=sp))
     cfg, ref, state = reference_mixer(letter)
@@ -101,7 +101,7 @@ def test_mixers_cp2_tp2_sp_equal_one_process(pool):
 def prefill_case(letter: str) -> dict:
     """A CP=2 prefill of 40 tokens into a decode cache, then 6 decode steps without CP on every
     rank, against one process decoding the same way."""
-    from megamoe.cache import InferenceCache
+    from megamoe.layers.cache.decode import InferenceCache
     from megamoe.parallel.context import ContextShard
     from megamoe.parallel.groups import build_groups
 
@@ -140,12 +140,12 @@ def model_case(parallel: dict, sp: bool = False) -> dict:
     ``parallel`` against one process: the loss and every gradient, summed as a trainer sums them
     (TP partial sums, then data-parallel ranks; experts over their own data-parallel group). Each
     data-parallel rank takes its own row of the batch."""
-    from megamoe.model import build_model, shift_labels
+    from megamoe.model.language_model import build_model, shift_labels
     from megamoe.parallel import comm
     from megamoe.parallel.groups import ParallelGroups, build_groups
     from megamoe.parallel.record import is_expert_param
     from megamoe.parallel.sharding import gather_full
-    from megamoe.weights import finalize_grads, full_state_dict, initialize, load_full_state_dict
+    from megamoe.model.weights import finalize_grads, full_state_dict, initialize, load_full_state_dict
     from tests.test_tensor_parallel import fp32_noise_floor
 
     groups = build_groups(ParallelConfig(**parallel, sequence_parallel=sp))
