@@ -1,8 +1,8 @@
 """Importing FP8 checkpoints as they are released (megamoe.convert.quant): e4m3 weights with a
 float32 ``weight_scale_inv`` per 128x128 block, padded edge blocks, ``quantization_config``.
 
-Tiny deepseek_v3, deepseek_v32 and MiniMax checkpoints are quantised as DeepSeek-V3.x and
-MiniMax-M2 ship theirs (tests/fp8_utils.py), imported, and compared with transformers' model
+Tiny deepseek_v3, deepseek_v32, minimax_m2 (and minimax, glm_moe_dsa, qwen3, qwen3_moe)
+checkpoints are quantised as DeepSeek-V3.x and MiniMax-M2 ship theirs (tests/fp8_utils.py), imported, and compared with transformers' model
 of the same FP8 checkpoint (fp32 logits, 1e-4). At the tiny widths (<= 128) every tensor is
 one padded block, which transformers' CPU loader dequantises right; wider shapes with several
 blocks and a padded edge are compared with transformers' FP8-linear dequantisation
@@ -29,11 +29,13 @@ IDS = torch.randint(3, 64, (2, 11), generator=torch.Generator().manual_seed(5))
 def tiny(family: str):
     from tests.test_convert_deepseek import tiny_deepseek_v3, tiny_deepseek_v32
     from tests.test_convert_dense import tiny_qwen3
+    from tests.test_convert_glm5_minimax_m import tiny_glm_moe_dsa, tiny_minimax_m2
     from tests.test_convert_glm_minimax import tiny_minimax
     from tests.test_convert_qwen import tiny_qwen3_moe
 
     return {"deepseek_v3": tiny_deepseek_v3, "deepseek_v32": tiny_deepseek_v32, "minimax": tiny_minimax,
-            "qwen3": tiny_qwen3, "qwen3_moe": tiny_qwen3_moe}[family]()
+            "minimax_m2": tiny_minimax_m2, "glm_moe_dsa": tiny_glm_moe_dsa, "qwen3": tiny_qwen3,
+            "qwen3_moe": tiny_qwen3_moe}[family]()
 
 
 def fp8_checkpoint(hf_model, root):
@@ -63,7 +65,8 @@ def test_quantizer_and_dequantizer_match_the_release_and_transformers():
         assert torch.equal(q[e].view(torch.uint8), quantize_block_by_block(stack[e])[0].view(torch.uint8))
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "minimax", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "minimax_m2", "minimax", "glm_moe_dsa", "qwen3",
+                                    "qwen3_moe"])
 @torch.no_grad()
 def test_fp8_release_imports_with_transformers_logits(family, tmp_path):
     from transformers import AutoModelForCausalLM

@@ -41,7 +41,7 @@ def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(raw(a), raw(b))
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "minimax"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2", "minimax"])
 @torch.no_grad()
 def test_keep_fp8_import_and_export_give_the_release_back(family, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -49,7 +49,7 @@ def test_keep_fp8_import_and_export_give_the_release_back(family, tmp_path):
     fp8_dir, quantised = fp8_checkpoint(tiny(family), tmp_path)
     ckpt = import_hf(fp8_dir, tmp_path / "mm", keep_fp8=True, progress=False)
     stored = _files(ckpt)
-    assert sum(t.dtype == E4M3 for t in stored.values()) >= 10
+    assert sum(t.dtype == E4M3 for t in stored.values()) >= 8  # projections and expert stacks of 2 layers
     model = load_converted(ckpt)
     assert (model(IDS) - from_hf(fp8_dir)(IDS)).abs().max() <= 1e-6
     hf = AutoModelForCausalLM.from_pretrained(fp8_dir, dtype=torch.float32).eval()

@@ -21,7 +21,7 @@ from megamoe.convert.families.deepseek_v3 import (base_model_config, base_to_hf,
                                                   mla_from_hf, mla_rules, mla_to_hf, mlp_letters, mlp_types_to_hf,
                                                   mtp_skipped)
 from megamoe.convert.families.deepseek_v32 import indexer_from_hf, indexer_rules
-from megamoe.convert.family import Family, hf_get, register
+from megamoe.convert.family import WITH_FP8, Family, hf_get, register
 from megamoe.convert.table import Rule
 from megamoe.core.errors import CheckpointError
 
@@ -92,4 +92,4 @@ def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
 GLM_MOE_DSA = register(Family("glm_moe_dsa", "GlmMoeDsaForCausalLM", config_from_hf, config_to_hf, rules,
                               notes="GLM-5: MLA + DSA (letter D, interleaved indexer RoPE), shared-indexer layers "
                                     "(letter R), DeepSeek MoE",
-                              skipped=mtp_skipped))
+                              skipped=mtp_skipped, weight_dtypes=WITH_FP8))

@@ -21,7 +21,7 @@ from megamoe.convert.families.common import (attention_rules, base_hf_config, dt
                                              moe_rules, norm_rules, partial_rotary)
 from megamoe.convert.families.deepseek_v3 import check_silu, expressible
 from megamoe.convert.families.qwen3 import attention_from_hf, attention_to_hf, common_to_hf
-from megamoe.convert.family import Family, hf_get, register
+from megamoe.convert.family import WITH_FP8, Family, hf_get, register
 
 
 def attention_section(hf: dict, qk_norm_scope: str) -> AttentionConfig:
@@ -103,4 +103,4 @@ def rules(cfg: ModelConfig, hf: dict):
 
 MINIMAX_M2 = register(Family("minimax_m2", "MiniMaxM2ForCausalLM", config_from_hf, config_to_hf, rules,
                              notes="GQA (QK-norm over all heads, partial RoPE) + sigmoid top-k MoE with the "
-                                   "selection bias"))
+                                   "selection bias", weight_dtypes=WITH_FP8))
