@@ -1,8 +1,8 @@
 """Conversion of glm5_next (text model: KDA + pooled DSA, hyper-connections, clamped SwiGLU, dense
 and MoE layers) and minimax (lightning + softmax attention, top-2 MoE, scaled residual): the whole
 round trip of tests/conversion_harness.py in both expert layouts, plus the family-specific
-inputs (a vision tower or multi-token-prediction layers skipped with a notice, decay buffers
-that disagree with the config, shared indexers)."""
+inputs (glm5_next's vision tower with images, multi-token-prediction layers skipped with a
+notice, decay buffers that disagree with the config, shared indexers)."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from megamoe.core.errors import CheckpointError
 
 TOKENS = dict(vocab_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+IMAGE_TOKEN = 90
 
 
 @torch.no_grad()
@@ -66,7 +67,8 @@ def tiny_glm5_next():
                 linear_head_dim=8, linear_num_heads=2, hc_mult=3, swiglu_limit=0.5, **TOKENS)
     vision_cfg = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=24, out_hidden_size=32,
                       projection_intermediate_size=24, patch_size=4, image_size=16)
-    model = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=text, vision_config=vision_cfg))
+    model = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=text, vision_config=vision_cfg,
+                                                            image_token_id=IMAGE_TOKEN))
     randomize(model)
     return model
 
@@ -77,14 +79,43 @@ def test_minimax_round_trip(tmp_path):
     check_round_trip(tiny_minimax(), tmp_path)
 
 
-def test_glm5_next_round_trip_text_model(tmp_path, caplog):
-    """A checkpoint with a vision tower: one notice, the text model converts and round-trips."""
-    from tests.conversion_harness import check_round_trip
+def glm_image_inputs():
+    """Two prompts, two images (16x24 -> 2x3 tokens, 8x32 -> 1x4) in HF's pixel_values layout."""
+    from megamoe.vision.hf_qwen import images_to_pixel_values
 
+    gen = torch.Generator().manual_seed(4)
+    images = [torch.randn(3, h, w, generator=gen) for h, w in ((16, 24), (8, 32))]
+    ids = torch.randint(3, 89, (2, 16), generator=gen)
+    ids[0, 2:8] = IMAGE_TOKEN
+    ids[1, 9:13] = IMAGE_TOKEN
+    pv, thw = zip(*(images_to_pixel_values(img[None], patch_size=4, merge_size=2) for img in images))
+    return ids, images, dict(input_ids=ids, pixel_values=torch.cat(pv), image_grid_thw=torch.cat(thw))
+
+
+def test_glm5_next_round_trip_with_its_vision_tower(tmp_path, caplog):
+    """The tower converts (no notice, nothing skipped) into megamoe's glm5_vit_enc + glm_merger: both
+    layouts round-trip; with images the import and the export give transformers' logits and greedy
+    tokens, and every parameter's gradient (tower and merger included) is transformers'."""
+    from megamoe.convert.verify import load_hf_model
+    from tests.conversion_harness import ATOL, check_round_trip, load_converted
+    from tests.vlm_harness import GRAD_REL, check_images, grad_errors
+
+    hf = tiny_glm5_next().float().eval()
     with caplog.at_level(logging.WARNING, logger="megamoe.convert.api"):
-        check_round_trip(tiny_glm5_next(), tmp_path)
-    notices = [r.getMessage() for r in caplog.records if "vision tower" in r.getMessage()]
-    assert len(notices) == 2 and all("\n" not in m and "only the text model converts" in m for m in notices)
+        check_round_trip(hf, tmp_path)
+    assert not [r for r in caplog.records if "vision" in r.getMessage()]
+    ours = load_converted(tmp_path / "hf_per_expert_megamoe")
+    assert ours.config.vision.encoder == "glm5_vit_enc" and ours.config.vision.projector == "glm_merger"
+    ids, images, hf_inputs = glm_image_inputs()
+    check_images(hf, ours, ids, images, hf_inputs)
+    with torch.no_grad():
+        exported = load_hf_model(tmp_path / "hf_stacked_back")
+        assert (exported(**hf_inputs).logits - hf(**hf_inputs).logits).abs().max() <= ATOL
+    # HF's Conv3d over T=2 identical frames: each frame's kernel gets the Conv2d's whole gradient
+    errs = grad_errors(hf, ours, "glm5_next", ids, images, hf_inputs,
+                       scale={"vision.encoder.model.patch_embed.proj.weight": 0.5})
+    worst = max(errs, key=errs.get)
+    assert any(n.startswith("vision.projector.") for n in errs) and errs[worst] <= GRAD_REL, (worst, errs[worst])
 
 
 def test_glm5_next_export_without_origin_and_mtp_layers_skipped(tmp_path, caplog):

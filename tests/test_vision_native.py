@@ -80,3 +80,30 @@ def test_kimi_tower_matches_transformers_image_features():
             want = torch.cat(hf.model.get_image_features(pv, grid).pooler_output)
             got = tower([img[0]])
         assert max_abs(got, want) <= (0.0 if (h, w) == (24, 24) else 1e-5 * want.abs().max()), (h, w)
+
+
+def test_glm5_tower_matches_transformers_image_features():
+    """glm5_vit_enc + glm_merger loaded through the glm5_next table reproduce get_image_features of a
+    tiny random GLM-5 (RMSNorms, q/k norms, clamped SwiGLUs at active clamps, conv downsample)."""
+    from megamoe.convert import api
+    from megamoe.vision.hf_glm import glm_vision_config
+    from megamoe.vision.hf_qwen import images_to_pixel_values
+    from megamoe.vision.tower import VisionTower
+    from tests.test_convert_glm_minimax import tiny_glm5_next
+
+    hf = tiny_glm5_next().float().eval()
+    cfg = hf.config.to_dict()
+    tower = VisionTower(glm_vision_config(cfg), out_dim=32).eval()
+    family = api.get_family("glm5_next")
+    theirs = dict(hf.state_dict())
+    entries = api.plan_entries(family, family.config_from_hf(cfg), cfg, set(theirs))
+    tower.load_state_dict({e.mm.removeprefix("vision."): e.to_mm([theirs[n] for n in e.hf]) for e in entries
+                           if e.mm.startswith("vision.")}, strict=True)
+    gen = torch.Generator().manual_seed(2)
+    for h, w in ((16, 16), (8, 40), (24, 8)):
+        img = torch.randn(1, 3, h, w, generator=gen)
+        pv, grid = images_to_pixel_values(img, patch_size=4, merge_size=2)
+        with torch.no_grad():
+            want = hf.model.get_image_features(pv, grid).pooler_output[0]
+            got = tower([img[0]])
+        assert max_abs(got, want) <= 1e-5 * want.abs().max(), (h, w)

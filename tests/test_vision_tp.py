@@ -1,7 +1,8 @@
 """Tensor parallelism inside the vision encoder (``model.vision.parallel.tp=2``, the LM's TP
 group) against the single-process tower: image tokens and every parameter gradient
 (gathered, q/k-norm partial sums reduced), fp32, relative error <= 1e-5, for timm's
-Attention + Mlp (ViT with q/k norm), GluMlp and SwiGLU MLPs, and AttentionRope (Qwen3 ViT)."""
+Attention + Mlp (ViT with q/k norm), GluMlp and SwiGLU MLPs, AttentionRope (Qwen3 ViT) and
+megamoe's timm-style towers (Kimi-K2.5's MoonViT, GLM-5's ViT with clamped SwiGLUs)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,6 +21,11 @@ ENCODERS = {
     "qwen3_vit": dict(encoder="qwen3_vit_88m_enc",
                       encoder_args=dict(embed_dim=32, depth=2, num_heads=4, patch_size=8, img_size=32,
                                         out_features=16)),
+    "kimi_k25_vit": dict(encoder="kimi_k25_vit_enc",
+                         encoder_args=dict(embed_dim=32, depth=2, num_heads=4, mlp_hidden_dim=48, patch_size=8,
+                                           pos_embed_grid=(4, 4), img_size=32)),
+    "glm5_vit": dict(encoder="glm5_vit_enc", encoder_args=dict(embed_dim=32, depth=2, num_heads=4, mlp_hidden_dim=48,
+                                                               patch_size=8, img_size=32, swiglu_limit=0.5)),
 }
 
 

@@ -57,6 +57,9 @@ def grad_errors(hf, ours, family: str, ids, images, hf_inputs, scale: dict | Non
     for e in entries:
         if e.mm not in mine or not mine[e.mm].requires_grad:
             continue
+        if mine[e.mm].grad is None:  # selection only (the DSA indexer): no gradient on either side
+            errs[e.mm] = 0.0 if all(theirs[n].grad is None for n in e.hf) else 1.0
+            continue
         grads = [theirs[n].grad if theirs[n].grad is not None else torch.zeros_like(theirs[n]) for n in e.hf]
         want = e.to_mm(grads) * (scale or {}).get(e.mm, 1.0)
         errs[e.mm] = rel_err(mine[e.mm].grad, want)

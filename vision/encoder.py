@@ -26,6 +26,7 @@ from megamoe.vision.checkpoint import load_encoder_weights
 def register_native_towers() -> None:
     """Towers timm lacks, written in timm's style in megamoe.vision, join timm's registry (on first
     use: importing timm's model zoo costs every process that never builds a tower)."""
+    import megamoe.vision.glm_vit  # noqa: F401
     import megamoe.vision.kimi_vit  # noqa: F401
 
 

@@ -10,6 +10,10 @@ Both take patch features ``x [b, gh*gw, d]`` on a ``(gh, gw)`` grid (row-major) 
   token per block, so k*k fewer tokens. Parameter names (norm, fc1, fc2) match timm's
   ``Qwen3VitPatchMerger``, so the merger of an HF Qwen3.5 checkpoint loads as-is.
   Parameters: 2d + (k²d)² + k²d + k²d*out + out.
+- ``GlmMerger`` (GLM-5): each k x k block of patches -> one token by a strided Conv2d (d -> out),
+  then Linear(out, out) without bias, LayerNorm, GELU and a SwiGLU out -> hidden -> out whose
+  gate is clamped at ``limit`` from above and its up projection to [-limit, limit] (no biases).
+  Parameters: k²d*out + out + out² + 2out + 3*out*hidden.
 """
 from __future__ import annotations
 
@@ -66,9 +70,42 @@ class PatchMerger(nn.Module):
         return self.fc2(self.act(self.fc1(x))), grid
 
 
+class GlmMerger(nn.Module):
+    def __init__(self, dim: int, out: int, hidden: int, merge_size: int = 2, limit: float | None = None,
+                 init_std: float = 0.02, eps: float = 1e-5):
+        super().__init__()
+        self.merge_size, self.limit = merge_size, limit
+        self.downsample = nn.Conv2d(dim, out, kernel_size=merge_size, stride=merge_size)
+        mark_init(self.downsample.weight, normal_init(init_std))
+        mark_init(self.downsample.bias, const_init(0.0))
+        self.norm = nn.LayerNorm(out, eps=eps)
+        mark_init(self.norm.weight, const_init(1.0))
+        mark_init(self.norm.bias, const_init(0.0))
+        self.proj, self.down_proj = nn.Linear(out, out, bias=False), nn.Linear(hidden, out, bias=False)
+        self.gate_proj, self.up_proj = nn.Linear(out, hidden, bias=False), nn.Linear(out, hidden, bias=False)
+        for lin in (self.proj, self.gate_proj, self.up_proj, self.down_proj):
+            mark_init(lin.weight, normal_init(init_std))
+
+    def forward(self, x: torch.Tensor, grid: tuple[int, int]):
+        """[b, gh*gw, d] -> ([b, (gh/k)*(gw/k), out], (gh/k, gw/k))."""
+        (gh, gw), k = grid, self.merge_size
+        if gh % k or gw % k:
+            raise ValueError(f"patch grid {gh}x{gw} is not divisible by merge_size={k}")
+        b, _, d = x.shape
+        x = self.downsample(x.reshape(b, gh, gw, d).permute(0, 3, 1, 2)).flatten(2).transpose(1, 2)
+        x = nn.functional.gelu(self.norm(self.proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return self.down_proj(nn.functional.silu(gate) * up), (gh // k, gw // k)
+
+
 def build_projector(cfg: VisionConfig, dim: int, out: int, init_std: float = 0.02) -> nn.Module:
     if cfg.projector == "mlp":
         return MLPProjector(dim, out, cfg.projector_hidden or out, init_std)
     if cfg.projector == "merger":
         return PatchMerger(dim, out, cfg.merge_size, init_std, eps=cfg.projector_norm_eps)
-    raise ConfigError(f"model.vision.projector={cfg.projector!r} is invalid: allowed: mlp, merger")
+    if cfg.projector == "glm_merger":
+        return GlmMerger(dim, out, cfg.projector_hidden or 4 * out, cfg.merge_size, cfg.projector_swiglu_limit,
+                         init_std, eps=cfg.projector_norm_eps)
+    raise ConfigError(f"model.vision.projector={cfg.projector!r} is invalid: allowed: mlp, merger, glm_merger")

@@ -240,7 +240,8 @@ class VisionConfig:
     tensors starting with ``weights_prefix`` are read, then remapped by timm's checkpoint filter
     of the model (``weights_filter``: ``auto``, ``none`` or a dotted path) and loaded strictly.
     projector ``mlp``: Linear-GELU-Linear per patch (LLaVA); ``merger``: LayerNorm, k x k patch
-    merge (``merge_size``), Linear-GELU-Linear (Qwen). ``image_token_id``: the placeholder token
+    merge (``merge_size``), Linear-GELU-Linear (Qwen, Kimi); ``glm_merger``: k x k strided conv,
+    Linear-LayerNorm-GELU, clamped SwiGLU (GLM-5). ``image_token_id``: the placeholder token
     each projected image token replaces.
     """
 
@@ -252,9 +253,10 @@ class VisionConfig:
     freeze: bool = False  # encoder frozen (no grads, run without autograd); the projector trains
     recompute: bool = False  # timm gradient checkpointing in the encoder blocks (memory for time)
     projector: str = "mlp"
-    merge_size: int = 2  # merger only
-    projector_norm_eps: float = 1e-6  # merger's LayerNorm (Qwen 1e-6, Kimi-K2.5 1e-5)
-    projector_hidden: Optional[int] = None  # mlp only; None: the LM hidden size
+    merge_size: int = 2  # merger, glm_merger
+    projector_norm_eps: float = 1e-6  # merger's / glm_merger's LayerNorm (Qwen 1e-6, Kimi-K2.5 and GLM-5 1e-5)
+    projector_hidden: Optional[int] = None  # mlp (None: the LM hidden size), glm_merger's SwiGLU (None: 4x)
+    projector_swiglu_limit: Optional[float] = None  # glm_merger: clamp of its SwiGLU (None: none)
     image_token_id: int = -1
     lr_scale: float = 1.0  # encoder learning rate = lr * lr_scale (see megamoe.model.multimodal.param_groups)
     seed: int = 0  # timm's own init is drawn under this seed, so every rank builds the same encoder
@@ -264,7 +266,7 @@ class VisionConfig:
     def validate(self, hidden_size: int, path: str = "model.vision") -> None:
         check(isinstance(self.encoder, str) and bool(self.encoder), f"{path}.encoder", self.encoder,
               "name a timm model, e.g. vit_base_patch16_224")
-        check_choice(f"{path}.projector", self.projector, ("mlp", "merger"))
+        check_choice(f"{path}.projector", self.projector, ("mlp", "merger", "glm_merger"))
         check_positive(f"{path}.merge_size", self.merge_size)
         check(self.projector_norm_eps > 0, f"{path}.projector_norm_eps", self.projector_norm_eps, "must be > 0")
         if self.projector_hidden is not None:

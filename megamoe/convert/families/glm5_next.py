@@ -1,15 +1,14 @@
-"""GLM-5 next (``glm5_next``, ``Glm5NextForConditionalGeneration``): the text model.
+"""GLM-5 next (``glm5_next``, ``Glm5NextForConditionalGeneration``): the text model and its vision tower.
 
 KDA linear layers (``K``, safe gate) and indexed sparse MLA (``I``: no RoPE, pooled indexer)
 by ``layer_types``; dense (``d``) or DeepSeek-style MoE (``e``: sigmoid, expert bias, shared
 experts) by ``mlp_layer_types``; SwiGLU inputs clamped at ``swiglu_limit``; hyper-connections
 (``model.hyper_connections``: ``hc_mult`` residual streams).
 
-Only the text model converts. The vision tower (``model.visual.*``) is not expressible as a timm
-encoder: its blocks are EVA-like (RoPE, q/k norm, RMSNorm, SwiGLU) but the gated MLP clamps its
-inputs, and the Conv3d patch embedding, conv downsample and gated merger are its own. Importing
-a checkpoint with one logs a one-line notice and converts the text model; exports hold the text
-model (transformers initialises the vision tower it always builds). The hub's
+The vision tower (``model.visual.*``) is megamoe's timm-style ``glm5_vit_enc``
+(megamoe.vision.glm_vit) with the ``glm_merger`` projector; a flat (text-only) config, whose
+checkpoint holds no tower, converts to a text model, and a text model exports with a minimal
+vision config (transformers initialises the tower it always builds). The hub's
 multi-token-prediction layers (``num_nextn_predict_layers`` after the last layer), which
 transformers ignores too, are skipped.
 
@@ -23,6 +22,16 @@ HF names (under ``model.language_model.``; the stacked layout's in brackets)::
     self_attn.q_a_proj ... o_proj ('I')            -> MLA names (deepseek_v3.mla_rules)
     self_attn.indexer.* ('I')                      -> deepseek_v32.indexer_rules + index_kpool_compress_ape|gate
     mlp.gate_proj|up_proj|down_proj ('d'); mlp.gate, experts, shared_experts ('e', deepseek_moe_rules)
+
+Vision (the same names in both layouts)::
+
+    model.visual.patch_embed.proj.weight [D, C, T, p, p] -> vision.encoder.model.patch_embed.proj.weight [D, C, p, p]
+        (the T frames summed, as for qwen3_5_moe), .bias
+    model.visual.blocks.{B}.norm1|norm2|attn.qkv|attn.proj|attn.q_norm|attn.k_norm -> vision.encoder.model.blocks.{B}.(same)
+    model.visual.blocks.{B}.mlp.gate_proj|up_proj|down_proj -> ...blocks.{B}.mlp.fc1_g|fc1_x|fc2
+    model.visual.post_layernorm                          -> vision.encoder.model.norm
+    model.visual.downsample, merger.proj|gate_proj|up_proj|down_proj -> vision.projector.(same)
+    model.visual.merger.post_projection_norm             -> vision.projector.norm
 """
 from __future__ import annotations
 
@@ -35,13 +44,12 @@ from megamoe.convert.families.deepseek_v3 import (HF_LATENT_NORM_EPS, base_model
                                                   mlp_letters, mlp_types_to_hf, mtp_skipped)
 from megamoe.convert.families.deepseek_v32 import indexer_rules as dsa_indexer_rules
 from megamoe.convert.families.kimi_linear import kda_rules
+from megamoe.convert.families.qwen3_5_moe import conv2d_to_3d, conv3d_to_2d
 from megamoe.convert.family import Family, hf_get, register
-from megamoe.convert.table import Rule, Same, alternatives
-from megamoe.core.errors import CheckpointError
+from megamoe.convert.table import Fn, Rule, Same, alternatives
+from megamoe.core.errors import CheckpointError, ConfigError
 
 LETTERS = {"linear_attention": "K", "indexed_attention": "I", "full_attention": "I"}
-VISION_NOTICE = ("glm5_next: only the text model converts; the vision tower (model.visual.*) is not expressible as "
-                 "a timm encoder (clamped gated MLP, own patch embedding/downsample/merger), see docs/conversion.md")
 TINY_VISION = {"depth": 1, "hidden_size": 16, "num_heads": 1, "intermediate_size": 16,
                "projection_intermediate_size": 16}  # what transformers builds when there is no original
 
@@ -83,6 +91,13 @@ def config_from_hf(hf: dict) -> ModelConfig:
     cfg.hyper_connections = HyperConnectionConfig(streams=hf_get(text, "hc_mult"),
                                                   sinkhorn_iters=hf_get(text, "hc_sinkhorn_iters"),
                                                   eps=float(text.get("hc_eps", 1e-6)))
+    if hf.get("text_config") is not None and hf.get("vision_config") is not None:  # flat configs: text only
+        from megamoe.vision.hf_glm import glm_vision_config
+
+        try:
+            cfg.vision = glm_vision_config(hf)
+        except ConfigError as e:
+            raise CheckpointError(f"config.json: {e}") from None
     return cfg
 
 
@@ -133,16 +148,32 @@ def config_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
     if pad is None or not 0 <= pad < cfg.vocab_size:
         text["pad_token_id"] = None  # explicitly: transformers' default (154820) may lie outside the vocabulary
     out["text_config"] = text
-    out.setdefault("vision_config", dict(TINY_VISION, out_hidden_size=cfg.hidden_size))
+    if cfg.vision is not None:
+        out["vision_config"] = vision_to_hf(cfg, out.get("vision_config"))
+        out["image_token_id"] = cfg.vision.image_token_id
+    else:
+        out.setdefault("vision_config", dict(TINY_VISION, out_hidden_size=cfg.hidden_size))
     out["tie_word_embeddings"] = cfg.tie_embeddings
     return out
 
 
+def vision_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
+    from megamoe.vision.hf_glm import glm_vision_to_hf
+
+    v = cfg.vision
+    expressible(v.encoder == "glm5_vit_enc" and v.projector == "glm_merger", "glm5_next", "vision",
+                (v.encoder, v.projector), "GLM-5's tower is glm5_vit_enc with the glm_merger projector")
+    limit = v.encoder_args.get("swiglu_limit", 10.0)
+    expressible(v.projector_swiglu_limit == limit, "glm5_next", "vision.projector_swiglu_limit",
+                v.projector_swiglu_limit, f"GLM-5's merger clamps at the tower's swiglu_limit {limit}")
+    expressible(v.projector_norm_eps == 1e-5, "glm5_next", "vision.projector_norm_eps", v.projector_norm_eps,
+                "GLM-5's merger LayerNorm uses 1e-5")
+    return glm_vision_to_hf(v, cfg.hidden_size, original)
+
+
 def skipped(hf: dict, names: set[str]) -> tuple[set[str], str]:
-    """The vision tower and the multi-token-prediction layers (see the module docstring)."""
-    mtp, why = mtp_skipped(text_config(hf), names, prefix="model.language_model.layers.")
-    vision = {x for x in names if x.startswith("model.visual.")}
-    return vision | mtp, "; ".join(([VISION_NOTICE] if vision else []) + ([why] if mtp else []))
+    """The multi-token-prediction layers (see the module docstring)."""
+    return mtp_skipped(text_config(hf), names, prefix="model.language_model.layers.")
 
 
 # ---- table ---------------------------------------------------------------------------------
@@ -179,9 +210,36 @@ def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
         out += [*mla_rules(f"{layer}.self_attn", "I", cfg), *indexer_rules(f"{layer}.self_attn")]
     if cfg.moe is not None:
         out += deepseek_moe_rules(f"{layer}.mlp")
-    return out
+    return out + (vision_rules(cfg) if cfg.vision is not None else [])
+
+
+BLOCK = {"norm1": "norm1", "norm2": "norm2", "attn.q_norm": "attn.q_norm", "attn.k_norm": "attn.k_norm",
+         "attn.qkv": "attn.qkv", "attn.proj": "attn.proj", "mlp.fc1_g": "mlp.gate_proj", "mlp.fc1_x": "mlp.up_proj",
+         "mlp.fc2": "mlp.down_proj"}  # ours -> HF, under blocks.{B}.
+PROJECTOR = {"downsample": "downsample", "proj": "merger.proj", "norm": "merger.post_projection_norm",
+             "gate_proj": "merger.gate_proj", "up_proj": "merger.up_proj", "down_proj": "merger.down_proj"}
+BLOCK_NO_BIAS = ("norm1", "norm2", "attn.q_norm", "attn.k_norm")  # RMSNorm weights
+PROJECTOR_NO_BIAS = ("proj", "gate_proj", "up_proj", "down_proj")
+
+
+def vision_rules(cfg: ModelConfig, prefix: str = "model.visual.") -> list[Rule]:
+    """The tower (RMSNorms and q/k norms without bias; linears biased by attention_bias) and merger."""
+    enc, a = "vision.encoder.model.", cfg.vision.encoder_args
+    biased = ("weight", "bias") if a.get("bias", True) else ("weight",)
+    rules: list[Rule] = [
+        Fn(f"{enc}patch_embed.proj.weight", (f"{prefix}patch_embed.proj.weight",), forward=conv3d_to_2d,
+           backward=conv2d_to_3d),
+        Same(f"{enc}patch_embed.proj.bias", f"{prefix}patch_embed.proj.bias"),
+        Same(f"{enc}norm.weight", f"{prefix}post_layernorm.weight")]
+    for b in range(int(a.get("depth", 24))):
+        rules += [Same(f"{enc}blocks.{b}.{ours}.{p}", f"{prefix}blocks.{b}.{theirs}.{p}")
+                  for ours, theirs in BLOCK.items() for p in (("weight",) if ours in BLOCK_NO_BIAS else biased)]
+    rules += [Same(f"vision.projector.{ours}.{p}", f"{prefix}{theirs}.{p}") for ours, theirs in PROJECTOR.items()
+              for p in (("weight",) if ours in PROJECTOR_NO_BIAS else ("weight", "bias"))]
+    return rules
 
 
 GLM5_NEXT = register(Family("glm5_next", "Glm5NextForConditionalGeneration", config_from_hf, config_to_hf, rules,
-                            notes="text model only: KDA + pooled DSA, hyper-connections, clamped SwiGLU",
+                            notes="KDA + pooled DSA, hyper-connections, clamped SwiGLU, and the vision tower "
+                            "(megamoe's timm-style glm5_vit_enc + glm_merger; images, not video)",
                             skipped=skipped))
