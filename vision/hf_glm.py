@@ -9,8 +9,8 @@ identical frames).
 """
 from __future__ import annotations
 
-from megamoe.config import ImageBoundsConfig, VisionConfig
-from megamoe.errors import ConfigError
+from megamoe.core.config import ImageBoundsConfig, VisionConfig
+from megamoe.core.errors import ConfigError
 
 
 def _get(cfg, key, default=None):
