@@ -52,6 +52,7 @@ from megamoe.core.config import DSAConfig, MLAConfig
 from megamoe.core.errors import ConfigError
 from megamoe.layers.ops.attention.context import (check_documents, context_shard, document_mask, tile_rows,
                                                tiled_sparse_latent_attention)
+from megamoe.layers.ops.indexer_loss import IndexerObjective, attention_target, head_summed_probs, indexer_kl
 from megamoe.layers.ops.lightning_index import lightning_scores, select_topk
 from megamoe.layers.mixers.mla import MultiLatentAttention
 from megamoe.layers.rotary import apply_rotary, apply_rotary_interleaved, cached_yarn_cos_sin
@@ -149,18 +150,11 @@ class Indexer(nn.Module):
         cp: the ``ContextShard`` (keys all-gathered over CP, so the top-k sees every key of the
         sequence), documents: [b, S] packed document ids (no key of another document is selected)."""
         bsz, s = q_latent.shape[:2]
-        q = self.linear_q(q_latent).view(bsz, s, self.heads, self.dim)
-        k = self.k_norm(self.linear_k(x))  # [b, s, Di]
-        if self.rope_dim:
-            q, k = self.rotate(q, cos_sin), self.rotate(k.unsqueeze(2), cos_sin).squeeze(2)
-        gate = self.linear_pool_gate(x) if self.pooled else None
-        if cp is not None:  # the whole sequence's keys (and pool gates), global order
-            k, gate = cp.gather(k), (cp.gather(gate) if self.pooled else None)
+        q, k, gate, weights = self.project(x, q_latent, cos_sin, cp)
         if state is not None:  # (under CP: a prefill, the cache gets the gathered keys)
             k = append_time(state, "index_k", k)
             gate = append_time(state, "index_gate", gate) if self.pooled else None
         check_documents(documents, bsz, k.size(1))
-        weights = self.linear_weights(x).float() * self.heads ** -0.5  # [b, s, Hi]
         qpos = query_positions(s, k.size(1), k.device) if cp is None else cp.local_index(k.device)
         pad = None if cache is None else cache.pad
         valid = None if pad is None or self.pooled else cache.attention_mask(s, k.size(1), device=k.device)
@@ -171,6 +165,33 @@ class Indexer(nn.Module):
                              None if valid is None else valid[..., a:a + rows, :], documents, table)
                  for a in range(0, s, rows)]
         return torch.cat(parts, dim=1)
+
+    def project(self, x: torch.Tensor, q_latent: torch.Tensor, cos_sin, cp=None):
+        """Queries [b, s, Hi, Di], keys [b, T, Di] (and GLM-5's pool gates [b, T, Di], else None; all
+        T keys of the sequence under CP) and head weights [b, s, Hi] (fp32, / sqrt(Hi))."""
+        bsz, s = q_latent.shape[:2]
+        q = self.linear_q(q_latent).view(bsz, s, self.heads, self.dim)
+        k = self.k_norm(self.linear_k(x))  # [b, s, Di]
+        if self.rope_dim:
+            q, k = self.rotate(q, cos_sin), self.rotate(k.unsqueeze(2), cos_sin).squeeze(2)
+        gate = self.linear_pool_gate(x) if self.pooled else None
+        if cp is not None:  # the whole sequence's keys (and pool gates), global order
+            k, gate = cp.gather(k), (cp.gather(gate) if self.pooled else None)
+        return q, k, gate, self.linear_weights(x).float() * self.heads ** -0.5
+
+    def training_scores(self, x: torch.Tensor, q_latent: torch.Tensor, cos_sin, cp=None, documents=None):
+        """The scores of every candidate, with gradient (for ``megamoe.layers.ops.indexer_loss``; the
+        caller detaches the inputs): scores [b, s, N], valid [b, s, N] (the candidates each query
+        may select) and, for GLM-5's pools, their first tokens [N] (None: the candidates are the
+        T keys)."""
+        q, k, gate, weights = self.project(x, q_latent, cos_sin, cp)
+        check_documents(documents, q.size(0), k.size(1))
+        qpos = query_positions(q.size(1), k.size(1), k.device) if cp is None else cp.local_index(k.device)
+        if self.pooled:
+            table = self.pool_table(k, gate, documents)
+            return self.score(q, table.keys, weights), self.pool_valid(table, qpos, q.size(0)), table.first
+        scores = self.score(q, k, weights)
+        return scores, document_mask(documents, qpos, torch.arange(k.size(1), device=k.device)).expand_as(scores), None
 
     def rotate(self, x: torch.Tensor, cos_sin) -> torch.Tensor:
         """x [b, s, heads, Di] with its first ``rope_dim`` channels rotated (``indexer.rope``).
@@ -232,17 +253,22 @@ class Indexer(nn.Module):
         pool_keys = (torch.softmax(logits, dim=2).to(keys.dtype) * keys).sum(dim=2)  # [b, N, Di]
         return PoolTable(pool_keys, first, ok, documents, in_doc)
 
+    def pool_valid(self, table: PoolTable, qpos: torch.Tensor, bsz: int) -> torch.Tensor:
+        """[b, s, N]: the pools a query may select (complete, last token visible, its document).
+        qpos: [s] query positions, or [b, s] per row."""
+        valid = (table.first + self.kpool - 1 <= qpos[..., None]).expand(bsz, -1, -1)
+        if table.documents is not None:
+            q_doc = table.documents[:, qpos]  # [b, s]
+            valid = valid & table.ok[:, None, :] & (table.documents[:, None, table.first] == q_doc[..., None])
+        return valid
+
     def choose_pools(self, table: PoolTable, q, weights, qpos) -> torch.Tensor:
         """Score the pools a query sees (complete, last token visible, its document), keep topk/kpool
         of them, add the query's incomplete tail pool. qpos: [s] query positions, or [b, s] per row."""
         bsz, kp = q.size(0), self.kpool
         offsets = torch.arange(kp, device=q.device)
-        valid = (table.first + kp - 1 <= qpos[..., None]).expand(bsz, -1, -1)  # [b, s, N]
-        in_query = qpos
-        if table.documents is not None:
-            q_doc = table.documents[:, qpos]  # [b, s]
-            valid = valid & table.ok[:, None, :] & (table.documents[:, None, table.first] == q_doc[..., None])
-            in_query = table.in_doc[:, qpos]
+        valid = self.pool_valid(table, qpos, bsz)  # [b, s, N]
+        in_query = qpos if table.documents is None else table.in_doc[:, qpos]
         chosen = select_topk(self.score(q, table.keys, weights), valid, self.topk // kp)  # [b, s, k]
         start = table.first[chosen.clamp(min=0)].unsqueeze(-1)
         tokens = (start + offsets).masked_fill(chosen.unsqueeze(-1) < 0, -1).flatten(-2)
@@ -266,6 +292,7 @@ class SparseMLA(MultiLatentAttention):
         self.indexer = Indexer(cfg.indexer, ctx, cfg.q_lora_rank, rope_dim, pooled)
         self.dense_reference = False  # True: expanded heads and a mask built from the indices
         self.sparse_core = ctx.backend.sparse_latent_attention(ctx)
+        self.objective = IndexerObjective(layer_number)  # indexer training (train.indexer), off by default
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
         cp = context_shard(info)  # with a cache: a prefill under CP
@@ -275,13 +302,51 @@ class SparseMLA(MultiLatentAttention):
         state = None if info.cache is None else info.cache.layer(self.layer_number)
         # under CP the indexer keys and the latents are all-gathered (``cached_latents``): idx
         # indexes the whole sequence, and each rank attends its own queries over it
-        idx = self.indexer(x, q_latent, cos_sin, state, info.cache, cp, info.documents)
+        training = self.objective.active(self)
+        # the indexer's dense warm-up: attention over every key (idx None), the indexer trained beside it
+        warmup = training and self.objective.mode == "warmup"
+        idx = None if warmup else self.indexer(x, q_latent, cos_sin, state, info.cache, cp, info.documents)
         info.memo[(SELECTION, self.layer_number)] = idx  # for the R layers after this one
-        return self.attend(x, info, q_nope, q_rope, c, k_rope, idx)
+        out = self.attend(x, info, q_nope, q_rope, c, k_rope, idx)
+        if not training:
+            return out
+        kl = indexer_kl(*self.indexer_target(x, q_latent, cos_sin, info, q_nope, q_rope, c, k_rope, idx))
+        return self.objective.attach(out, kl)
 
-    def attend(self, x, info: ForwardInfo, q_nope, q_rope, c, k_rope, idx: torch.Tensor) -> torch.Tensor:
-        """MLA over the selected keys idx [b, s, K] (indices into the cached/gathered latents)."""
+    def indexer_target(self, x, q_latent, cos_sin, info: ForwardInfo, q_nope, q_rope, c, k_rope, idx):
+        """What the indexer is trained on (``megamoe.layers.ops.indexer_loss``): its scores with gradient
+        (inputs detached: the loss trains the indexer only), the attention's distribution over the
+        candidates (no gradient), and the candidates: every key the query may see (idx None, the
+        warm-up), or those it selected (sparse). GLM-5's pools sum their tokens' attention."""
         cp = context_shard(info)
+        scores, valid, first = self.indexer.training_scores(x.detach(), q_latent.detach(), cos_sin, cp, info.documents)
+        with torch.no_grad():
+            c_all, kr_all = (c, k_rope) if cp is None else (cp.gather(c), cp.gather(k_rope))
+            q_lat, total = self.absorbed_query(q_nope), c_all.size(1)
+            qpos = query_positions(q_lat.size(1), total, x.device) if cp is None else cp.local_index(x.device)
+            allowed = document_mask(info.documents, qpos, torch.arange(total, device=x.device))
+            if idx is not None:  # the sparse attention's keys
+                allowed = allowed & indices_to_mask(idx, total)
+            rows = tile_rows(total)  # query tiles bound the [b, rows, H, T] scores
+            head_sum = torch.cat([head_summed_probs(
+                (torch.einsum("bshr,btr->bsht", q_lat[:, a:a + rows], c_all)
+                 + torch.einsum("bshd,btd->bsht", q_rope[:, a:a + rows], kr_all)) * self.scale,
+                allowed[:, a:a + rows]) for a in range(0, q_lat.size(1), rows)], dim=1)
+            target = attention_target(head_sum, self.tp_group)  # [b, s, T]
+            if first is not None:  # per pool: the mass of its tokens
+                members = (first[:, None] + torch.arange(self.indexer.kpool, device=x.device)).clamp(max=total - 1)
+                target = target[..., members].sum(-1)
+            if idx is not None:
+                chosen = indices_to_mask(idx, total)
+                valid = valid & (chosen if first is None else chosen[..., first])
+        return scores, target, valid
+
+    def attend(self, x, info: ForwardInfo, q_nope, q_rope, c, k_rope, idx: torch.Tensor | None) -> torch.Tensor:
+        """MLA over the selected keys idx [b, s, K] (indices into the cached/gathered latents);
+        None: over every key (the indexer's dense warm-up)."""
+        cp = context_shard(info)
+        if idx is None:
+            return self.attend_dense(x, info, q_nope, q_rope, c, k_rope)
         if self.dense_reference:
             c_all, kr_all = self.cached_latents(c, k_rope, info)
             k, v = self.expand(c_all, kr_all)
@@ -312,8 +377,9 @@ class SharedSelectionMLA(SparseMLA):
         return self.attend(x, info, q_nope, q_rope, c, k_rope, shared_selection(info, self.layer_number))
 
 
-def shared_selection(info: ForwardInfo, layer_number: int) -> torch.Tensor:
-    """The selection [b, s, K] of the nearest ``D`` layer before ``layer_number`` in this forward."""
+def shared_selection(info: ForwardInfo, layer_number: int) -> torch.Tensor | None:
+    """The selection [b, s, K] of the nearest ``D`` layer before ``layer_number`` in this forward
+    (None during the indexer's dense warm-up: that layer attended to every key, and so does this one)."""
     earlier = [key[1] for key in info.memo if key[0] == SELECTION and key[1] < layer_number]
     if not earlier:
         raise ConfigError(f"layer {layer_number} ('R') reuses the selection of an earlier 'D' layer, but none ran "

@@ -153,8 +153,12 @@ class MultiLatentAttention(nn.Module):
     # ---- forward ------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
-        cp = context_shard(info)  # with a cache: a prefill under CP
         q_nope, q_rope, _, c, k_rope = self.project(x, info)
+        return self.attend_dense(x, info, q_nope, q_rope, c, k_rope)
+
+    def attend_dense(self, x, info: ForwardInfo, q_nope, q_rope, c, k_rope) -> torch.Tensor:
+        """Attention of the projected queries over every key they may see, then the output projection."""
+        cp = context_shard(info)  # with a cache: a prefill under CP
         if info.cache is None and cp is None:
             # training / scoring: expanded heads, fused causal attention (packed documents masked)
             k, v = self.expand(c, k_rope)

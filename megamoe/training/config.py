@@ -8,6 +8,7 @@ from megamoe.core.config import check, check_choice, check_positive
 PRECISIONS = ("auto", "fp32", "bf16")
 FP8_CHOICES = ("torch", "delayed", "current", "blockwise", "mxfp8")
 GUARDED = ("model", "lora", "data", "eval", "train", "optim")  # the sections resume guards compare
+INDEXER_MODES = ("off", "warmup", "sparse")
 WANDB_MODES = ("online", "offline", "disabled")
 
 
@@ -37,6 +38,25 @@ class OptimConfig:
 
 
 @dataclass
+class IndexerTrainConfig:
+    """Training the lightning indexer of the D/I layers as DeepSeek-V3.2 does (docs/training.md).
+
+    ``warmup``: attention stays dense and everything but the indexers is frozen; each indexer
+    learns the KL divergence to its layer's attention distribution (summed over heads,
+    L1-normalised) over all causal keys. ``sparse``: attention reads the indexer's top-k, the
+    whole model trains on the language-model loss and each indexer on the KL restricted to the
+    keys it selected; its inputs are detached, so each loss trains only its own part.
+    ``off``: the indexer selects as loaded and is not trained."""
+
+    mode: str = "off"
+    loss_coeff: float = 1.0  # weight of the indexer KL (mean over query tokens) in the gradient
+
+    def validate(self, path: str = "train.indexer") -> None:
+        check_choice(f"{path}.mode", self.mode, INDEXER_MODES)
+        check(self.loss_coeff > 0, f"{path}.loss_coeff", self.loss_coeff, "must be > 0")
+
+
+@dataclass
 class TrainConfig:
     steps: int = 100
     micro_batch_size: int = 2
@@ -53,8 +73,10 @@ class TrainConfig:
     # FP8 GEMMs: torch (row-wise scaled torch._scaled_mm, model.backend=cuda); delayed, current,
     # blockwise, mxfp8: Transformer Engine recipes (model.backend=te). None: off
     fp8: Optional[str] = None
+    indexer: IndexerTrainConfig = field(default_factory=IndexerTrainConfig)  # D/I layers' indexer training
 
     def validate(self, path: str = "train") -> None:
+        self.indexer.validate(f"{path}.indexer")
         for name in ("steps", "micro_batch_size", "global_batch_size", "nan_max_consecutive"):
             check_positive(f"{path}.{name}", getattr(self, name))
         check(self.collective_timeout_s > 0, f"{path}.collective_timeout_s", self.collective_timeout_s, "must be > 0")

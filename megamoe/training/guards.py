@@ -15,12 +15,12 @@ import logging
 from pathlib import Path
 
 from megamoe.core.errors import CheckpointError
-from megamoe.recipe import config_to_dict
+from megamoe.core.config_io import config_to_dict
 
 log = logging.getLogger(__name__)
 
 # the train settings that change the maths (steps may grow; micro-batching and the device do not)
-TRAIN_KEYS = ("global_batch_size", "seed", "precision", "fp8")
+TRAIN_KEYS = ("global_batch_size", "seed", "precision", "fp8", "indexer")
 DATA_SKIP = ("num_workers",)
 
 

@@ -26,7 +26,8 @@ from megamoe.planning.plan import budget
 from megamoe.parallel import comm
 from megamoe.parallel.cross_entropy import IGNORE_INDEX
 from megamoe.parallel.groups import ParallelGroups, build_groups, init_distributed
-from megamoe.recipe import Recipe, config_to_dict
+from megamoe.recipe import Recipe
+from megamoe.core.config_io import config_to_dict
 from megamoe.checkpoint import dcp as ckpt
 from megamoe.training.config import TrainConfig
 from megamoe.training.grads import clip_grads, global_grad_norm, sync_grads
@@ -93,6 +94,10 @@ class Trainer:
             self.hf_origin = meta.get("hf")
         if recipe.lora is not None:
             self._apply_lora()
+        if self.train.indexer.mode != "off":  # (warm-up freezes all but the indexers: before the optimizer)
+            from megamoe.training.indexer import setup_indexer_training
+
+            setup_indexer_training(self.chunks, self.train.indexer, self.train.global_batch_size * recipe.data.seq_len)
         self.expert_store = self._open_expert_store()
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.optimizer = DistributedOptimizer(named, self.groups, self.optim_cfg, offload=self.train.optimizer_offload)
@@ -171,6 +176,8 @@ class Trainer:
         for chunk in self.chunks:
             set_aux_loss_scale(chunk, 1.0 / (self.n_micro * self.dp))
         lora = self.recipe.lora
+        if self.train.indexer.mode == "warmup":  # the indexers learn from the model as loaded
+            return
         if lora is None or lora.update_expert_bias:  # under LoRA the routing stays as loaded unless opted in
             self.after_step_hooks.append(lambda t: [update_expert_bias(c, t.groups) for c in t.chunks])
 
@@ -463,6 +470,12 @@ class Trainer:
         if monitor.logs(self.step):
             load, moe_scalars = self.moe_report()
             latencies = self._gather_latencies()
+            if self.train.indexer.mode != "off":
+                from megamoe.training.indexer import indexer_report
+
+                report = indexer_report(self.chunks, self.groups, self.world, self.rank)
+                metrics.update({k: v for k, v in report.items() if "/" not in k})
+                moe_scalars.update({k: v for k, v in report.items() if "/" in k})
         monitor.log_step(self.step, metrics, latencies, load, moe_scalars, tagged=tagged)
         if tagged:
             evaluator.maybe_save_best(tagged["eval/loss"])
