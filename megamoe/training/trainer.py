@@ -26,8 +26,7 @@ from megamoe.planning.plan import budget
 from megamoe.parallel import comm
 from megamoe.parallel.cross_entropy import IGNORE_INDEX
 from megamoe.parallel.groups import ParallelGroups, build_groups, init_distributed
-from megamoe.recipe import Recipe
-from megamoe.core.config_io import config_to_dict
+from megamoe.recipe import Recipe, config_to_dict
 from megamoe.checkpoint import dcp as ckpt
 from megamoe.training.config import TrainConfig
 from megamoe.training.grads import clip_grads, global_grad_norm, sync_grads
