@@ -254,3 +254,17 @@ def test_decode_step_is_the_recurrence_bitwise(per_channel, dtype):
     assert torch.equal(h0, kept)
     naive = naive_delta_rule(q.double(), k.double(), v.double(), g.double(), beta.double(), initial_state=h0.double())
     assert rel_err(got[1].double(), naive[1]) < REL
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_the_chunked_role_computes_in_fp32_under_autocast(per_channel):
+    """The cpu backend's chunked op (also the cuda backend's without fla) under bf16 autocast
+    gives its fp32 result: it raised in the chunk scan (out= products into fp32 buffers)."""
+    from megamoe.layers.backends.cpu import CpuBackend
+
+    op = CpuBackend().delta_rule(None)
+    q, k, v, g, beta, h0 = make_inputs(21, per_channel)
+    want = op.chunked(q, k, v, g, beta, initial_state=h0, chunk_size=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = op.chunked(q, k, v, g, beta, initial_state=h0, chunk_size=8)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

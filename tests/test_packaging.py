@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import ast
-import os
 import re
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from tests.bare_python import bare_python, clean_env
 
 REPO = Path(__file__).resolve().parent.parent
 CORE = ["megamoe/recipe.py", *[str(p.relative_to(REPO)) for p in (REPO / "megamoe/core").glob("*.py")],
@@ -113,6 +114,18 @@ def test_every_package_folder_has_an_init():
     assert not missing, f"package folders without __init__.py: {missing}"
 
 
+def test_layers_and_vision_come_from_megamoes_own_copy():
+    """Whatever found megamoe here (an editable install's finder, a plain checkout on the path),
+    megamoe.layers and megamoe.vision come from the same copy: never another checkout's."""
+    import megamoe
+    import megamoe.layers
+    import megamoe.vision
+
+    root = Path(megamoe.__file__).resolve().parent.parent
+    for m in (megamoe.layers, megamoe.vision):
+        assert Path(m.__file__).resolve().is_relative_to(root), (m.__file__, root)
+
+
 def test_wheel_installs_every_module_and_the_commands(tmp_path):
     """The wheel, installed into a fresh venv and run from a folder outside the checkout,
     imports every module it holds and every console entry point answers --help."""
@@ -133,28 +146,30 @@ def test_wheel_installs_every_module_and_the_commands(tmp_path):
     assert "megamoe.training.trainer" in modules and "megamoe.commands.convert" in modules
 
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    py = venv / "bin" / "python"
-    # without PYTHONPATH: a checkout on it (with the megamoe.egg-info the wheel build leaves there)
-    # reads as megamoe "already installed", and pip would install nothing
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index",
-                    str(wheel)], check=True, env=env)
-    # dependencies (torch, ...) come from this environment's site-packages folders (a venv may
-    # chain to another's), appended after the new venv's own, so the installed wheel is what
-    # 'import megamoe' finds; the checkout itself is on no path
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
-    deps = [p for p in sys.path if p.endswith("site-packages") and not p.startswith(str(REPO) + "/megamoe")]
-    Path(site, "deps.pth").write_text("\n".join(deps) + "\n")
+    py = bare_python(venv, wheel)  # the installed wheel is what 'import megamoe' finds; the checkout is on no path
     code = ("import importlib, sys\n"
             "for m in sys.argv[1:]:\n"
             "    f = importlib.import_module(m).__file__\n"
             "    assert f.startswith(sys.prefix), (m, f)\n"
             "print(len(sys.argv) - 1)")
+    env = clean_env()
     out = subprocess.run([str(py), "-c", code, *modules], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-1] == str(len(modules))
+    # a `pip --target` install of the same wheel: run from elsewhere its own copy answers; run from
+    # the checkout's root (first on sys.path, as on the GPU machine) the checkout's layers/ and
+    # vision/ answer with the checkout's megamoe, never a mix of the two copies
+    target = tmp_path / "target"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target),
+                    str(wheel)], check=True)
+    where = ("import megamoe, megamoe.layers.backends.cuda as c, megamoe.vision as v, megamoe.model as m\n"
+             "print(megamoe.__file__, c.__file__, v.__file__, m.__file__)")
+    for cwd, root in ((tmp_path, target), (REPO, REPO)):
+        out = subprocess.run([str(py), "-c", where], capture_output=True, text=True, cwd=cwd,
+                             env=clean_env(PYTHONPATH=str(target)))
+        files = out.stdout.split()
+        assert out.returncode == 0 and len(files) == 4, (cwd, out.stderr[-2000:])
+        assert all(f.startswith(f"{root}/") for f in files), (cwd, files)
     scripts = [venv / "bin" / f"megamoe-{name.replace('_', '-')}" for name in COMMANDS]
     for script in scripts:
         assert script.is_file(), f"the wheel installs no console script {script.name}"

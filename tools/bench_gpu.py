@@ -1,12 +1,14 @@
 """Training steps on one GPU: a hybrid MoE slice in megamoe (bf16, torch FP8) against transformers.
 
-    python tools/bench_gpu.py                  # the default slice, ~3.4B parameters
-    python tools/bench_gpu.py --steps 5 --seq 2048
+    python tools/bench_gpu.py                  # the default slice, ~0.3B parameters, ~1-2 minutes
+    python tools/bench_gpu.py --steps 8 --seq 4096 --hidden 2048 --layers 8 --experts 64
+    python tools/bench_gpu.py --plan           # the slice's size only (any machine, no GPU)
 
-The model: Qwen3-Next-shaped, 8 layers (Gated DeltaNet x3 + gated attention) x 2, hidden 2048,
-64 experts of width 1024 top-8 plus a shared expert, vocab 32000, natural routing, random
-weights saved once as an HF checkpoint; megamoe loads the same weights (``from_hf``). Each
-side runs bf16 parameters with fused AdamW; steps are timed with CUDA events after warm-up.
+The model: Qwen3-Next-shaped, (Gated DeltaNet x3 + gated attention) x layers/4, random weights
+saved once as an HF checkpoint; megamoe loads the same weights (``from_hf``). Each side runs bf16
+parameters with fused AdamW; steps are timed with CUDA events after warm-up. The defaults are
+sized for tools/gpu_check.sh's 120 s bench phase (a 0.6 GB checkpoint written and read twice, fla
+kernels compiled once); a slice this small is launch-bound, so mfu_bf16 is low at the defaults.
 
 Last line: ``mfu_bf16=X gpu_speedup_vs_hf=Y grouped_vs_dense=Z fp8_speedup=W``
   X = model FLOPs per step / (megamoe bf16 step time x 989 TFLOP/s, H100/H200 dense bf16)
@@ -36,9 +38,11 @@ def hf_config(args):
     from transformers import Qwen3NextConfig
 
     types = (["linear_attention"] * 3 + ["full_attention"]) * (args.layers // 4)
+    heads = max(1, args.hidden // 128)
     return Qwen3NextConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                           num_hidden_layers=args.layers, layer_types=types, num_attention_heads=16,
-                           num_key_value_heads=2, head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+                           num_hidden_layers=args.layers, layer_types=types, num_attention_heads=heads,
+                           num_key_value_heads=min(2, heads), head_dim=128, linear_num_key_heads=heads,
+                           linear_num_value_heads=2 * heads,
                            linear_key_head_dim=128, linear_value_head_dim=128, num_experts=args.experts,
                            num_experts_per_tok=args.topk, moe_intermediate_size=args.ffn,
                            shared_expert_intermediate_size=args.ffn, decoder_sparse_step=1, mlp_only_layers=[],
@@ -110,18 +114,38 @@ def model_flops_per_step(cfg, args) -> float:
     return tokens * (6 * (b.active - embed) + attn + gdn)
 
 
+def plan(args) -> None:
+    """The slice's parameters (total, routed), checkpoint size and tokens per step, from the
+    model built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_config(args), dtype=torch.bfloat16)
+    total = sum(p.numel() for p in hf.parameters())
+    routed = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
+    print(f"plan: {total / 1e9:.2f}B parameters ({routed / 1e9:.2f}B in routed experts, top {args.topk} of "
+          f"{args.experts}), checkpoint {total * 2 / 2 ** 30:.2f} GiB, {args.batch * args.seq} tokens per step, "
+          f"{args.warmup} + {args.steps} steps per side")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--ffn", type=int, default=1024)
-    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4, help="a multiple of 4 (three GDN layers, one attention)")
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=512)
+    p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--plan", action="store_true", help="print the slice's size and exit (no GPU needed)")
     args = p.parse_args()
+    if args.layers % 4:
+        sys.exit(f"error: --layers {args.layers} must be a multiple of 4")
+    if args.plan:
+        plan(args)
+        return
     if not torch.cuda.is_available():
         sys.exit("error: bench_gpu needs a CUDA device")
     from transformers import AutoModelForCausalLM

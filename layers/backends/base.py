@@ -4,6 +4,7 @@ cores, the router GEMM). ``local`` and ``cpu`` both inherit them; a GPU backend 
 what it accelerates."""
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -122,6 +123,13 @@ class BaseBackend:
     def frozen_fp8_weight(self, ctx: BuildContext):
         """(q, scale, col_block, dtype) -> the dequantised weight (routed experts, absorbed MLA)."""
         return dequantize_rows
+
+    # ---- around a forward -----------------------------------------------------------------
+
+    def stage_context(self, groups):
+        """The context a pipeline stage's forward runs in (``groups``: its ``ParallelGroups``);
+        none here. The te backend opens its FP8 autocast there, once per stage forward."""
+        return contextlib.nullcontext()
 
     def router_logits(self, ctx: BuildContext):
         """The router GEMM: (x [T, h], weight [E, h]) -> fp32 logits [T, E]."""

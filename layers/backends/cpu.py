@@ -34,8 +34,11 @@ class ChunkedDeltaRule:
 
     def chunked(self, q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
                 recompute: bool = False):
-        return chunk_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
-                                recompute=recompute, fuse=self.fusion.active(v.device))
+        # the op computes in fp32 by design (as fla's kernels do); under autocast its products would
+        # run in bf16 and the chunk scan's out= products refuse their fp32 buffers
+        with torch.autocast(v.device.type, enabled=False):
+            return chunk_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                    chunk_size=chunk_size, recompute=recompute, fuse=self.fusion.active(v.device))
 
     def recurrent(self, q, k, v, g, beta, *, scale=None, initial_state=None):
         return recurrent_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state)

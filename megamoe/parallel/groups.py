@@ -61,7 +61,8 @@ class ParallelGroups:
     (gradients of expert params are averaged over it); tp_ep: expert-tensor x expert (MoE
     token exchange when TP and EP are combined); mp: tensor x pipeline and emp: expert-tensor
     x expert x pipeline (gradient norms sum over them); embd: first and last pipeline stage
-    (tied embedding gradients).
+    (tied embedding gradients); amax: tensor x data x context of one pipeline stage (FP8
+    scaling statistics are reduced over it, megatron-core's amax reduction group).
     """
 
     tp: object = None
@@ -76,6 +77,7 @@ class ParallelGroups:
     mp: object = None
     emp: object = None
     embd: object = None
+    amax: object = None
 
     def size(self, name: str) -> int:
         return group_size(getattr(self, name))
@@ -95,8 +97,18 @@ class ParallelGroups:
         return " ".join(f"{f.name}={self.rank(f.name)}/{self.size(f.name)}" for f in fields(self))
 
 
-def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> tuple[int, int]:
-    """Initialise torch.distributed from torchrun's environment (gloo on CPU, NCCL on GPU).
+def dist_backend(device=None) -> str:
+    """The collective backend for a run on ``device``: NCCL for CUDA, gloo otherwise. The run's
+    device decides, not CUDA's presence: a CPU run on a GPU machine (the CPU reference of a GPU
+    test) holds CPU tensors, which NCCL cannot reduce. None: CUDA where present."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_distributed(backend: str | None = None, timeout_minutes: int = 30, device=None) -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's environment (``dist_backend(device)`` unless
+    ``backend`` is given).
 
     Returns (rank, world_size). A single process without torchrun's variables gets a world
     of one over an in-process store, so no port is taken (two such runs side by side do not
@@ -104,7 +116,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> t
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or dist_backend(device)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if backend == "nccl":
@@ -223,5 +235,6 @@ def _build(parallel: ParallelConfig, timeout_s: float | None = None) -> Parallel
         mp=one(ps.get_model_parallel_group()),
         emp=one(ps.get_expert_tensor_model_pipeline_parallel_group()),
         embd=one(ps.get_embedding_group()) if ps.is_rank_in_embedding_group() else None,
+        amax=one(ps.get_amax_reduction_group(with_context_parallel=True)),
     )
 

@@ -62,13 +62,13 @@ class Trainer:
         recipe.validate()
         self.recipe, self.dataset = recipe, dataset
         self.train, self.optim_cfg = recipe.train, recipe.optim
-        init_distributed(timeout_minutes=self.train.collective_timeout_s / 60)
+        self.device = _device(self.train)
+        init_distributed(timeout_minutes=self.train.collective_timeout_s / 60, device=self.device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.groups = groups or build_groups(recipe.parallel, self.train.collective_timeout_s)
         self.phase = "setup"  # the part of the step in progress, for CollectiveFailure
         self.dp = self.groups.size("dp")  # CP ranks share a data-parallel rank (and its samples)
         self.n_micro = self.train.micro_batches(self.dp)
-        self.device = _device(self.train)
         torch.manual_seed(self.train.seed * 1009 + self.rank)
         self.chunks, self.stage_ids = build_chunks(recipe.model, recipe.parallel, self.groups, fp8=self.train.fp8)
         self.base_weights = recipe.checkpoint.load or self._lora_base_of_resume()
