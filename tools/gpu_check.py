@@ -69,6 +69,22 @@ def check_device() -> list[str]:
     return []
 
 
+def check_autotune_limit() -> list[str]:
+    """tools/triton_site was loaded: Triton's autotuner takes MEGAMOE_AUTOTUNE_CONFIGS configs."""
+    import os
+
+    limit = os.environ.get("MEGAMOE_AUTOTUNE_CONFIGS")
+    if not limit or importlib.util.find_spec("triton") is None:
+        return []
+    from triton.runtime.autotuner import Autotuner
+
+    if Autotuner.prune_configs.__name__ != "first_configs":
+        return [f"MEGAMOE_AUTOTUNE_CONFIGS={limit} but Triton's autotuner is unchanged (tools/triton_site "
+                f"is not first on PYTHONPATH, or another sitecustomize was loaded)"]
+    print(f"triton autotune: the first {limit} config(s) of each kernel")
+    return []
+
+
 def check_imports() -> list[str]:
     problems = []
     names = checkout_modules()
@@ -90,7 +106,7 @@ def env(rehearse: bool) -> int:
     problems = check_packages(rehearse)
     if not rehearse:
         problems += check_device()
-    problems += check_imports()
+    problems += check_autotune_limit() + check_imports()
     for line in problems:
         print(f"problem: {line}")
     return 1 if problems else 0
