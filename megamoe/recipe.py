@@ -62,10 +62,10 @@ class Recipe:
                               f"parallel.tp={self.parallel.tp} (sequence parallelism cuts each rank's tokens over TP)")
         check_pipeline_support(self.model, self.parallel)
         sparse = [k.mixer for k in self.model.parsed_layout().layers if k.mixer in ("D", "I")]
-        if self.train.indexer.mode != "off" and not sparse:
+        if self.train.indexer.mode is not None and not sparse:
             raise ConfigError(f"train.indexer.mode={self.train.indexer.mode!r} is invalid: model.layout "
                               f"{self.model.layout!r} has no D or I layer (no indexer to train)")
-        if self.train.indexer.mode != "off" and self.lora is not None:
+        if self.train.indexer.mode is not None and self.lora is not None:
             raise ConfigError(f"train.indexer.mode={self.train.indexer.mode!r} is invalid with a lora section: the "
                               "indexer trains its own weights (full fine-tuning), not adapters")
         if world_size is not None:

@@ -109,3 +109,20 @@ class DistPool:
             for p in self.procs:
                 p.join(timeout=10)
         self.kill()
+
+
+def script_env(tmp_path, **knobs: str) -> dict:
+    """The environment for running a pretrain_scripts/ script from a test: the knobs, one thread
+    per process, and ``torchrun`` on PATH (a venv chained to another's site-packages has torch
+    but not its console script: a shim runs ``python -m torch.distributed.run``)."""
+    import shutil
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **knobs}
+    if shutil.which("torchrun") is None and not (Path(REPO) / ".venv" / "bin" / "torchrun").exists():
+        shim = Path(tmp_path) / "bin" / "torchrun"
+        shim.parent.mkdir(exist_ok=True)
+        shim.write_text('#!/bin/sh\nexec python -m torch.distributed.run "$@"\n')
+        shim.chmod(0o755)
+        env["PATH"] = f"{env.get('PATH', '')}:{shim.parent}"
+    return env

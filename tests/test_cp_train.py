@@ -313,21 +313,13 @@ def test_pretrain_script_trains_with_the_cp_knob(tmp_path):
     tiny hybrid MoE recipe (Gated DeltaNet, softmax attention, experts, two pipeline stages at
     pp=1), two steps and a checkpoint."""
     import json
-    import os
     import subprocess
     from pathlib import Path
 
-    import shutil
+    from tests.dist import script_env
 
     repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "NGPU": "2", "CP": "2", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    if shutil.which("torchrun") is None and not (repo / ".venv" / "bin" / "torchrun").exists():
-        # a venv chained to another's site-packages has torch but not its console script
-        shim = tmp_path / "bin" / "torchrun"
-        shim.parent.mkdir()
-        shim.write_text('#!/bin/sh\nexec python -m torch.distributed.run "$@"\n')
-        shim.chmod(0o755)
-        env["PATH"] = f"{env.get('PATH', '')}:{shim.parent}"
+    env = script_env(tmp_path, NGPU="2", CP="2")
     out = subprocess.run(["bash", "pretrain_scripts/pretrain_hybrid_moe.sh", "train.steps=2", "logging.interval=1",
                           f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'tb'}",
                           "logging.progress=false"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)

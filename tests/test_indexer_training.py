@@ -196,7 +196,7 @@ def test_indexer_config_errors_are_one_line():
     from megamoe.recipe import load_recipe
 
     for overrides, message in ((["train.indexer.mode=dense"], "train.indexer.mode='dense' is invalid: allowed: "
-                                                               "off, warmup, sparse"),
+                                                               "warmup, sparse"),
                                (["train.indexer.mode=warmup"], "train.indexer.mode='warmup' is invalid: model.layout"),
                                (["train.indexer.loss_coeff=0"], "train.indexer.loss_coeff=0.0 is invalid: must be > 0")):
         with pytest.raises(ConfigError) as e:

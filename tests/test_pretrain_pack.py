@@ -299,17 +299,10 @@ def test_pretrain_script_data_knobs(corpus, tmp_path):
     """``DATA=... RESET_AT_EOS=1 EOS_MASK_LOSS=1 bash pretrain_scripts/pretrain_hybrid_moe.sh``:
     torchrun trains the tiny hybrid MoE recipe one step on the token file, documents apart."""
     import json
-    import os
-    import shutil
 
-    env = {**os.environ, "DATA": corpus, "RESET_AT_EOS": "1", "EOS_MASK_LOSS": "1", "PYTHONWARNINGS": "ignore",
-           "OMP_NUM_THREADS": "1"}
-    if shutil.which("torchrun") is None and not (REPO / ".venv" / "bin" / "torchrun").exists():
-        shim = tmp_path / "bin" / "torchrun"  # a venv chained to another's site-packages lacks the script
-        shim.parent.mkdir()
-        shim.write_text('#!/bin/sh\nexec python -m torch.distributed.run "$@"\n')
-        shim.chmod(0o755)
-        env["PATH"] = f"{env.get('PATH', '')}:{shim.parent}"
+    from tests.dist import script_env
+
+    env = script_env(tmp_path, DATA=corpus, RESET_AT_EOS="1", EOS_MASK_LOSS="1")
     out = subprocess.run(["bash", "pretrain_scripts/pretrain_hybrid_moe.sh", "train.steps=1", "train.global_batch_size=4",
                           "train.micro_batch_size=2", f"logging.dir={tmp_path / 'tb'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
                           "logging.progress=false"],

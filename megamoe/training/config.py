@@ -8,7 +8,7 @@ from megamoe.core.config import check, check_choice, check_positive
 PRECISIONS = ("auto", "fp32", "bf16")
 FP8_CHOICES = ("torch", "delayed", "current", "blockwise", "mxfp8")
 GUARDED = ("model", "lora", "data", "eval", "train", "optim")  # the sections resume guards compare
-INDEXER_MODES = ("off", "warmup", "sparse")
+INDEXER_MODES = ("warmup", "sparse")
 WANDB_MODES = ("online", "offline", "disabled")
 
 
@@ -46,13 +46,15 @@ class IndexerTrainConfig:
     L1-normalised) over all causal keys. ``sparse``: attention reads the indexer's top-k, the
     whole model trains on the language-model loss and each indexer on the KL restricted to the
     keys it selected; its inputs are detached, so each loss trains only its own part.
-    ``off``: the indexer selects as loaded and is not trained."""
+    null (the default): the indexer selects as loaded and is not trained. (Not "off": YAML
+    reads that as false.)"""
 
-    mode: str = "off"
+    mode: Optional[str] = None
     loss_coeff: float = 1.0  # weight of the indexer KL (mean over query tokens) in the gradient
 
     def validate(self, path: str = "train.indexer") -> None:
-        check_choice(f"{path}.mode", self.mode, INDEXER_MODES)
+        if self.mode is not None:
+            check_choice(f"{path}.mode", self.mode, INDEXER_MODES)
         check(self.loss_coeff > 0, f"{path}.loss_coeff", self.loss_coeff, "must be > 0")
 
 

@@ -28,7 +28,7 @@ def setup_indexer_training(chunks: list[nn.Module], cfg: IndexerTrainConfig, glo
     """Set every D/I layer's objective: ``cfg.mode``, and a gradient scale that makes the loss the
     mean KL over the ``global_queries`` query tokens of a global batch times ``loss_coeff``."""
     for o in objectives(chunks):
-        o.mode, o.scale = cfg.mode, cfg.loss_coeff / global_queries
+        o.mode, o.scale = cfg.mode or "off", cfg.loss_coeff / global_queries
     if cfg.mode != "warmup":
         return
     keep = {id(p) for c in chunks for m in c.modules() if isinstance(m, Indexer) for p in m.parameters()}

@@ -93,7 +93,7 @@ class Trainer:
             self.hf_origin = meta.get("hf")
         if recipe.lora is not None:
             self._apply_lora()
-        if self.train.indexer.mode != "off":  # (warm-up freezes all but the indexers: before the optimizer)
+        if self.train.indexer.mode is not None:  # (warm-up freezes all but the indexers: before the optimizer)
             from megamoe.training.indexer import setup_indexer_training
 
             setup_indexer_training(self.chunks, self.train.indexer, self.train.global_batch_size * recipe.data.seq_len)
@@ -469,7 +469,7 @@ class Trainer:
         if monitor.logs(self.step):
             load, moe_scalars = self.moe_report()
             latencies = self._gather_latencies()
-            if self.train.indexer.mode != "off":
+            if self.train.indexer.mode is not None:
                 from megamoe.training.indexer import indexer_report
 
                 report = indexer_report(self.chunks, self.groups, self.world, self.rank)
