@@ -10,7 +10,6 @@ the trainer skips the expert-bias update, so the model the indexers learn from s
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megamoe.layers.mixers.dsa import Indexer
@@ -18,6 +17,7 @@ from megamoe.layers.ops.indexer_loss import IndexerObjective
 from megamoe.parallel import comm
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.training.config import IndexerTrainConfig
+from megamoe.training.reports import gather_to_first
 
 
 def objectives(chunks: list[nn.Module]) -> list[IndexerObjective]:
@@ -49,9 +49,7 @@ def indexer_report(chunks: list[nn.Module], groups: ParallelGroups, world: int, 
         summed = comm.all_reduce_tensor(summed, groups.dp_cp)
         mine[o.layer_number] = (summed[0] / summed[1].clamp_min(1.0)).item()
         o.stats = {}
-    gathered = [None] * world if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    merged = {n: v for part in gathered or [] for n, v in part.items()}
+    merged = {n: v for part in gather_to_first(mine, world, rank) for n, v in part.items()}
     out = {f"indexer/kl/layer{n}": v for n, v in sorted(merged.items())}
     if merged:
         out["indexer_kl"] = sum(merged.values()) / len(merged)

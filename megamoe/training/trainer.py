@@ -34,6 +34,7 @@ from megamoe.training.faults import describe, is_collective_failure
 from megamoe.training.guards import CheckpointMismatch, check_unchanged, run_record
 from megamoe.training.monitor import Monitor, memory_gib, peak_tflops
 from megamoe.training.optimizer import DistributedOptimizer, lr_at
+from megamoe.training import reports
 from megamoe.training.pipeline import build_chunks, build_schedule, timed_p2p
 from megamoe.model.weights import initialize
 
@@ -181,25 +182,9 @@ class Trainer:
             self.after_step_hooks.append(lambda t: [update_expert_bias(c, t.groups) for c in t.chunks])
 
     def moe_report(self) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
-        """Per-layer expert load (for the heatmap) and scalars over the steps since the last report,
-        gathered to rank 0 (a collective; the trainer calls it on logging steps only)."""
-        if not self.has_moe:
-            return {}, {}
-        from megamoe.model.moe_controls import moe_metrics
-
-        mine = {}
-        for chunk in self.chunks:
-            mine.update(moe_metrics(chunk, self.groups))
-        gathered = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        merged: dict[int, dict] = {}
-        for part in gathered or []:
-            merged.update(part)
-        load = {n: torch.tensor(m["tokens_per_expert"]) for n, m in merged.items()}
-        scalars = {f"moe/{key}/layer{n}": float(m[key]) for n, m in merged.items()
-                   for key in ("imbalance", "router_entropy", "dropped_tokens", "aux_loss", "seq_aux_loss", "z_loss")
-                   if key in m}
-        return load, scalars
+        """Per-layer expert load and MoE scalars since the last report, on rank 0 (a collective;
+        logging steps only; ``megamoe.training.reports``)."""
+        return reports.moe_report(self)
 
     # ---- checkpoints ----------------------------------------------------------------------
 
@@ -435,49 +420,12 @@ class Trainer:
         embed = b.parts.get("embedding", (0, 0.0))[1] if not self.recipe.model.tie_embeddings else 0.0
         return 6.0 * (b.active - embed)
 
-    def _gather_latencies(self) -> dict[str, list[tuple[float, int]]]:
-        """The (seconds, bytes) samples of every rank since the last call, by ``comm.sample_key``,
-        on rank 0 (a collective)."""
-        if self.recorder is None:
-            return {}
-        mine = {f"rank{self.rank}/{k}": v for k, v in self.recorder.drain().items()}
-        gathered = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        out: dict[str, list[tuple[float, int]]] = {}
-        for part in gathered or []:
-            for k, v in part.items():
-                out.setdefault(k.split("/", 1)[1], []).extend(v)
-        return out
-
     def _nonfinite_message(self) -> str:
         root = self.recipe.checkpoint.dir
         latest = ckpt.latest_checkpoint(root) if root else None
         kept = f"{latest} stays latest" if latest else "no checkpoint was written"
         return (f"step {self.step}: {self.nan_streak} consecutive steps had a non-finite gradient norm; stopped "
                 f"without saving, {kept}; lower optim.lr or inspect the data")
-
-    def _report(self, monitor: Monitor, metrics: dict, evaluator) -> None:
-        """Evaluate when due, then log the step (the reports are collectives with host syncs:
-        only on steps that write them)."""
-        tagged = {}
-        if evaluator is not None and evaluator.due(self.step):
-            result = evaluator.run()
-            metrics.update(eval_loss=result["loss"], eval_ppl=result["ppl"])
-            tagged = {"eval/loss": result["loss"], "eval/ppl": result["ppl"]}
-        load, moe_scalars, latencies = {}, {}, {}
-        self.phase = "metrics report"
-        if monitor.logs(self.step):
-            load, moe_scalars = self.moe_report()
-            latencies = self._gather_latencies()
-            if self.train.indexer.mode is not None:
-                from megamoe.training.indexer import indexer_report
-
-                report = indexer_report(self.chunks, self.groups, self.world, self.rank)
-                metrics.update({k: v for k, v in report.items() if "/" not in k})
-                moe_scalars.update({k: v for k, v in report.items() if "/" in k})
-        monitor.log_step(self.step, metrics, latencies, load, moe_scalars, tagged=tagged)
-        if tagged:
-            evaluator.maybe_save_best(tagged["eval/loss"])
 
     def _loop(self, data, monitor: Monitor, flops: float, peak: float, history: list, evaluator=None) -> None:
         cfg = self.recipe
@@ -488,7 +436,7 @@ class Trainer:
                 self.finish_save()
             metrics.update(memory_gib())
             metrics["mfu"] = flops * metrics["tokens_per_s"] / (peak * 1e12 * self.world)
-            self._report(monitor, metrics, evaluator)
+            reports.report_step(self, monitor, metrics, evaluator)
             history.append(metrics)
             if self.nan_streak >= self.train.nan_max_consecutive:
                 self.finish_save()
