@@ -68,8 +68,12 @@ def test_round_trip_and_greedy_decoding_with_the_compressed_cache(hf_model, tmp_
     assert max(max(d) for d in diffs.values()) <= 1e-4
 
 
-def test_hub_tensor_names_load(hf_model, tmp_path):
-    """The hub's files: no ``model.`` prefix, ``embed``/``norm``/``head``, ``hc_head_fn``; mtp.* skipped."""
+def test_hub_tensor_names_and_config_load(hf_model, tmp_path):
+    """The hub's files: no ``model.`` prefix, ``embed``/``norm``/``head``, ``hc_head_fn``; mtp.* skipped;
+    its config's legacy fields (``compress_ratios`` listing the MTP layer too, ``num_hash_layers``,
+    ``rope_scaling``, ``qk_rope_head_dim``) read as transformers reads them."""
+    import json
+
     from safetensors.torch import load_file, save_file
 
     hf_model.save_pretrained(tmp_path / "saved")
@@ -81,7 +85,13 @@ def test_hub_tensor_names_load(hf_model, tmp_path):
     hub["mtp.0.emb.weight"] = torch.zeros(2, 2)
     (tmp_path / "hub").mkdir()
     save_file(hub, tmp_path / "hub" / "model.safetensors")
-    (tmp_path / "hub" / "config.json").write_text((tmp_path / "saved" / "config.json").read_text())
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    for key in ("layer_types", "mlp_layer_types", "rope_parameters", "compress_rates", "partial_rotary_factor"):
+        del config[key]
+    config.update(compress_ratios=[0, 4, 128, 0], compress_rate_hca=8, num_hash_layers=1, qk_rope_head_dim=8,
+                  compress_rope_theta=160000.0,
+                  rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(config))
     x = ids(1, 20)
     with torch.no_grad():
         assert (from_hf(tmp_path / "hub").float()(x) - hf_model(input_ids=x).logits).abs().max() <= 1e-4

@@ -83,18 +83,16 @@ def chunk_entries(mixer, tails: ChunkTails, rows: torch.Tensor, p_all: torch.Ten
     n, rate, d = cp.chunk_len, mixer.rate, mixer.dim
     need = (2 if mixer.indexer is not None else 1) * rate - 1
     table = find_blocks(p_all, rate)
-    end_chunk = torch.where(table.valid, (table.start + rate - 1) // n, 2 * cp.size)
-    counts = torch.zeros(p_all.size(0), 2 * cp.size + 1, dtype=torch.long, device=rows.device)
-    counts.scatter_add_(1, end_chunk, torch.ones_like(end_chunk))
-    per_chunk = max(int(counts[:, :-1].max()), 1)
+    # blocks are disjoint: at most one ends in a chunk after starting before it, the rest lie in it
+    per_chunk = n // rate + 1
     values, keys = [], []
     for i, (a, e) in enumerate(cp.chunk_bounds()):
         halo = tails.before(a, need)[..., d:]
         seg = torch.cat([halo, rows[:, i * n:(i + 1) * n]], dim=1)
         off = a - halo.size(1)
         ent, key, _ = mixer.entries(seg, p_all[:, off:e], off, first_end=halo.size(1))
-        values.append(_pad(ent.values, per_chunk))
-        keys.append(None if key is None else _pad(key.values, per_chunk))
+        values.append(_fit(ent.values, per_chunk))
+        keys.append(None if key is None else _fit(key.values, per_chunk))
     slot = gathered_slots(table.valid, table.start, rate, cp, per_chunk)
     batch = torch.arange(p_all.size(0), device=rows.device)[:, None]
     all_values = comm.gather_reduce_scatter(torch.cat(values, dim=1), 1, cp.group)[batch, slot]
@@ -107,7 +105,9 @@ def chunk_entries(mixer, tails: ChunkTails, rows: torch.Tensor, p_all: torch.Ten
     return Entries(all_values, end, doc), all_keys, table.valid
 
 
-def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+def _fit(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [b, N, ...] (valid slots first) -> [b, width, ...]: empty slots cut or zeros added."""
+    x = x[:, :width]
     return torch.cat([x, x.new_zeros(x.size(0), width - x.size(1), *x.shape[2:])], dim=1)
 
 

@@ -31,6 +31,7 @@ from torch import nn
 from megamoe.core.config import MoEConfig
 from megamoe.parallel import comm
 from megamoe.parallel.groups import ParallelGroups, group_size
+from megamoe.parallel.record import update_record
 from megamoe.parallel.sharding import const_init, mark_init, mark_tp_partial_grad, normal_init
 from megamoe.layers.spec import BuildContext
 
@@ -293,6 +294,7 @@ class HashRouter(TopKRouter):
         self.table = nn.Parameter(table, requires_grad=False)
         experts = cfg.num_experts
         mark_init(self.table, lambda draw: (draw.index % experts).float())
+        update_record(self.table, active_fraction=1 / ctx.vocab_size)  # a token reads its own row
 
     def choose(self, scores: torch.Tensor, token_ids: torch.Tensor | None):
         if token_ids is None:

@@ -18,7 +18,7 @@ padding slot, in no document), so packed documents and left padding cut blocks t
 document run alone does.
 
 Shapes: rows [b, T, W] (W = D, or 2D with overlap), position_bias [rate, W], blocks [b, N]
-(N = the most blocks of a row; shorter rows have empty slots), entries [b, N, D].
+(N = T // rate, the most a row can hold; rows with fewer have empty slots), entries [b, N, D].
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def find_blocks(p: torch.Tensor, rate: int, first_end: int = 0) -> Blocks:
     ok = (p >= 0) & (p % rate == 0) & (last < t) & (last >= first_end)
     ok &= p.gather(1, last.clamp(max=t - 1).expand(b, -1)) == p + rate - 1  # no document starts inside
     counts = ok.sum(1)
-    n = int(counts.max()) if b and t else 0
+    n = t // rate  # blocks are disjoint: a static bound (no data-dependent size, so it traces on fake tensors)
     order = torch.sort((~ok).to(torch.int8), dim=1, stable=True).indices[:, :n]  # block starts first, in order
     valid = torch.arange(n, device=p.device) < counts[:, None]
     start = torch.where(valid, order, 0)

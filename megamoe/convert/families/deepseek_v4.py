@@ -69,6 +69,25 @@ def yarn_from_v4(hf: dict) -> YarnConfig:
                       beta_fast=float(p.get("beta_fast") or 32), beta_slow=float(p.get("beta_slow") or 1))
 
 
+LEGACY_RATIOS = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+
+def layer_types(hf: dict, n: int) -> list[str]:
+    """``layer_types``; else the hub's per-layer ``compress_ratios`` (0, 4, 128; the multi-token-prediction
+    layers listed after the n decoder layers are dropped, as transformers drops them); else
+    transformers' default (V4-Pro's): two HCA layers, then HCA and CSA alternating."""
+    if hf.get("layer_types") is not None:
+        return list(hf["layer_types"])
+    ratios = hf.get("compress_ratios")
+    if ratios is not None:
+        bad = [r for r in ratios if r not in LEGACY_RATIOS]
+        if bad:
+            raise CheckpointError(f"config.json: compress_ratios has {bad[0]!r} (allowed: 0, 4, 128)")
+        return [LEGACY_RATIOS[r] for r in list(ratios)[:n]]
+    return ["heavily_compressed_attention"] * min(n, 2) + [
+        "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
+
+
 def _letters(hf: dict, key: str, table: dict, n: int, default: list[str]) -> list[str]:
     types = hf.get(key) or default
     bad = [t for t in types if t not in table]
@@ -83,10 +102,12 @@ def config_from_hf(hf: dict) -> ModelConfig:
     for key, want in (("num_key_value_heads", 1), ("hidden_act", "silu"), ("attention_bias", False)):
         if hf.get(key, want) != want:
             raise CheckpointError(f"config.json: {key}={hf[key]!r} is not supported for deepseek_v4 (allowed: {want!r})")
-    mixers = _letters(hf, "layer_types", MIXERS, n, [])
-    mlps = _letters(hf, "mlp_layer_types", MLPS, n, ["hash_moe"] * min(n, 3) + ["moe"] * max(0, n - 3))
+    mixers = _letters({"layer_types": layer_types(hf, n)}, "layer_types", MIXERS, n, [])
+    hashed = hf.get("num_hash_layers", 3)  # the hub's spelling of the first mlp_layer_types
+    mlps = _letters(hf, "mlp_layer_types", MLPS, n, ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed))
     head_dim = hf_get(hf, "head_dim")
-    rates = hf.get("compress_rates") or {}
+    rates = {"compressed_sparse_attention": hf.get("compress_rate_csa", 4),
+             "heavily_compressed_attention": hf.get("compress_rate_hca", 128), **(hf.get("compress_rates") or {})}
     scoring = hf.get("scoring_func", "sqrtsoftplus")
     if scoring not in SCORE_FUNCTIONS:
         raise CheckpointError(f"config.json: scoring_func={scoring!r} is not supported (allowed: "
@@ -94,7 +115,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     main = _rope(hf, "main")
     compressed = CompressedAttentionConfig(
         num_heads=hf_get(hf, "num_attention_heads"), head_dim=head_dim,
-        rope_head_dim=int(hf.get("qk_rope_head_dim") or head_dim * float(hf_get(hf, "partial_rotary_factor"))),
+        rope_head_dim=int(hf.get("qk_rope_head_dim") or head_dim * float(hf.get("partial_rotary_factor") or 0.125)),
         q_lora_rank=hf_get(hf, "q_lora_rank"), o_groups=hf_get(hf, "o_groups"), o_lora_rank=hf_get(hf, "o_lora_rank"),
         sliding_window=hf_get(hf, "sliding_window"), rope_theta=float(main.get("rope_theta") or hf.get("rope_theta")
                                                                       or 10000.0),
