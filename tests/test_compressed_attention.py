@@ -96,7 +96,8 @@ def test_blocks_follow_documents_and_padding():
     assert blocks.start[0].tolist() == [0, 6, 10] and blocks.valid[0].tolist() == [True, True, True]
     assert blocks.start[1, :3].tolist() == [2, 6, 10] and blocks.prev[1].tolist() == [False, True, True]
     assert blocks.prev[0].tolist() == [False, False, True]
-    assert find_blocks(p, 4, first_end=13).start[1].tolist() == [10]
+    late = find_blocks(p, 4, first_end=13)  # only blocks ending at or after index 13; T // 4 slots
+    assert late.start[1][late.valid[1]].tolist() == [10] and late.valid.shape == (2, 3)
 
 
 @pytest.mark.parametrize("letter", LETTERS)
