@@ -49,7 +49,7 @@ def test_placeholders_are_replaced_by_projected_image_tokens():
     ids[0, 1:17] = IMG  # 32x32 with the MLP projector: 16 tokens
     ids[1, 5:29] = IMG  # 48x32: 24 tokens
     images = [torch.randn(3, 32, 32), torch.randn(3, 48, 32)]
-    hidden, pos = model.embed_multimodal(ids, images)
+    hidden, pos, _ = model.embed_multimodal(ids, images)
     tokens = model.vision(images)
     emb = model.embed(ids)
     mask = ids == IMG

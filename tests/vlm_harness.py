@@ -6,7 +6,8 @@ kimi_k25, qwen3_vl_moe and glm5_next's tower):
 - ``grad_errors``: one cross-entropy backward through both models, every parameter's gradient
   compared in megamoe's names (HF gradients mapped through the family's own table);
 - ``parallel_case``: a checkpoint imported for a parallel layout, run on gloo ranks with the
-  images, against the single-process import (logits, loss and every gathered gradient).
+  images (``sequence_parallel`` in a layout is a run-time flag), against the single-process
+  import (logits, loss and every gathered gradient).
 """
 from __future__ import annotations
 
@@ -80,8 +81,8 @@ def parallel_case(root: str, layouts: dict, ids, images, targets, want_logits) -
     from megamoe.checkpoint.dcp import load_checkpoint, read_meta
     from megamoe.model.weights import finalize_grads
 
-    def run(path: Path, groups):
-        model = build_model(config_from_dict(read_meta(path)["model"]), groups).eval()
+    def run(path: Path, groups, sp: bool = False):
+        model = build_model(config_from_dict(read_meta(path)["model"]), groups, sequence_parallel=sp).eval()
         load_checkpoint(path, model.groups, [model], load_rng=False)
         logits = model(ids, images)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -94,7 +95,7 @@ def parallel_case(root: str, layouts: dict, ids, images, targets, want_logits) -
     out = {}
     for name, parallel in layouts.items():
         groups = build_groups(ParallelConfig(**parallel))
-        model, logits, loss = run(Path(root) / name, groups)
+        model, logits, loss = run(Path(root) / name, groups, parallel.get("sequence_parallel", False))
         errs = {"logits": max_abs(logits, ref_logits), "hf logits": max_abs(logits, want_logits),
                 "loss": abs(loss.item() - ref_loss.item())}
         for n, p in model.named_parameters():

@@ -123,9 +123,19 @@ class TimmEncoder(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------
 
+    def forward_with_taps(self, images: torch.Tensor, taps: list[int]):
+        """(features [b, gh*gw, d], (gh, gw), [block ``t``'s output [b, gh*gw, d] for t in taps]):
+        timm's ``forward_intermediates`` (Qwen3-VL's deepstack reads blocks 8, 16, 24)."""
+        if not hasattr(self.model, "forward_intermediates"):
+            raise ConfigError(f"model.vision.deepstack_layers: encoder {self.name} has no forward_intermediates")
+        out, kept = self.model.forward_intermediates(images, indices=list(taps), output_fmt="NLC")
+        feats, grid = self._flatten(out, *images.shape[-2:])
+        return feats, grid, [k.reshape(feats.shape) for k in kept]
+
     def forward(self, images: torch.Tensor):
-        h, w = images.shape[-2:]
-        out = self.model.forward_features(images)
+        return self._flatten(self.model.forward_features(images), *images.shape[-2:])
+
+    def _flatten(self, out: torch.Tensor, h: int, w: int):
         if out.dim() == 4:
             if self.output_fmt == "NHWC":
                 b, gh, gw, d = out.shape

@@ -9,7 +9,8 @@ Both take patch features ``x [b, gh*gw, d]`` on a ``(gh, gw)`` grid (row-major) 
   inside the block) into one k*k*d vector, Linear(k²d, k²d) - GELU - Linear(k²d, out); one LM
   token per block, so k*k fewer tokens. Parameter names (norm, fc1, fc2) match timm's
   ``Qwen3VitPatchMerger``, so the merger of an HF Qwen3.5 checkpoint loads as-is.
-  Parameters: 2d + (k²d)² + k²d + k²d*out + out.
+  Parameters: 2d + (k²d)² + k²d + k²d*out + out. ``norm_after_merge`` (Qwen3-VL's deepstack
+  mergers) normalises the merged k²d vector instead: 2k²d + (k²d)² + k²d + k²d*out + out.
 - ``GlmMerger`` (GLM-5): each k x k block of patches -> one token by a strided Conv2d (d -> out),
   then Linear(out, out) without bias, LayerNorm, GELU and a SwiGLU out -> hidden -> out whose
   gate is clamped at ``limit`` from above and its up projection to [-limit, limit] (no biases).
@@ -45,10 +46,12 @@ class MLPProjector(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, dim: int, out: int, merge_size: int = 2, init_std: float = 0.02, eps: float = 1e-6):
+    def __init__(self, dim: int, out: int, merge_size: int = 2, init_std: float = 0.02, eps: float = 1e-6,
+                 norm_after_merge: bool = False):
         super().__init__()
         self.merge_size = k = merge_size
-        self.norm = nn.LayerNorm(dim, eps=eps)
+        self.norm_after_merge = norm_after_merge  # Qwen3-VL's deepstack mergers: LayerNorm(k*k*d)
+        self.norm = nn.LayerNorm(k * k * dim if norm_after_merge else dim, eps=eps)
         mark_init(self.norm.weight, const_init(1.0))
         mark_init(self.norm.bias, const_init(0.0))
         self.fc1 = _linear(k * k * dim, k * k * dim, init_std)
@@ -66,7 +69,11 @@ class PatchMerger(nn.Module):
         return x.reshape(b, (gh // k) * (gw // k), k * k * d), (gh // k, gw // k)
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int]):
-        x, grid = self.merge(self.norm(x), grid)
+        if self.norm_after_merge:
+            x, grid = self.merge(x, grid)
+            x = self.norm(x)
+        else:
+            x, grid = self.merge(self.norm(x), grid)
         return self.fc2(self.act(self.fc1(x))), grid
 
 

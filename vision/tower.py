@@ -2,7 +2,10 @@
 
 ``VisionTower(cfg, out_dim)`` maps a list of preprocessed images (each ``[3, H_i, W_i]``,
 sizes may differ) to language-model tokens ``[sum_i n_i, out_dim]`` in image order, where
-``n_i = num_tokens(H_i, W_i)``. Images of equal size are encoded as one batch.
+``n_i = num_tokens(H_i, W_i)``. Images of equal size are encoded as one batch. With
+``cfg.deepstack_layers`` (Qwen3-VL) each token also carries one ``out_dim`` vector per listed
+encoder block (that block's output through its own merger): ``[sum_i n_i, token_dim]`` with
+``token_dim = out_dim * (1 + len(deepstack_layers))``.
 
 Parallel placement (``cfg.parallel.mode``), over ``split_group`` (the ranks that share a
 batch, i.e. the language model's TP group):
@@ -54,6 +57,11 @@ class VisionTower(nn.Module):
         self.cfg, self.out_dim, self.path = cfg, out_dim, path
         self.encoder = TimmEncoder(cfg, path)
         self.projector = build_projector(cfg, self.encoder.dim, out_dim, init_std)
+        self.taps = list(cfg.deepstack_layers)
+        self.deepstack = nn.ModuleList([
+            PatchMerger(self.encoder.dim, out_dim, cfg.merge_size, init_std, eps=cfg.projector_norm_eps,
+                        norm_after_merge=True) for _ in self.taps]) if self.taps else None
+        self.token_dim = out_dim * (1 + len(self.taps))  # [main | deepstack 0 | deepstack 1 ...]
         on_meta = next(self.encoder.parameters()).is_meta
         if cfg.weights and not on_meta:
             self.encoder.load(cfg)
@@ -124,11 +132,17 @@ class VisionTower(nn.Module):
     # ---- forward ------------------------------------------------------------------------
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
-        """Same-size batch [b, 3, H, W] -> [b, n, out_dim]."""
+        """Same-size batch [b, 3, H, W] -> [b, n, token_dim] (out_dim, or with deepstack the main
+        tokens then each deepstack level's, concatenated on the last dimension)."""
         p = next(self.encoder.parameters())
-        with torch.no_grad() if self.cfg.freeze else nullcontext():
-            feats, grid = self.encoder(images.to(device=p.device, dtype=p.dtype))
-        return self.projector(feats, grid)[0]
+        images = images.to(device=p.device, dtype=p.dtype)
+        with torch.no_grad() if self.cfg.freeze else nullcontext():  # the projector and mergers train
+            if self.taps:
+                feats, grid, kept = self.encoder.forward_with_taps(images, self.taps)
+            else:
+                (feats, grid), kept = self.encoder(images), []
+        levels = [merger(x, grid)[0] for merger, x in zip(self.deepstack or [], kept)]
+        return torch.cat([self.projector(feats, grid)[0], *levels], dim=-1)
 
     def _encode_list(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
         by_size: dict[tuple, list[int]] = {}
@@ -157,7 +171,7 @@ class VisionTower(nn.Module):
         graph, so every rank ends backward with (zero) gradients and collectives over them
         (split-mode sums, data-parallel averages) stay matched across ranks."""
         p = next(self.parameters())
-        out = p.new_zeros(0, self.out_dim)
+        out = p.new_zeros(0, self.token_dim)
         trainable = [q.sum() for q in self.parameters() if q.requires_grad]
         if trainable and torch.is_grad_enabled():
             out = out + 0.0 * sum(trainable)

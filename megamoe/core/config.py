@@ -257,6 +257,9 @@ class VisionConfig:
     projector_norm_eps: float = 1e-6  # merger's / glm_merger's LayerNorm (Qwen 1e-6, Kimi-K2.5 and GLM-5 1e-5)
     projector_hidden: Optional[int] = None  # mlp (None: the LM hidden size), glm_merger's SwiGLU (None: 4x)
     projector_swiglu_limit: Optional[float] = None  # glm_merger: clamp of its SwiGLU (None: none)
+    # Qwen3-VL's deepstack: these encoder blocks' outputs, each through its own merger (LayerNorm
+    # after the merge), are added to the LM hidden states at the image tokens after LM layer 0, 1, ...
+    deepstack_layers: List[int] = field(default_factory=list)
     image_token_id: int = -1
     lr_scale: float = 1.0  # encoder learning rate = lr * lr_scale (see megamoe.model.multimodal.param_groups)
     seed: int = 0  # timm's own init is drawn under this seed, so every rank builds the same encoder
@@ -269,6 +272,11 @@ class VisionConfig:
         check_choice(f"{path}.projector", self.projector, ("mlp", "merger", "glm_merger"))
         check_positive(f"{path}.merge_size", self.merge_size)
         check(self.projector_norm_eps > 0, f"{path}.projector_norm_eps", self.projector_norm_eps, "must be > 0")
+        layers = list(self.deepstack_layers)
+        check(layers == sorted(set(layers)) and all(i >= 0 for i in layers), f"{path}.deepstack_layers", layers,
+              "encoder block indices, ascending, each once")
+        check(not layers or self.projector == "merger", f"{path}.deepstack_layers", layers,
+              "deepstack mergers come with projector=merger")
         if self.projector_hidden is not None:
             check_positive(f"{path}.projector_hidden", self.projector_hidden)
         check(self.lr_scale >= 0, f"{path}.lr_scale", self.lr_scale, "must be >= 0")

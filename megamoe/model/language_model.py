@@ -254,13 +254,17 @@ class LanguageModel(nn.Module):
         """[b, s] -> [b, s, h] (``[b, s/tp, h]`` under SP)."""
         return self.embedding(input_ids)
 
-    def run_layers(self, hidden: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
+    def run_layers(self, hidden: torch.Tensor, info: ForwardInfo, after: dict | None = None) -> torch.Tensor:
         """This stage's layers. The first stage takes [b, s(/tp), h] into the residual stream
-        (``[b, s(/tp), n, h]`` with hyper-connections), the last one gives [b, s(/tp), h] back."""
+        (``[b, s(/tp), n, h]`` with hyper-connections), the last one gives [b, s(/tp), h] back.
+        ``after``: {global layer index: [b, s(/tp), h]} added to the stream after that layer
+        (Qwen3-VL's deepstack image features; plain residual streams only)."""
         if self.pre_process:
             hidden = self.block.enter_stream(hidden, self.config)
-        for layer in self.layers.values():
+        for name, layer in self.layers.items():
             hidden = layer(hidden, info)
+            if after and int(name) in after:
+                hidden = hidden + after[int(name)]
         return self.leave_stream(hidden) if self.post_process else hidden
 
     def leave_stream(self, stream: torch.Tensor) -> torch.Tensor:

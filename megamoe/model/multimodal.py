@@ -16,6 +16,10 @@ w = c + col, and the text after it continues at c + max(gh, gw). Otherwise posit
 plain ``0..s-1``. Under a decode cache the offset ``max position + 1 - s`` is kept in
 ``cache.layer("mrope")`` for the tokens that follow.
 
+With ``model.vision.deepstack_layers`` (Qwen3-VL) each image token also brings one vector per
+listed encoder block, added to the hidden states at the image tokens after LM layers 0, 1, ...
+(``merge_images`` returns them, ``run_layers(after=...)`` adds them).
+
 Shapes: input_ids [b, s]; hidden [b, s, h] ([b, s/tp, h] under SP); logits [b, s, V].
 """
 from __future__ import annotations
@@ -134,16 +138,29 @@ class MultimodalModel(LanguageModel):
             self.vision = VisionTower(cfg.vision, cfg.hidden_size, split_group=split, tp_group=self.groups.tp,
                                       init_std=cfg.init_std,
                                       dtype=DTYPES[cfg.params_dtype], device=device)
+            self._check_deepstack(cfg)
+
+    def _check_deepstack(self, cfg: ModelConfig) -> None:
+        """Deepstack features join the residual stream after LM layers 0..L-1: they must be on the
+        stage that holds the tower, and the stream must be the plain one."""
+        levels = len(cfg.vision.deepstack_layers)
+        if levels and not all(str(i) in self.layers for i in range(levels)):
+            raise ConfigError(f"model.vision.deepstack_layers: the first pipeline stage must hold LM layers "
+                              f"0..{levels - 1} (its deepstack features are added after them)")
+        if levels and cfg.hyper_connections is not None:
+            raise ConfigError("model.vision.deepstack_layers cannot be combined with model.hyper_connections")
 
     # ---- pieces -------------------------------------------------------------------------
 
     def merge_images(self, hidden: torch.Tensor, input_ids: torch.Tensor, images: list, spans,
-                     shard=None) -> torch.Tensor:
+                     shard=None) -> tuple[torch.Tensor, dict]:
         """Replace placeholder embeddings by image tokens. input_ids [b, S] (full sequence), ``spans``
         (``image_spans``), hidden [b, s(/tp), h] (this rank's CP chunks, ``shard``, cut over TP
         under SP). Under CP a rank encodes only the images with a placeholder in its chunks (an
         image across a chunk border is encoded by both ranks, each keeping its tokens): the others'
-        tokens would not reach its hidden states, and their gradient here would be zero."""
+        tokens would not reach its hidden states, and their gradient here would be zero.
+        Returns the hidden states and, with deepstack, {LM layer i: [b, s(/tp), h] level-i features
+        at the image tokens, zeros elsewhere} (``run_layers``' ``after``)."""
         needed = local_images(spans, shard)
         tokens = self.vision([images[i] for i in needed])                    # [sum of their n_i, h]
         slot = token_slots(input_ids.shape, [spans[i] for i in needed], input_ids.device)  # [b, S]
@@ -156,7 +173,9 @@ class MultimodalModel(LanguageModel):
         if self.ctx.sp:  # keep this rank's sequence shard; backward gathers the full gradient
             img = comm.scatter_to(img, 1, self.groups.tp)
             mask = mask.chunk(self.groups.tp_size, dim=1)[self.groups.tp_rank]
-        return torch.where(mask.unsqueeze(-1), img, hidden)
+        h = hidden.size(-1)
+        deepstack = {i: img[..., h * (i + 1): h * (i + 2)] for i in range(img.size(-1) // h - 1)}  # 0 at text
+        return torch.where(mask.unsqueeze(-1), img[..., :h], hidden), deepstack
 
     def positions_for(self, input_ids: torch.Tensor, spans, grids, cache=None) -> torch.Tensor:
         """[3, b, s] M-RoPE positions (first forward) or [b, s] (text, or decode steps)."""
@@ -174,16 +193,17 @@ class MultimodalModel(LanguageModel):
         return pos
 
     def embed_multimodal(self, input_ids: torch.Tensor, images=None, positions: torch.Tensor | None = None,
-                         cache=None, shard=None) -> tuple[torch.Tensor, torch.Tensor]:
+                         cache=None, shard=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(hidden [b, s(/tp), h] of this rank's CP chunks with image tokens merged, positions of
-        the full sequence)."""
+        the full sequence, deepstack additions as ``merge_images``)."""
         images = [] if images is None else list(images)
         sizes = [tuple(img.shape[-2:]) for img in images]
         spans = image_spans(input_ids, self.image_token_id, [self.vision.num_tokens(*hw) for hw in sizes])
-        hidden = self.merge_images(self.embed(split_for_cp(shard, input_ids)), input_ids, images, spans, shard)
+        hidden, deepstack = self.merge_images(self.embed(split_for_cp(shard, input_ids)), input_ids, images, spans,
+                                              shard)
         if positions is None:
             positions = self.positions_for(input_ids, spans, [self.vision.lm_grid(*hw) for hw in sizes], cache)
-        return hidden, positions
+        return hidden, positions, deepstack
 
     # ---- forward ------------------------------------------------------------------------
 
@@ -206,14 +226,15 @@ class MultimodalModel(LanguageModel):
         the batch's ``images``. Placeholders without images are an error, never ignored."""
         ids, hidden = (x, None) if self.pre_process else (None, x)
         shard = self.context_shard(self.full_length(ids, hidden, cache), cache)
+        deepstack = None
         if self.pre_process:
-            hidden, positions = self.embed_multimodal(x, images, positions, cache, shard)
+            hidden, positions, deepstack = self.embed_multimodal(x, images, positions, cache, shard)
         elif positions is None:
             positions = self.default_positions(None, hidden, cache)
         token_ids = x if self.pre_process else token_ids
         info = ForwardInfo(positions=split_for_cp(shard, positions, dim=-1), cache=cache, cp=shard, documents=documents,
                            token_ids=split_for_cp(shard, token_ids))
-        hidden = self.run_layers(hidden, info)
+        hidden = self.run_layers(hidden, info, after=deepstack)
         if cache is not None:  # every pipeline stage keeps its own cache
             cache.advance(positions.size(-1))
         return self.head(hidden) if self.post_process else hidden
@@ -221,12 +242,13 @@ class MultimodalModel(LanguageModel):
 
 # ---- addressing vision and language parameters separately -----------------------------------
 
-PART_PREFIXES = {"vision_encoder": "vision.encoder.", "vision_projector": "vision.projector."}
+PART_PREFIXES = {"vision_encoder": ("vision.encoder.",),
+                 "vision_projector": ("vision.projector.", "vision.deepstack.")}  # deepstack mergers project too
 
 
 def parameter_part(name: str) -> str:
     """'vision_encoder', 'vision_projector' or 'language' for a parameter name."""
-    return next((part for part, prefix in PART_PREFIXES.items() if name.startswith(prefix)), "language")
+    return next((part for part, prefixes in PART_PREFIXES.items() if name.startswith(prefixes)), "language")
 
 
 def set_trainable(model: MultimodalModel, *, language: bool = True, vision_encoder: bool = True,
