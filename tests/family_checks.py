@@ -108,10 +108,11 @@ def lora_case(ckpt: str, log_dir: str, steps: int = 50) -> dict:
     from megamoe.data.synthetic import SyntheticDataset
     from megamoe.lora import LoRAConfig
     from megamoe.model.moe_controls import routers
-    from megamoe.recipe import config_from_dict
+    from megamoe.core.config_io import config_from_dict
     from megamoe.checkpoint.dcp import read_meta
     from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
-    from megamoe.training.trainer import Trainer, TrainRecipe
+    from megamoe.training.trainer import Trainer
+    from megamoe.recipe import Recipe as TrainRecipe
 
     model = config_from_dict(read_meta(ckpt)["model"])
     recipe = TrainRecipe(model=model, parallel=ParallelConfig(), data=DataConfig(kind="synthetic", seq_len=16),
@@ -119,8 +120,9 @@ def lora_case(ckpt: str, log_dir: str, steps: int = 50) -> dict:
                          optim=OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2, weight_decay=0.0),
                          checkpoint=CheckpointConfig(load=ckpt),
                          logging=LoggingConfig(progress=False, latency_interval=0), lora=LoRAConfig(rank=4))
-    with contextlib.redirect_stdout(io.StringIO()):
-        trainer = Trainer(recipe, SyntheticDataset(model.vocab_size, 16, seed=5))
+    vocab = model.vocab_size if model.vision is None else min(model.vocab_size, model.vision.image_token_id)
+    with contextlib.redirect_stdout(io.StringIO()):  # (text only: no image placeholder in the samples)
+        trainer = Trainer(recipe, SyntheticDataset(vocab, 16, seed=5))
     chunk = trainer.chunks[0]
     frozen = [(r.weight.detach().clone(), None if r.expert_bias is None else r.expert_bias.detach().clone())
               for r in routers(chunk)]

@@ -28,6 +28,7 @@ def register_native_towers() -> None:
     use: importing timm's model zoo costs every process that never builds a tower)."""
     import megamoe.vision.glm_vit  # noqa: F401
     import megamoe.vision.kimi_vit  # noqa: F401
+    import megamoe.vision.minimax_vit  # noqa: F401
 
 
 def _create(cfg: VisionConfig, path: str):

@@ -15,6 +15,10 @@ Both take patch features ``x [b, gh*gw, d]`` on a ``(gh, gw)`` grid (row-major) 
   then Linear(out, out) without bias, LayerNorm, GELU and a SwiGLU out -> hidden -> out whose
   gate is clamped at ``limit`` from above and its up projection to [-limit, limit] (no biases).
   Parameters: k²d*out + out + out² + 2out + 3*out*hidden.
+- ``MLPMerger`` (MiniMax-M3): the MLP projector per patch (Linear(d, hid) - GELU - Linear(hid,
+  out)), then each k x k block of projected patches concatenated (row-major) and merged by
+  Linear(k²out, hid) - GELU - Linear(hid, out). Parameters: (d + 1)hid + (hid + 1)out
+  + (k²out + 1)hid + (hid + 1)out.
 """
 from __future__ import annotations
 
@@ -105,6 +109,18 @@ class GlmMerger(nn.Module):
         if self.limit is not None:
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         return self.down_proj(nn.functional.silu(gate) * up), (gh // k, gw // k)
+class MLPMerger(nn.Module):
+    def __init__(self, dim: int, out: int, hidden: int, merge_size: int = 2, init_std: float = 0.02):
+        super().__init__()
+        self.merge_size = k = merge_size
+        self.patch = MLPProjector(dim, out, hidden, init_std)
+        self.merge_fc1 = _linear(k * k * out, hidden, init_std)
+        self.act = nn.GELU()
+        self.merge_fc2 = _linear(hidden, out, init_std)
+
+    def forward(self, x: torch.Tensor, grid: tuple[int, int]):
+        x, grid = PatchMerger.merge(self, self.patch(x, grid)[0], grid)
+        return self.merge_fc2(self.act(self.merge_fc1(x))), grid
 
 
 def build_projector(cfg: VisionConfig, dim: int, out: int, init_std: float = 0.02) -> nn.Module:
@@ -115,4 +131,7 @@ def build_projector(cfg: VisionConfig, dim: int, out: int, init_std: float = 0.0
     if cfg.projector == "glm_merger":
         return GlmMerger(dim, out, cfg.projector_hidden or 4 * out, cfg.merge_size, cfg.projector_swiglu_limit,
                          init_std, eps=cfg.projector_norm_eps)
-    raise ConfigError(f"model.vision.projector={cfg.projector!r} is invalid: allowed: mlp, merger, glm_merger")
+    if cfg.projector == "mlp_merger":
+        return MLPMerger(dim, out, cfg.projector_hidden or out, cfg.merge_size, init_std)
+    raise ConfigError(f"model.vision.projector={cfg.projector!r} is invalid: allowed: mlp, merger, glm_merger, "
+                      "mlp_merger")

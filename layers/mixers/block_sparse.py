@@ -119,11 +119,9 @@ def selection_tokens(first: torch.Tensor, table: BlockTable, qidx: torch.Tensor,
     ok &= table.first.gather(1, safe.flatten(1)).view_as(tok) == first[..., None]
     tok = tok.masked_fill(~ok, -1).flatten(-2)                                       # [b, s, G, K*B]
     padded = table.seg[:, qidx] < 0                                                 # [b, s]
-    if padded.any():
-        own = torch.full_like(tok, -1)
-        own[..., 0] = qidx[None, :, None]
-        tok = torch.where(padded[..., None, None], own, tok)
-    return tok
+    own = torch.full_like(tok, -1)
+    own[..., 0] = qidx[None, :, None]
+    return torch.where(padded[..., None, None], own, tok)
 
 
 def _attend_tile(q, k, v, tok, scale: float):
@@ -222,7 +220,7 @@ class BlockSparseAttention(SelfAttention):
                               "attention needs the indexer settings)")
         self.indexer = BlockIndexer(cfg, ctx)
         self.scale = cfg.softmax_scale or self.head_dim ** -0.5
-        self.sparse_core = ctx.backend.block_sparse_attention(ctx)
+        self.block_core = ctx.backend.block_sparse_attention(ctx)
         self.dense_reference = False  # True: plain attention masked with the selection expanded
 
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
@@ -246,7 +244,7 @@ class BlockSparseAttention(SelfAttention):
             mask = tokens_to_mask(tok, total, q.size(2))
             out = self.core(q, k_all, v_all, mask=mask)
         else:
-            out = self.sparse_core(q, k_all, v_all, tok, self.scale)
+            out = self.block_core(q, k_all, v_all, tok, self.scale)
         out = out.reshape(*out.shape[:2], -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)

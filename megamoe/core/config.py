@@ -241,7 +241,8 @@ class VisionConfig:
     of the model (``weights_filter``: ``auto``, ``none`` or a dotted path) and loaded strictly.
     projector ``mlp``: Linear-GELU-Linear per patch (LLaVA); ``merger``: LayerNorm, k x k patch
     merge (``merge_size``), Linear-GELU-Linear (Qwen, Kimi); ``glm_merger``: k x k strided conv,
-    Linear-LayerNorm-GELU, clamped SwiGLU (GLM-5). ``image_token_id``: the placeholder token
+    Linear-LayerNorm-GELU, clamped SwiGLU (GLM-5); ``mlp_merger``: ``mlp`` per patch, then
+    the k x k merge and Linear-GELU-Linear (MiniMax-M3). ``image_token_id``: the placeholder token
     each projected image token replaces.
     """
 
@@ -253,9 +254,9 @@ class VisionConfig:
     freeze: bool = False  # encoder frozen (no grads, run without autograd); the projector trains
     recompute: bool = False  # timm gradient checkpointing in the encoder blocks (memory for time)
     projector: str = "mlp"
-    merge_size: int = 2  # merger, glm_merger
+    merge_size: int = 2  # merger, glm_merger, mlp_merger
     projector_norm_eps: float = 1e-6  # merger's / glm_merger's LayerNorm (Qwen 1e-6, Kimi-K2.5 and GLM-5 1e-5)
-    projector_hidden: Optional[int] = None  # mlp (None: the LM hidden size), glm_merger's SwiGLU (None: 4x)
+    projector_hidden: Optional[int] = None  # mlp, mlp_merger (None: the LM hidden size), glm_merger's SwiGLU (None: 4x)
     projector_swiglu_limit: Optional[float] = None  # glm_merger: clamp of its SwiGLU (None: none)
     # Qwen3-VL's deepstack: these encoder blocks' outputs, each through its own merger (LayerNorm
     # after the merge), are added to the LM hidden states at the image tokens after LM layer 0, 1, ...
@@ -269,7 +270,7 @@ class VisionConfig:
     def validate(self, hidden_size: int, path: str = "model.vision") -> None:
         check(isinstance(self.encoder, str) and bool(self.encoder), f"{path}.encoder", self.encoder,
               "name a timm model, e.g. vit_base_patch16_224")
-        check_choice(f"{path}.projector", self.projector, ("mlp", "merger", "glm_merger"))
+        check_choice(f"{path}.projector", self.projector, ("mlp", "merger", "glm_merger", "mlp_merger"))
         check_positive(f"{path}.merge_size", self.merge_size)
         check(self.projector_norm_eps > 0, f"{path}.projector_norm_eps", self.projector_norm_eps, "must be > 0")
         layers = list(self.deepstack_layers)

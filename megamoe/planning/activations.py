@@ -101,24 +101,31 @@ def _sparse_core(q_lat, q_rope, c, k_rope, idx, scale):
     return _FusedAttention.apply(q_lat, k_rope, c, q_rope, idx)
 
 
+def _block_core(q, k, v, tok, scale):
+    # block-sparse attention (letter B): q [b, s, H, d], keys and values [b, T, G, d], kept keys
+    return _FusedAttention.apply(q, k, v, tok)
+
+
 @contextlib.contextmanager
 def _fused_attention(layer):
     """Attention kernels as a GPU run's fused ones keep memory (``_FusedAttention``) instead of
     the CPU fallbacks' [s, T] score matrices, which the planner would otherwise scale with the
-    sequence; softmax attention (SDPA) and DSA's sparse latent attention."""
+    sequence; softmax attention (SDPA), DSA's sparse latent attention and block-sparse attention."""
     import torch.nn.functional as F
 
     sdpa, mixer = F.scaled_dot_product_attention, getattr(layer, "mixer", None)
     F.scaled_dot_product_attention = _sdpa
-    core = getattr(mixer, "sparse_core", None)
-    if core is not None:
-        mixer.sparse_core = _sparse_core
+    stand_ins = {name: stub for name, stub in (("sparse_core", _sparse_core), ("block_core", _block_core))
+                 if getattr(mixer, name, None) is not None}
+    kept = {name: getattr(mixer, name) for name in stand_ins}
+    for name, stub in stand_ins.items():
+        setattr(mixer, name, stub)
     try:
         yield
     finally:
         F.scaled_dot_product_attention = sdpa
-        if core is not None:
-            mixer.sparse_core = core
+        for name, core in kept.items():
+            setattr(mixer, name, core)
 
 
 def _traced_kind(layer, cfg, seq: int, act: int, params: set[int], info) -> dict[str, tuple[float, float]]:

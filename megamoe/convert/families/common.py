@@ -162,6 +162,19 @@ def _split_gate_up(w, ctx):
     return w.chunk(2, dim=0)
 
 
+def expert_rules(prefix: str, stacked_prefix: str, expert_names: tuple[str, str, str] = ("gate_proj", "up_proj",
+                 "down_proj"), letters: str = "e") -> list[Rule]:
+    """The two stacked routed-expert tensors from HF's per-expert ``{prefix}.experts.{E}.<name>``
+    or stacked ``{stacked_prefix}.experts.gate_up_proj`` / ``.down_proj``."""
+    mlp = "layers.{L}.mlp"
+    g, u, d = (f"{prefix}.experts.{{E}}.{n}.weight" for n in expert_names)
+    return [Experts(f"{mlp}.experts.gate_up_weight", (g, u), when=letters,
+                    stacked=(f"{stacked_prefix}.experts.gate_up_proj",), per_expert=_cat_gate_up,
+                    split_expert=_split_gate_up, row_blocks=True),
+            Experts(f"{mlp}.experts.down_weight", (d,), when=letters, stacked=(f"{stacked_prefix}.experts.down_proj",),
+                    per_expert=lambda t, ctx: t[0], split_expert=lambda w, ctx: [w], row_blocks=True)]
+
+
 def moe_rules(prefix: str, letters: str = "e", *, stacked_prefix: str | None = None,
               expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), gate: str = "gate",
               shared: str | None = None, shared_gate: str | None = None, expert_bias: str | None = None
@@ -173,17 +186,10 @@ def moe_rules(prefix: str, letters: str = "e", *, stacked_prefix: str | None = N
     ``shared``: the shared-expert SwiGLU's module, ``shared_gate``: its sigmoid gate [1, h],
     ``expert_bias``: the router's selection bias (``e_score_correction_bias``), all under ``prefix``."""
     mlp, st = "layers.{L}.mlp", stacked_prefix or prefix
-    g, u, d = (f"{prefix}.experts.{{E}}.{n}.weight" for n in expert_names)
     router = Same(f"{mlp}.router.weight", f"{prefix}.{gate}.weight", when=letters)
     if st != prefix:  # e.g. Mixtral: block_sparse_moe.gate (per-expert layout) or mlp.gate (stacked)
         router = OneOf(router, Same(f"{mlp}.router.weight", f"{st}.{gate}.weight", when=letters))
-    rules: list[Rule] = [
-        router,
-        Experts(f"{mlp}.experts.gate_up_weight", (g, u), when=letters, stacked=(f"{st}.experts.gate_up_proj",),
-                per_expert=_cat_gate_up, split_expert=_split_gate_up, row_blocks=True),
-        Experts(f"{mlp}.experts.down_weight", (d,), when=letters, stacked=(f"{st}.experts.down_proj",),
-                per_expert=lambda t, ctx: t[0], split_expert=lambda w, ctx: [w], row_blocks=True),
-    ]
+    rules: list[Rule] = [router, *expert_rules(prefix, st, expert_names, letters)]
     if expert_bias:
         bias = Same(f"{mlp}.router.expert_bias", f"{prefix}.{expert_bias}", when=letters)
         if st != prefix:  # e.g. MiniMax-M2: block_sparse_moe.e_score_correction_bias (hub) or mlp.* (stacked)

@@ -116,7 +116,7 @@ def moe_to_hf(cfg: ModelConfig, out: dict, model_type: str, spelling: int = 0) -
     m = cfg.moe
     for field, value, want in (("score_function", m.score_function, "sigmoid"),
                                ("group_score_topk", m.group_score_topk, 2), ("expert_bias", m.expert_bias, True),
-                               ("shared_expert_gate", m.shared_expert_gate, False),
+                               ("shared_expert_gate", m.shared_expert_gate, False), ("swiglu_alpha", m.swiglu_alpha, None),
                                ("shared_expert_ffn_hidden_size", m.shared_ffn(),
                                 m.moe_ffn_hidden_size * max(m.num_shared_experts, 1))):
         expressible(value == want, model_type, f"moe.{field}", value, f"{model_type} has {want!r}")

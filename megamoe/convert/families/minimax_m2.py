@@ -90,7 +90,9 @@ def config_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
     common_to_hf(cfg, out)
     attention_section_to_hf(cfg, out, "minimax_m2", "all")
     sigmoid_moe_to_hf(cfg, out, "minimax_m2", scaling=False, shared=0)
-    expressible(cfg.moe.swiglu_limit is None, "minimax_m2", "moe.swiglu_limit", cfg.moe.swiglu_limit, "plain SwiGLU")
+    for field in ("swiglu_limit", "swiglu_alpha"):
+        value = getattr(cfg.moe, field)
+        expressible(value is None, "minimax_m2", f"moe.{field}", value, "plain SwiGLU")
     out.update(intermediate_size=cfg.moe.moe_ffn_hidden_size, hidden_act="silu")
     return out
 
