@@ -225,3 +225,27 @@ def test_released_size_preset_counts_on_meta():
     assert out["total"] == lm_total + tower + merger == 1_026_879_376_368
     assert out["active"] == pytest.approx(lm_active + tower + merger, rel=1e-12)
     assert out["seconds"] < 30 and out["rss_mib"] < 2048, out
+
+
+@torch.no_grad()
+def test_fp8_release_imports_with_transformers_logits(tmp_path):
+    """Kimi-K2.5 ships FP8 (e4m3 + float32 weight_scale_inv per 128x128 block) like DeepSeek-V3: the
+    family table needs nothing of its own; with images the import equals transformers' FP8 model."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    from megamoe.convert import from_hf
+    from tests.fp8_utils import quantize_like_release
+
+    hf = tiny_kimi_k25()
+    hf.save_pretrained(tmp_path / "hf")  # the release's names: transformers writes 'blocks' for its 'layers'
+    file = next((tmp_path / "hf").glob("*.safetensors"))
+    save_file({k.replace("language_model.model.blocks.", "language_model.model.layers."): v
+               for k, v in load_file(file).items()}, file, metadata={"format": "pt"})
+    quantised = quantize_like_release(tmp_path / "hf", tmp_path / "fp8")
+    assert any(".experts." in n for n in quantised) and any("self_attn" in n for n in quantised)
+    ids, images, hf_inputs = image_inputs()
+    want = Kimi_K25ForConditionalGeneration.from_pretrained(tmp_path / "fp8", dtype=torch.float32).eval()(
+        **hf_inputs).logits
+    assert max_abs(want, hf(**hf_inputs).logits) > 0.1  # the quantisation shows
+    assert max_abs(from_hf(tmp_path / "fp8")(ids, images), want) <= ATOL
