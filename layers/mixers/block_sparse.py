@@ -192,10 +192,10 @@ class BlockIndexer(nn.Module):
         self.k_norm = b.norm(ctx, idx.head_dim)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, cos_sin, table_of, state: dict | None, cp, qidx_of):
-        """cos_sin: the attention's RoPE tables [b, s, rot]; ``table_of(T)``: the ``BlockTable`` of
-        the T keys; ``qidx_of(T)``: the queries' key-axis indices [s]; state: the decode cache
-        (indexer keys appended); cp: the ``ContextShard`` (keys all-gathered)."""
+    def forward(self, x: torch.Tensor, cos_sin, table: BlockTable, qidx: torch.Tensor, state: dict | None, cp):
+        """cos_sin: the attention's RoPE tables [b, s, rot]; table: the ``BlockTable`` of the T keys
+        the queries see; qidx: the queries' key-axis indices [s]; state: the decode cache (indexer
+        keys appended); cp: the ``ContextShard`` (keys all-gathered)."""
         q = self.linear_q(x)
         bsz, s = q.shape[:2]
         q = self.q_norm(q.view(bsz, s, self.heads, self.dim))
@@ -206,8 +206,7 @@ class BlockIndexer(nn.Module):
             k = cp.gather(k)
         if state is not None:
             k = append_time(state, "index_k", k)
-        total = k.size(1)
-        return select_blocks(q, k, table_of(total), qidx_of(total), self.topk, self.local, self.block)
+        return select_blocks(q, k, table, qidx, self.topk, self.local, self.block)
 
 
 class BlockSparseAttention(SelfAttention):
@@ -230,16 +229,11 @@ class BlockSparseAttention(SelfAttention):
         bsz, total = q.size(0), k_all.size(1)
         check_documents(info.documents, bsz, total)
         pad = None if info.cache is None else info.cache.pad
-
-        def table_of(n):
-            return block_table(bsz, n, self.indexer.block, pad, info.documents, x.device)
-
-        def qidx_of(n):
-            return cp.local_index(x.device) if cp is not None else torch.arange(n - q.size(1), n, device=x.device)
-
+        table = block_table(bsz, total, self.indexer.block, pad, info.documents, x.device)
+        qidx = cp.local_index(x.device) if cp is not None else torch.arange(total - q.size(1), total, device=x.device)
         state = None if info.cache is None else info.cache.layer(self.layer_number)
-        first = self.indexer(x, self.cos_sin(info), table_of, state, cp, qidx_of)
-        tok = selection_tokens(first, table_of(total), qidx_of(total), self.indexer.block)
+        first = self.indexer(x, self.cos_sin(info), table, qidx, state, cp)  # (its keys: the same T)
+        tok = selection_tokens(first, table, qidx, self.indexer.block)
         if self.dense_reference:
             mask = tokens_to_mask(tok, total, q.size(2))
             out = self.core(q, k_all, v_all, mask=mask)
