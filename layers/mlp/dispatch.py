@@ -77,17 +77,18 @@ def _dropped_to(idx: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     return idx if keep is None else idx.masked_fill(~keep, -1)
 
 
-def dispatch_local(x, weights, idx, keep, experts, num_experts: int) -> torch.Tensor:
+def dispatch_local(x, weights, idx, keep, experts, num_experts: int, outside_graph=None) -> torch.Tensor:
     """Single-rank expert grid: experts read x in place and accumulate per token. Inside a
     compiled graph (python expert counts cannot be traced) the experts' one opaque op where
-    they have one, else this dispatch runs outside the graph (a graph break)."""
+    they have one, else this dispatch runs outside the graph (``outside_graph``, the
+    dispatcher's once ``compile_ready`` made it: a graph break; without it dynamo traces the
+    dispatch, with its own breaks)."""
     if torch.compiler.is_compiling():
         local = getattr(experts, "local_dispatch", None)
         y = local(x, weights, idx) if keep is None and local is not None else None
         if y is not None:
             return y
-        # outside the graph once compile_ready() made the wrapper; else dynamo traces it (its own breaks)
-        return (_outside_graph or _dispatch_pairs)(x, weights, idx, keep, experts, num_experts)
+        return (outside_graph or _dispatch_pairs)(x, weights, idx, keep, experts, num_experts)
     return _dispatch_pairs(x, weights, idx, keep, experts, num_experts)
 
 
@@ -103,19 +104,19 @@ def _dispatch_pairs(x, weights, idx, keep, experts, num_experts: int) -> torch.T
     return experts(x, token, counts, probs, x.size(0))
 
 
-_outside_graph = None  # torch.compiler.disable(_dispatch_pairs), made by compile_ready()
-
-
-def compile_ready() -> None:
-    """Before compiling a model: make the dispatch that runs outside a compiled graph. Not at
-    import: ``torch.compiler.disable`` imports dynamo and inductor (~150 MiB of RSS, 0.3 s) into
-    every process, compiling or not."""
-    global _outside_graph
-    if _outside_graph is None:
-        _outside_graph = torch.compiler.disable(_dispatch_pairs)
+def compile_ready(model: torch.nn.Module) -> None:
+    """Before compiling ``model``: its dispatchers get the dispatch that runs outside a compiled
+    graph. Per model, and not at import: ``torch.compiler.disable`` imports dynamo and inductor
+    (~150 MiB of RSS, 0.3 s) into the process, compiling or not."""
+    outside = torch.compiler.disable(_dispatch_pairs)
+    for m in model.modules():
+        if isinstance(getattr(m, "dispatch", None), (AllToAllDispatcher, AllGatherDispatcher)):
+            m.dispatch.outside_graph = outside
 
 
 class AllToAllDispatcher:
+    outside_graph = None  # the dispatch outside a compiled graph (compile_ready), on one rank
+
     def __init__(self, num_experts: int, groups: ParallelGroups):
         self.num_experts, self.ep, self.etp = num_experts, groups.ep, groups.etp
         self.ep_size, self.etp_size = group_size(groups.ep), group_size(groups.etp)
@@ -123,7 +124,7 @@ class AllToAllDispatcher:
 
     def __call__(self, x, weights, idx, keep, experts) -> torch.Tensor:
         if self.ep_size * self.etp_size == 1:
-            return dispatch_local(x, weights, idx, keep, experts, self.num_experts)
+            return dispatch_local(x, weights, idx, keep, experts, self.num_experts, self.outside_graph)
         ep, n_local = self.ep_size, self.num_local
         order, counts = group_pairs(_dropped_to(idx, keep), self.num_experts, all_valid=keep is None)
         token = order // idx.size(1)
@@ -151,6 +152,8 @@ class AllToAllDispatcher:
 
 
 class AllGatherDispatcher:
+    outside_graph = None  # as AllToAllDispatcher's
+
     def __init__(self, num_experts: int, groups: ParallelGroups):
         self.num_experts, self.group = num_experts, groups.tp_ep
         self.size = group_size(groups.tp_ep)
@@ -159,7 +162,7 @@ class AllGatherDispatcher:
 
     def __call__(self, x, weights, idx, keep, experts) -> torch.Tensor:
         if self.size == 1:
-            return dispatch_local(x, weights, idx, keep, experts, self.num_experts)
+            return dispatch_local(x, weights, idx, keep, experts, self.num_experts, self.outside_graph)
         sizes = _sizes(x.size(0), self.group, x.device)
         x_all = gather_rows(x, sizes, self.group)
         w_all = gather_rows(weights, sizes, self.group)

@@ -152,6 +152,9 @@ def compiled_forward(model, forward=None) -> Callable[..., torch.Tensor]:
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         raise ConfigError("compile: compiled decode steps are single-process only (this run has "
                           f"{torch.distributed.get_world_size()} processes)")
+    from megamoe.layers.mlp.dispatch import compile_ready
+
+    compile_ready(model)
     return functools.partial(compiled_step(), model)
 
 
@@ -160,9 +163,6 @@ def compiled_step():
     """One compiled ``step(model, ids, cache)`` per process, made on first use: its graphs are
     guarded on the model and cache they were traced with, so every generation with a model
     reuses them (a new model compiles its own)."""
-    from megamoe.layers.mlp.dispatch import compile_ready
-
-    compile_ready()
     return torch.compile(_step)
 
 
