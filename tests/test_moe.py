@@ -123,12 +123,25 @@ def test_loop_kernel_makes_no_weight_gradient_for_frozen_experts():
     assert torch.equal(grads[0], grads[1])
 
 
-def test_auto_kernel_on_cpu_is_the_loop():
-    from megamoe.layers.ops.grouped_gemm import resolve_kernel
+def test_auto_kernel_is_the_backends_choice():
+    """``auto`` is resolved by the backend that built the experts: the loop kernel on CPU for
+    ``cpu`` (and ``cuda``, which falls back to it off the GPU), the reference loop for ``local``;
+    a name that is no kernel is a one-line error."""
+    from megamoe.layers.backends.cpu import CpuBackend
+    from megamoe.layers.backends.cuda import CudaBackend
+    from megamoe.layers.backends.local import LocalBackend
+    from megamoe.layers.ops.grouped_gemm import check_kernel
 
-    assert resolve_kernel("auto", torch.device("cpu"), torch.float32) == "loop"
+    cpu = torch.device("cpu")
+    assert CpuBackend.auto_expert_kernel(cpu, torch.float32) == "loop"
+    assert CudaBackend.auto_expert_kernel(cpu, torch.float32) == "loop"
+    assert LocalBackend.auto_expert_kernel(cpu, torch.float32) == "reference"
+    assert moe_layer("cpu").experts.resolved_kernel() == "loop"
+    assert moe_layer("local").experts.resolved_kernel() == "reference"
     with pytest.raises(ConfigError, match="expert_kernel"):
-        resolve_kernel("fast", torch.device("cpu"), torch.float32)
+        check_kernel("fast", cpu, torch.float32)
+    with pytest.raises(ConfigError, match="expert_kernel"):
+        check_kernel("auto", cpu, torch.float32)  # the backend's to resolve, never a kernel
 
 
 # ---- routing maths -----------------------------------------------------------------------

@@ -17,7 +17,7 @@ from megamoe.layers.spec import BuildContext
 from megamoe.layers.mixers.block_sparse import block_sparse_attention
 from megamoe.layers.ops.attention.core import CoreAttention
 from megamoe.layers.mixers.dsa import sparse_latent_attention
-from megamoe.layers.mlp.experts import GroupedExperts
+from megamoe.layers.mlp.experts import GroupedExperts, reference_kernel
 from megamoe.layers.ops.fp8.frozen import dequantize_rows, frozen_linear
 from megamoe.layers.mlp.stored_experts import TieredExperts
 from megamoe.layers.mixers.mla import latent_attention
@@ -38,6 +38,8 @@ class BaseBackend:
     name = "base"
     # the classes the linear roles build (a backend with another local GEMM overrides them)
     column_cls, row_cls, replicated_cls = ColumnParallelLinear, RowParallelLinear, ReplicatedLinear
+    # the routed experts' kernel for model.moe.expert_kernel='auto': (device, dtype) -> a kernel name
+    auto_expert_kernel = staticmethod(reference_kernel)
 
     def __init__(self, fusion: Fusion = EAGER):
         self.fusion = fusion
@@ -108,7 +110,8 @@ class BaseBackend:
         """``cls`` (the backend's experts class) with resident weights, or ``TieredExperts`` when
         ``store`` (``ExpertStoreConfig``) is enabled: the weights then stay in the expert store
         and come in when routed to (``megamoe.expert_store``)."""
-        kw = dict(kernel=kernel, active_fraction=active_fraction, glu=glu, fusion=self.fusion)
+        kw = dict(kernel=kernel, active_fraction=active_fraction, glu=glu, fusion=self.fusion,
+                  auto_kernel=self.auto_expert_kernel)
         if store is not None and store.enabled:
             return TieredExperts(ctx, num_experts, ffn_hidden_size, store=store, **kw)
         return cls(ctx, num_experts, ffn_hidden_size, **kw)

@@ -13,7 +13,7 @@ import torch
 
 from megamoe.core.config import MLPConfig
 from megamoe.layers.ops.fusion import EAGER, Fusion
-from megamoe.layers.ops.grouped_gemm import shared_swiglu_add
+from megamoe.layers.ops.grouped_gemm import grouped_mm_support, shared_swiglu_add
 from megamoe.layers.mlp.dense import SWIGLU, GLU
 from megamoe.layers.spec import BuildContext
 from megamoe.layers.backends.base import BaseBackend
@@ -96,8 +96,15 @@ class FusedSharedExpert(SharedExpert):
                                  gate_w, self.glu, self.fusion.active(x.device)).view(x.shape)
 
 
+def accelerated_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """``cpu``'s and ``cuda``'s ``auto`` expert kernel: torch's grouped GEMM on an accelerator
+    where its probe passes, the loop kernel otherwise (it beat the grouped GEMM on CPU)."""
+    return "grouped_mm" if device.type != "cpu" and grouped_mm_support(device, dtype) is None else "loop"
+
+
 class CpuBackend(BaseBackend):
     name = "cpu"
+    auto_expert_kernel = staticmethod(accelerated_kernel)
 
     def norm(self, ctx: BuildContext, dim: int, *, sequence_parallel: bool = False, head_sharded: bool = False,
              eps: float | None = None, zero_centered: bool | None = None):

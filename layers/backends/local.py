@@ -71,7 +71,7 @@ class LocalBackend(BaseBackend):
                         active_fraction: float = 1.0, glu: GLU = SWIGLU, store=None):
         """Stacked SwiGLU experts sharded over ep/etp (tiered with an enabled ``store``); ``auto``
         runs the reference loop."""
-        return self.experts_module(ctx, num_experts, ffn_hidden_size, kernel="reference" if kernel == "auto" else kernel,
+        return self.experts_module(ctx, num_experts, ffn_hidden_size, kernel=kernel,
                                    active_fraction=active_fraction, glu=glu, store=store)
 
     def shared_expert(self, ctx: BuildContext, cfg, layer_number: int = 0):

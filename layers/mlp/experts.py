@@ -16,7 +16,7 @@ data-parallel one.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -26,8 +26,13 @@ from megamoe.model.params import mark_active_fraction
 from megamoe.parallel.sharding import Shard, mark_init, normal_init, set_sharding
 from megamoe.layers.spec import BuildContext
 from megamoe.layers.mlp.dispatch import local_pairs
-from megamoe.layers.ops.grouped_gemm import resolve_kernel, swiglu_experts
+from megamoe.layers.ops.grouped_gemm import check_kernel, swiglu_experts
 from megamoe.layers.mlp.dense import SWIGLU, GLU
+
+
+def reference_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """The ``local`` backend's ``auto``: the reference loop on any device."""
+    return "reference"
 
 
 class GroupedExperts(nn.Module):
@@ -38,8 +43,10 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str = "auto",
-                 active_fraction: float = 1.0, glu: GLU = SWIGLU, fusion: Fusion = EAGER):
+                 active_fraction: float = 1.0, glu: GLU = SWIGLU, fusion: Fusion = EAGER,
+                 auto_kernel: Callable[[torch.device, torch.dtype], str] = reference_kernel):
         super().__init__()
+        self.auto_kernel = auto_kernel  # the building backend's choice for kernel='auto', per device
         self.fusion = fusion  # the building backend's policy for the loop kernel's SwiGLU passes
         ep, etp = ctx.groups.size("ep"), ctx.groups.size("etp")
         h, f = ctx.hidden_size, ffn_hidden_size
@@ -68,7 +75,7 @@ class GroupedExperts(nn.Module):
         """The kernel on given weights: w1 [n, 2f/etp, h], w2 [n, h, f/etp] for the local
         ``experts`` (None: all of them, n = E/ep) with ``counts`` [n]. What subclasses extend
         (adapters) or feed differently (tiered storage)."""
-        return swiglu_experts(self.kernel, x, idx, counts, probs, w1, w2, out_rows, self.glu,
+        return swiglu_experts(self.resolved_kernel(), x, idx, counts, probs, w1, w2, out_rows, self.glu,
                               self.fusion.active(x.device))
 
     def local_dispatch(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
@@ -84,7 +91,8 @@ class GroupedExperts(nn.Module):
         if not own or self.num_local != self.num_experts or self.etp_size != 1 or (
                 torch.is_grad_enabled() and (x.requires_grad or self.gate_up_weight.requires_grad)):
             return None
-        return local_experts(x, weights, idx, self.gate_up_weight, self.down_weight, self.kernel, *self.glu)
+        return local_experts(x, weights, idx, self.gate_up_weight, self.down_weight, self.resolved_kernel(),
+                             *self.glu)
 
     def expert_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """This rank's shapes of one expert's two weights: (2f/etp, h), (h, f/etp)."""
@@ -96,7 +104,12 @@ class GroupedExperts(nn.Module):
         return self.gate_up_weight
 
     def resolved_kernel(self) -> str:
-        return resolve_kernel(self.kernel, self.gate_up_weight.device, self.gate_up_weight.dtype)
+        """The kernel that runs on the weights' device and dtype (``auto``: the backend's choice)."""
+        return self.kernel_for(self.gate_up_weight)
+
+    def kernel_for(self, like: torch.Tensor) -> str:
+        name = self.auto_kernel(like.device, like.dtype) if self.kernel == "auto" else self.kernel
+        return check_kernel(name, like.device, like.dtype)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts} (local {self.num_local} from {self.local_start}), "

@@ -28,8 +28,7 @@ import torch
 from megamoe.core.config import ExpertStoreConfig
 from megamoe.core.errors import ConfigError
 from megamoe.layers.ops.fusion import EAGER, Fusion
-from megamoe.layers.mlp.experts import GroupedExperts
-from megamoe.layers.ops.grouped_gemm import resolve_kernel
+from megamoe.layers.mlp.experts import GroupedExperts, reference_kernel
 from megamoe.layers.mlp.dense import SWIGLU, GLU
 from megamoe.parallel.record import update_record
 from megamoe.layers.spec import BuildContext
@@ -40,9 +39,9 @@ STORED = ("gate_up_weight", "down_weight")
 class TieredExperts(GroupedExperts):
     def __init__(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, store: ExpertStoreConfig,
                  kernel: str = "auto", active_fraction: float = 1.0, glu: GLU = SWIGLU,
-                 fusion: Fusion = EAGER):
+                 fusion: Fusion = EAGER, auto_kernel=reference_kernel):
         super().__init__(dataclasses.replace(ctx, device="meta"), num_experts, ffn_hidden_size, kernel=kernel,
-                         active_fraction=active_fraction, glu=glu, fusion=fusion)
+                         active_fraction=active_fraction, glu=glu, fusion=fusion, auto_kernel=auto_kernel)
         for name in STORED:
             update_record(getattr(self, name).requires_grad_(False), stored=True)
         # the device and dtype the weights are brought to (follows .to() like any buffer)
@@ -69,7 +68,7 @@ class TieredExperts(GroupedExperts):
         return (s1[0] * s1[1] + s2[0] * s2[1]) * self.anchor.element_size()
 
     def resolved_kernel(self) -> str:
-        return resolve_kernel(self.kernel, self.anchor.device, self.anchor.dtype)
+        return self.kernel_for(self.anchor)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, counts: Sequence[int], probs: torch.Tensor | None,
                 out_rows: int) -> torch.Tensor:

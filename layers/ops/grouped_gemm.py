@@ -29,7 +29,8 @@ Kernels:
   (fused with ``fuse``, see ``megamoe.layers.ops.fusion``) and one scatter-add between the GEMM
   loops. On CPU this beat torch's grouped GEMM, a per-expert pipeline of small elementwise
   ops and whole-batch passes (see docs/performance.md).
-``auto`` picks ``grouped_mm`` on accelerators where the probe passes, ``loop`` otherwise.
+``auto`` is not a kernel: the backend that builds the experts role resolves it (its
+``auto_expert_kernel``).
 """
 from __future__ import annotations
 
@@ -389,12 +390,8 @@ _FUNCS = {"reference": swiglu_experts_reference, "grouped_mm": swiglu_experts_gr
           "loop": swiglu_experts_loop}
 
 
-def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The kernel to run for a configured name (``auto`` or one of KERNELS)."""
-    if name == "auto":
-        if device.type != "cpu" and grouped_mm_support(device, dtype) is None:
-            return "grouped_mm"
-        return "loop"
+def check_kernel(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``name`` if that kernel runs here (``auto`` is the backend's to resolve first)."""
     if name == "grouped_mm":
         why = grouped_mm_support(device, dtype)
         if why is not None:
@@ -413,6 +410,6 @@ def swiglu_experts(kernel: str, x, idx, counts, probs, w1, w2, out_rows: int, gl
         raise ValueError(f"counts has {len(counts)} entries for {w1.size(0)} experts")
     if sum(counts) != idx.numel():
         raise ValueError(f"counts sum to {sum(counts)} but {idx.numel()} rows were given")
-    return _FUNCS[resolve_kernel(kernel, x.device, x.dtype)](x, idx, counts, probs, w1, w2, out_rows, glu, fuse)
+    return _FUNCS[check_kernel(kernel, x.device, x.dtype)](x, idx, counts, probs, w1, w2, out_rows, glu, fuse)
 
 
