@@ -13,10 +13,10 @@ import argparse
 import torch
 
 from megamoe.core.config import VisionConfig
+from megamoe.core.dtypes import DTYPES
 from megamoe.diagnostics.memory import saved_tensor_bytes
 from megamoe.vision import VisionTower
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def measure(encoder: str, depth_arg: str, sizes, dtype: torch.dtype, projector: str, merge: int):

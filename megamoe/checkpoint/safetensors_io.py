@@ -21,6 +21,7 @@ from megamoe.core.errors import CheckpointError
 DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+DTYPE_OF_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 def nbytes(dtype: torch.dtype, shape) -> int:

@@ -16,7 +16,7 @@ from megamoe.checkpoint.converted import FORMAT, ConvertedCheckpoint, write_chec
 from megamoe.convert.keep_fp8 import fp8_producer, kept_to_hf, plan_fp8_base, split_fp8
 from megamoe.convert.quant import (E4M3, FP8_DTYPES, DequantizedHF, QuantFormat, fp8_plan, fp8_record, fp8_stream,
                                    quant_format, set_quantization_config)
-from megamoe.checkpoint.safetensors_io import DTYPE_CODES
+from megamoe.checkpoint.safetensors_io import DTYPE_OF_CODE
 from megamoe.convert.table import Entry, check_plan, expand
 from megamoe.core.errors import CheckpointError, ConfigError
 from megamoe.core.files import AtomicDir, check_replaceable, is_checkpoint_dir
@@ -30,7 +30,6 @@ from megamoe.parallel.sharding import full_shape, gather_full, shard_full, shard
 from megamoe.model.placement import to_logical, to_slots
 
 log = logging.getLogger(__name__)
-TORCH_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 
 # ---- configs and models --------------------------------------------------------------------
@@ -165,7 +164,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int =
             continue
         dtype = t.dtype  # kept FP8 weights (e4m3) and their scales (float32) as the model holds them
         if name in by_name and dtype != E4M3:
-            src_dtype = TORCH_DTYPES[ck.dtypes[by_name[name].hf[0]]]
+            src_dtype = DTYPE_OF_CODE[ck.dtypes[by_name[name].hf[0]]]
             dtype = src_dtype if src_dtype.is_floating_point and t.dtype.is_floating_point else t.dtype
         planned.append((name, dtype, tuple(t.shape), sharding(t)))
     sizes = {g: 1 for g in GROUPS} | {"tp": tp, "pp": pp, "ep": ep, "etp": etp}

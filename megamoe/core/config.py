@@ -11,12 +11,12 @@ time to type-check YAML values.
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
+from megamoe.core.dtypes import DTYPES
 from megamoe.core.errors import ConfigError
 from megamoe.core.layout import MIXERS, MLPS, MOE_LETTERS, Layout, parse_layout
 
 FUSION_MODES = ("auto", "on", "off")  # megamoe.layers.ops.fusion.Fusion's modes (a backend's policy)
 
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def check(ok: bool, path: str, value, allowed: str) -> None:
@@ -778,7 +778,7 @@ class ModelConfig:
         check_positive(f"{path}.max_seq_len", self.max_seq_len)
         check(self.norm_eps > 0, f"{path}.norm_eps", self.norm_eps, "must be > 0")
         check(self.init_std > 0, f"{path}.init_std", self.init_std, "must be > 0")
-        check_choice(f"{path}.params_dtype", self.params_dtype, DTYPES)
+        check_choice(f"{path}.params_dtype", self.params_dtype, tuple(DTYPES))
         # the registry (megamoe.layers.backends) knows the names; building the model checks them
         check(isinstance(self.backend, str) and self.backend.isidentifier(), f"{path}.backend", self.backend,
               "must be a backend name")

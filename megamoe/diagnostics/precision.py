@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from megamoe.core.dtypes import SHORT as DTYPES  # what --dtypes names
 
 
 @dataclass

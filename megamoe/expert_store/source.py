@@ -30,11 +30,10 @@ from pathlib import Path
 
 import torch
 
-from megamoe.checkpoint.safetensors_io import DTYPE_CODES
+from megamoe.checkpoint.safetensors_io import DTYPE_OF_CODE
 from megamoe.core.errors import CheckpointError
 from megamoe.expert_store.mapped import MappedFile
 
-_TORCH_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 _INDEX = "model.safetensors.index.json"
 _PIECE = re.compile(r"^ep(\d+)of(\d+)$")
 
@@ -108,9 +107,9 @@ class DiskSource:
             self._headers[name] = (header, data)
         header, data = self._headers[name]
         info = header.get(key)
-        if info is None or info.get("dtype") not in _TORCH_DTYPES:
+        if info is None or info.get("dtype") not in DTYPE_OF_CODE:
             raise CheckpointError(f"{self.root / name}: lacks tensor {key} (or its dtype is unknown)")
-        return _Entry(self.root / name, _TORCH_DTYPES[info["dtype"]], tuple(info["shape"]),
+        return _Entry(self.root / name, DTYPE_OF_CODE[info["dtype"]], tuple(info["shape"]),
                       data + info["data_offsets"][0])
 
     def pieces(self, name: str, num_experts: int) -> list[tuple[int, _Entry]]:

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 import megamoe.layers  # noqa: F401  (registers the layout letters)
 from megamoe.layers.ops.fusion import Fusion
 from megamoe.core.config import ModelConfig
+from megamoe.core.dtypes import DTYPES
 from megamoe.core.errors import ConfigError
 from megamoe.model.fp8_base import keep_fp8
 from megamoe.layers.backends import get_backend
@@ -37,8 +38,6 @@ from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.linear import VocabParallelEmbedding
 from megamoe.parallel.sharding import Shard, mark_init, normal_init, set_sharding
 from megamoe.layers.spec import BuildContext, ForwardInfo, build_module, mixer_spec, mlp_spec
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 RECOMPUTE_CHOICES = ("layer", "mixer", "mlp", "core")  # core: the linear mixers' chunk ops

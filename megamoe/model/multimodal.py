@@ -30,7 +30,8 @@ import torch
 
 from megamoe.core.config import ModelConfig
 from megamoe.core.errors import ConfigError
-from megamoe.model.language_model import DTYPES, LanguageModel
+from megamoe.core.dtypes import DTYPES
+from megamoe.model.language_model import LanguageModel
 from megamoe.parallel import comm
 from megamoe.parallel.context import split_for_cp
 from megamoe.parallel.groups import ParallelGroups
