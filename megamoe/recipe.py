@@ -5,7 +5,6 @@ the component receives only its own section.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -14,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megamoe.core.config import ModelConfig, ParallelConfig, check_pipeline_support, validate_model_parallel
+from megamoe.core.config_io import config_from_dict, config_to_dict, one_line, to_yaml  # noqa: F401  (re-exported)
 from megamoe.data.config import DataConfig
 from megamoe.core.errors import ConfigError
 from megamoe.lora.config import LoRAConfig
@@ -89,13 +89,6 @@ def shipped_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
 
 
-def _one_line(err: OmegaConfBaseException, source: str) -> ConfigError:
-    key = getattr(err, "full_key", None) or ""
-    msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
-    where = f"{key}: " if key and key not in msg else ""
-    return ConfigError(f"{source}: {where}{msg}")
-
-
 def _parse_overrides(overrides: Sequence[str]):
     for item in overrides:
         if "=" not in item or item.startswith("="):
@@ -103,7 +96,7 @@ def _parse_overrides(overrides: Sequence[str]):
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except OmegaConfBaseException as e:
-        raise _one_line(e, "overrides") from None
+        raise one_line(e, "overrides") from None
 
 
 def load_config(schema: type, path: str | Path | None = None, overrides: Sequence[str] = (),
@@ -136,11 +129,11 @@ def load_config(schema: type, path: str | Path | None = None, overrides: Sequenc
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
-            raise _one_line(e, src) from None
+            raise one_line(e, src) from None
     try:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        raise _one_line(e, source) from None
+        raise one_line(e, source) from None
 
 
 def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = (),
@@ -152,21 +145,9 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = (),
     return recipe
 
 
-def config_to_dict(config: Any) -> dict:
-    """A dataclass config as plain data (JSON/YAML-able)."""
-    return OmegaConf.to_container(OmegaConf.structured(config))
-
-
-def config_from_dict(data: dict, schema: type = ModelConfig) -> Any:
-    """The inverse of ``config_to_dict``, type-checked against ``schema``."""
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), data))
-    except OmegaConfBaseException as e:
-        raise _one_line(e, schema.__name__) from None
-
-
-def to_yaml(config: Any) -> str:
-    """The YAML record of a config (dataclass or OmegaConf)."""
-    if dataclasses.is_dataclass(config):
-        config = OmegaConf.structured(config)
-    return OmegaConf.to_yaml(config)
+def load_train_recipe(path, overrides: Sequence[str] = (), validate: bool = True) -> Recipe:
+    """A training recipe; ``validate=False`` leaves the runtime sections unchecked (planning)."""
+    recipe = load_config(Recipe, path, overrides)
+    if validate:
+        recipe.validate()
+    return recipe

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from megamoe.convert import export_hf, import_hf
-from megamoe.convert.verify import load_hf_model, verify
+from megamoe.diagnostics.verify import load_hf_model, verify
 from megamoe.recipe import config_from_dict
 from megamoe.checkpoint.dcp import load_checkpoint, read_meta
 

@@ -295,7 +295,7 @@ def masked_batch_step() -> str:
     joins the process group there)."""
     from megamoe.parallel.cross_entropy import IGNORE_INDEX
     from megamoe.core.errors import DataError
-    from megamoe.training.entry import load_train_recipe
+    from megamoe.recipe import load_train_recipe
     from megamoe.training.trainer import Trainer
 
     recipe = load_train_recipe("tiny_train", ["train.global_batch_size=4", "logging.progress=false"])

@@ -123,7 +123,7 @@ def test_glm5_next_export_without_origin_and_mtp_layers_skipped(tmp_path, caplog
     num_hidden_layers, num_nextn_predict_layers=1) is skipped on import with a notice, as
     transformers ignores it."""
     from megamoe.convert import from_hf, to_hf
-    from megamoe.convert.verify import load_hf_model
+    from megamoe.diagnostics.verify import load_hf_model
 
     hf = tiny_glm5_next().float().eval()
     hf.save_pretrained(tmp_path / "hf")

@@ -99,7 +99,7 @@ def test_parallel_import(build, pool, tmp_path):
     import torch
 
     from megamoe.convert import import_hf
-    from megamoe.convert.verify import load_hf_model
+    from megamoe.diagnostics.verify import load_hf_model
     from tests.conversion_harness import ATOL
     from tests.test_convert_qwen import LAYOUTS, parallel_case
 

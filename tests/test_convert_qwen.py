@@ -157,7 +157,7 @@ def test_qwen3_5_moe_vision_language_round_trip(tmp_path):
     """Text round trip (both layouts, export, greedy decoding), then with images: the imported
     model and the exported checkpoint reproduce transformers' logits, and greedy decoding after
     an image prompt is identical."""
-    from megamoe.convert.verify import load_hf_model
+    from megamoe.diagnostics.verify import load_hf_model
     from megamoe.inference.generate import generate
     from tests.conversion_harness import ATOL, check_round_trip, load_converted
 
@@ -232,7 +232,7 @@ def parallel_case(root: str, ids: torch.Tensor, want: torch.Tensor) -> dict:
 @torch.no_grad()
 def test_qwen3_next_parallel_import_and_export(pool, tmp_path):
     from megamoe.convert import import_hf
-    from megamoe.convert.verify import load_hf_model
+    from megamoe.diagnostics.verify import load_hf_model
     from tests.conversion_harness import ATOL
 
     hf = tiny_qwen3_next()

@@ -19,7 +19,7 @@ STEPS = 5
 
 
 def build(groups=None, stage=None):
-    from megamoe.model.language_model import build_model
+    from megamoe.model.build import build_model
     from megamoe.parallel.groups import ParallelGroups
     from megamoe.model.weights import initialize
 

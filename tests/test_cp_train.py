@@ -12,7 +12,7 @@ from megamoe.core.config import AttentionConfig, GDNConfig, MLPConfig, ModelConf
 from megamoe.data import DataConfig
 from megamoe.core.errors import ConfigError
 from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
-from megamoe.training.trainer import TrainRecipe
+from megamoe.recipe import Recipe as TrainRecipe
 from tests.numerics import rel_err
 
 SEQ = 24  # 2·CP·k with k odd (6 chunks of 4 at CP=2... 4 chunks of 6): not a power of two

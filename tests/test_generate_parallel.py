@@ -61,7 +61,7 @@ def verify_at_tp2(hf_dir: str):
     import torch.distributed as dist
 
     from megamoe.core.config import ParallelConfig
-    from megamoe.convert.verify import verify
+    from megamoe.diagnostics.verify import verify
     from megamoe.inference.distributed import StageForward, inference_groups, load_model
 
     parallel = ParallelConfig(tp=2)

@@ -100,7 +100,7 @@ MOE = ["model.layout=(GeAe)*1", "model.moe.num_experts=4", "model.moe.top_k=2",
 
 def gathered_init(parallel: dict) -> dict:
     """Build the tiny hybrid MoE at a layout, initialise, gather every full tensor."""
-    from megamoe.model.language_model import build_model
+    from megamoe.model.build import build_model
     from megamoe.parallel.groups import build_groups
     from megamoe.recipe import load_recipe
     from megamoe.model.weights import full_state_dict, initialize

@@ -44,7 +44,7 @@ IDS = torch.randint(0, 262, (2, 12), generator=torch.Generator().manual_seed(0))
 def test_export_hf_merge_matches_the_adapted_model_and_peft(lora_run, tmp_path, capsys):
     from peft import PeftModel
 
-    from megamoe.convert.verify import load_hf_model
+    from megamoe.diagnostics.verify import load_hf_model
 
     hf_dir, base, run, model = lora_run
     run_main(convert.main, ["export-hf", str(run), str(tmp_path / "merged"), "--merge"])

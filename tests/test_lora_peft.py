@@ -25,7 +25,7 @@ def assert_peft_matches(ours, ids, tmp_path):
     our adapter model's logits, which differ from the base model's (the adapters matter)."""
     from peft import PeftModel
 
-    from megamoe.convert.verify import load_hf_model
+    from megamoe.diagnostics.verify import load_hf_model
 
     hf = load_hf_model(tmp_path / "back")
     with torch.no_grad():
@@ -37,8 +37,9 @@ def assert_peft_matches(ours, ids, tmp_path):
 
 def test_peft_export_round_trip_qwen3_next(tmp_path):
     from megamoe.convert import from_hf, to_hf
-    from megamoe.convert.verify import load_hf_model
-    from megamoe.lora import LoRAConfig, apply_lora, export_peft, lora_parameters, merge
+    from megamoe.diagnostics.verify import load_hf_model
+    from megamoe.convert import export_peft
+    from megamoe.lora import LoRAConfig, apply_lora, lora_parameters, merge
     from tests.test_convert_qwen import tiny_qwen3_next
 
     tiny_qwen3_next().save_pretrained(tmp_path / "hf")
@@ -77,7 +78,8 @@ def test_rslora_scale_and_peft_export(tmp_path):
     import json
 
     from megamoe.convert import from_hf, to_hf
-    from megamoe.lora import LoRAConfig, apply_lora, export_peft
+    from megamoe.convert import export_peft
+    from megamoe.lora import LoRAConfig, apply_lora
     from megamoe.lora.adapters import adapter_of, has_lora
     from tests.test_convert_qwen import tiny_qwen3_moe
 

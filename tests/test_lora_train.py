@@ -40,7 +40,8 @@ def routing_case(update_expert_bias: bool, log_dir: str) -> dict:
     from megamoe.data.synthetic import SyntheticDataset
     from megamoe.lora import LoRAConfig
     from megamoe.training.config import LoggingConfig, OptimConfig, TrainConfig
-    from megamoe.training.trainer import Trainer, TrainRecipe
+    from megamoe.recipe import Recipe as TrainRecipe
+    from megamoe.training.trainer import Trainer
 
     model = ModelConfig(vocab_size=64, hidden_size=32, layout="Ae",
                         attention=AttentionConfig(num_heads=4, num_kv_heads=2),
@@ -87,7 +88,8 @@ def test_lora_leaves_routing_undisturbed(pool, tmp_path):
 # ---- fine-tune a converted model ------------------------------------------------------------
 
 def finetune_case(base: str, chat: str, run_dir: str, steps: int, extra: list[str]) -> dict:
-    from megamoe.training.entry import load_train_recipe, run_training
+    from megamoe.recipe import load_train_recipe
+    from megamoe.training.entry import run_training
 
     overrides = [f"data.paths=[{chat}]", f"checkpoint.dir={run_dir}", f"logging.dir={run_dir}/tb",
                  f"train.steps={steps}", "logging.interval=1", "logging.progress=false",
@@ -135,8 +137,9 @@ def peft_logits_match(hf_dir: Path, base: Path, ckpt: Path, out: Path) -> tuple[
     """(max |megamoe - transformers+peft| logits, max |adapted - base| logits) for a LoRA checkpoint."""
     from peft import PeftModel
 
-    from megamoe.convert.verify import load_hf_model
-    from megamoe.lora import apply_lora, export_peft_checkpoint, is_adapter_name
+    from megamoe.diagnostics.verify import load_hf_model
+    from megamoe.convert import export_peft_checkpoint
+    from megamoe.lora import apply_lora, is_adapter_name
     from megamoe.recipe import config_from_dict
     from megamoe.lora.config import LoRAConfig
     from megamoe.checkpoint.dcp import load_checkpoint, read_meta

@@ -11,9 +11,21 @@ from pathlib import Path
 from tests.bare_python import bare_python, clean_env
 
 REPO = Path(__file__).resolve().parent.parent
-CORE = ["megamoe/recipe.py", *[str(p.relative_to(REPO)) for p in (REPO / "megamoe/core").glob("*.py")],
-        *[str(p.relative_to(REPO)) for p in (REPO / "megamoe/parallel").glob("*.py")],
-        *[str(p.relative_to(REPO)) for p in (REPO / "megamoe/data").glob("*.py")]]
+# The floors (docs/architecture.md draws the same table): a package imports only from its own
+# floor or below, lazy imports included, and never round a circle. megamoe/__init__.py, the
+# package's front door, may import from any floor.
+FLOORS = {
+    0: ("core",),
+    1: ("parallel",),
+    2: ("data", "layers", "vision"),
+    3: ("model",),
+    4: ("checkpoint",),
+    5: ("lora", "convert", "expert_store"),
+    6: ("training", "inference", "planning", "diagnostics"),
+    7: ("recipe",),
+    8: ("commands",),
+}
+FLOOR = {package: floor for floor, packages in FLOORS.items() for package in packages}
 
 
 def python_files():
@@ -37,16 +49,102 @@ def imported_modules(path: Path) -> set[str]:
     return mods
 
 
-def test_core_does_not_import_layers_or_vision():
-    for rel in CORE:
-        bad = {m for m in imported_modules(REPO / rel) if m.startswith(("megamoe.layers", "megamoe.vision"))}
-        assert not bad, f"{rel} (core) imports {sorted(bad)}"
+def module_name(path: Path) -> str:
+    """megamoe.<...> of a file in megamoe/, layers/ or vision/ (the installed names)."""
+    rel = path.relative_to(REPO).with_suffix("")
+    parts = [p for p in rel.parts if p != "__init__"]
+    return ".".join(parts if parts[0] == "megamoe" else ["megamoe", *parts])
 
 
-def test_vision_does_not_import_layers():
-    for p in (REPO / "vision").rglob("*.py"):
-        bad = {m for m in imported_modules(p) if m.startswith("megamoe.layers")}
-        assert not bad, f"{p.relative_to(REPO)} imports {sorted(bad)}"
+def package_files() -> dict[str, Path]:
+    return {module_name(p): p for folder in ("megamoe", "layers", "vision") for p in (REPO / folder).rglob("*.py")}
+
+
+def imports_of(path: Path, module: str, modules) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names) of every import in ``path``: top-level or inside a function, relative
+    ones resolved, ``from megamoe import x`` as module ``megamoe.x`` where that is a module, and
+    string constants that name a module (lazy tables for importlib)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = module.split(".")[:len(module.split(".")) - node.level + (path.name == "__init__.py")] \
+                if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            names = [a.name for a in node.names]
+            subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in modules]
+            found += [(node.lineno, s, []) for s in subs] or [(node.lineno, target, names)]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in modules:
+            found.append((node.lineno, node.value, []))
+    return [f for f in found if f[1].startswith("megamoe.")]
+
+
+def package_of(module: str) -> str:
+    return module.split(".")[1]
+
+
+def package_edges() -> dict[tuple[str, str], list[str]]:
+    files = package_files()
+    edges: dict[tuple[str, str], list[str]] = {}
+    for module, path in files.items():
+        if module == "megamoe":
+            continue
+        for line, target, names in imports_of(path, module, files):
+            a, b = package_of(module), package_of(target)
+            if a != b:
+                edges.setdefault((a, b), []).append(f"{path.relative_to(REPO)}:{line}")
+    return edges
+
+
+def test_every_package_has_a_floor():
+    packages = {package_of(m) for m in package_files() if m != "megamoe"}
+    assert packages == set(FLOOR), f"packages without a floor: {packages - set(FLOOR)}; floors without a package: {set(FLOOR) - packages}"
+
+
+def test_packages_import_only_their_floor_or_below():
+    upward = [f"{a} (floor {FLOOR[a]}) imports {b} (floor {FLOOR[b]}): {' '.join(where)}"
+              for (a, b), where in sorted(package_edges().items()) if FLOOR[b] > FLOOR[a]]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_circles_between_packages():
+    graph: dict[str, set[str]] = {}
+    for a, b in package_edges():
+        graph.setdefault(a, set()).add(b)
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for b in graph.get(todo.pop(), ()):
+                if b not in seen:
+                    seen.add(b)
+                    todo.append(b)
+        return seen
+    circles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if a in reach(b)})
+    assert not circles, f"package pairs that import each other, directly or round a circle: {circles}"
+
+
+def test_the_maths_and_data_do_not_import_each_other():
+    """Floor 2's packages stand side by side: vision never needs the layers, data neither."""
+    side = [(a, b) for a, b in package_edges() if FLOOR[a] == FLOOR[b] == 2]
+    assert not side, side
+
+
+def test_no_private_names_across_packages():
+    files = package_files()
+    private = [f"{path.relative_to(REPO)}:{line} imports {target}.{n}"
+               for module, path in files.items() for line, target, names in imports_of(path, module, files)
+               for n in names if n.startswith("_") and package_of(target) != package_of(module) and module != "megamoe"]
+    assert not private, private
+
+
+def test_architecture_page_shows_the_floors():
+    """docs/architecture.md's floor table lists the same packages on the same floors."""
+    page = (REPO / "docs" / "architecture.md").read_text()
+    rows = dict(re.findall(r"^\| (\d) \| ([^|]+) \|", page, re.M))
+    shown = {int(k): tuple(sorted(re.findall(r"`(?:megamoe\.)?(\w+)`", v))) for k, v in rows.items()}
+    assert shown == {k: tuple(sorted(v)) for k, v in FLOORS.items()}, shown
 
 
 def test_tools_use_public_package_only():

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from megamoe.core.errors import ConfigError
-from megamoe.model.placement import balanced_order, calibrate, imbalance, read_load, write_json
+from megamoe.core.placement import read_load, write_json
+from megamoe.planning.placement import balanced_order, calibrate, imbalance
 from tests.numerics import rel_err
 
 E, EP = 8, 2

@@ -39,7 +39,7 @@ def measured_peak(parallel: dict, seq: int = 16, lora: bool = False, dtype: str 
     from megamoe.data.synthetic import SyntheticDataset
     from megamoe.lora import LoRAConfig
     from megamoe.planning.plan import stage_memory
-    from megamoe.training.entry import load_train_recipe
+    from megamoe.recipe import load_train_recipe
     from megamoe.training.trainer import Trainer
     from tests.test_trainer_parity import tiny_recipe
 
@@ -130,7 +130,7 @@ def test_live_tensor_bytes_follows_a_resize():
 def test_routed_bytes_is_what_the_routed_experts_save(top_k, ffn, experts):
     """``routed_bytes`` against the bytes autograd really saves in a MoE layer's routed part
     (router + dispatch + expert kernel), its input excluded (the caller counts it)."""
-    from megamoe.model.language_model import build_model
+    from megamoe.model.build import build_model
     from megamoe.planning.activations import routed_bytes
     from tests.test_trainer_parity import tiny_recipe
 

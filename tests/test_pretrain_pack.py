@@ -185,7 +185,8 @@ def trainer_case(path: str, parallel: dict, log_dir: str) -> dict:
     from megamoe.model.language_model import LanguageModel
     from megamoe.parallel.groups import ParallelGroups
     from megamoe.training.config import LoggingConfig, OptimConfig, TrainConfig
-    from megamoe.training.trainer import Trainer, TrainRecipe
+    from megamoe.recipe import Recipe as TrainRecipe
+    from megamoe.training.trainer import Trainer
     from megamoe.model.weights import initialize
 
     data = DataConfig(kind="pretrain", paths=[path], seq_len=32, shuffle=False, reset_at_eos=True,

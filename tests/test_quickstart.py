@@ -38,7 +38,7 @@ def run_quickstart(out: Path, images: int, *overrides: str) -> str:
 def test_quickstart_trains_exports_and_reports_held_out_accuracy(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megamoe.convert.verify import verify
+    from megamoe.diagnostics.verify import verify
 
     out = tmp_path / "quickstart"
     stdout = run_quickstart(out, 6, "train.steps=16", "data.generator_samples=256", "logging.progress=false",
@@ -85,7 +85,7 @@ def test_caption_scores_count_exact_matches_and_fields_per_shape():
 def test_held_out_pairs_refuse_the_training_seed():
     from megamoe.diagnostics.caption_eval import held_out_pairs
     from megamoe.core.errors import ConfigError
-    from megamoe.training.entry import load_train_recipe
+    from megamoe.recipe import load_train_recipe
 
     recipe = load_train_recipe("quickstart_vlm", ["data.seed=5"])
     with pytest.raises(ConfigError, match="held-out seed 5 is data.seed"):

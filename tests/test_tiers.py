@@ -60,7 +60,8 @@ def finetune(store: str, log_dir: str, budget_mib: float | None, parallel: dict 
     from megamoe.recipe import config_from_dict
     from megamoe.checkpoint.dcp import read_meta
     from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
-    from megamoe.training.trainer import Trainer, TrainRecipe
+    from megamoe.recipe import Recipe as TrainRecipe
+    from megamoe.training.trainer import Trainer
 
     model = config_from_dict(read_meta(store)["model"])
     model.moe.expert_store = ExpertStoreConfig(budget_mib=budget_mib, path=store_path, map=mapped,
@@ -280,7 +281,8 @@ def test_bad_stores_fail_in_one_line_naming_the_file(tmp_path):
 
 
 def test_tiered_training_needs_lora():
-    from megamoe.training.trainer import Trainer, TrainRecipe
+    from megamoe.recipe import Recipe as TrainRecipe
+    from megamoe.training.trainer import Trainer
     from megamoe.data import DataConfig
     from megamoe.training.config import TrainConfig
 
@@ -310,7 +312,7 @@ def test_finetune_takes_the_store_settings_from_the_recipe(tmp_path):
     """The fine-tune entry adopts the checkpoint's model but keeps the run's expert_store."""
     from megamoe.training.config import CheckpointConfig
     from megamoe.training.entry import adopt_checkpoint_model
-    from megamoe.training.trainer import TrainRecipe
+    from megamoe.recipe import Recipe as TrainRecipe
     from megamoe.data import DataConfig
 
     cfg = moe_heavy_config(hidden=32, experts=8, ffn=16)

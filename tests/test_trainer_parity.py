@@ -11,7 +11,7 @@ import pytest
 from megamoe.core.config import AttentionConfig, GDNConfig, MLPConfig, ModelConfig, MoEConfig, ParallelConfig
 from megamoe.data import DataConfig
 from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
-from megamoe.training.trainer import TrainRecipe
+from megamoe.recipe import Recipe as TrainRecipe
 
 STEPS = int(os.environ.get("MEGAMOE_PARITY_STEPS", "200"))
 TOL = 1e-5
@@ -113,7 +113,8 @@ def multimodal_case(pp: int, log_dir: str) -> list[float]:
     import contextlib
     import io
 
-    from megamoe.training.entry import load_train_recipe, run_training
+    from megamoe.recipe import load_train_recipe
+    from megamoe.training.entry import run_training
 
     recipe = load_train_recipe("quickstart_vlm", MM_PP + [f"parallel.pp={pp}", f"logging.dir={log_dir}"])
     with contextlib.redirect_stdout(io.StringIO()):

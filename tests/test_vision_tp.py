@@ -132,7 +132,7 @@ def converted_case(root: str, ids: torch.Tensor, images: list, want: torch.Tenso
 @torch.no_grad()
 def test_converted_tower_loads_into_a_split_encoder_and_exports(pool, tmp_path):
     from megamoe.convert import import_hf
-    from megamoe.convert.verify import load_hf_model
+    from megamoe.diagnostics.verify import load_hf_model
     from tests.conversion_harness import ATOL
     from tests.numerics import max_abs
     from tests.test_convert_qwen import image_inputs, tiny_qwen3_5_moe

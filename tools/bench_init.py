@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, port: int, args, out) -> None:
     import torch.distributed as dist
 
     from megamoe.core.config import ParallelConfig
-    from megamoe.model.language_model import build_model
+    from megamoe.model.build import build_model
     from megamoe.parallel.groups import build_groups
     from megamoe.model.params import count_parameters
     from megamoe.recipe import load_recipe

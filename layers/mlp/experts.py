@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from megamoe.layers.ops.fusion import EAGER, Fusion
-from megamoe.model.params import mark_active_fraction
+from megamoe.parallel.record import mark_active_fraction
 from megamoe.parallel.sharding import Shard, mark_init, normal_init, set_sharding
 from megamoe.layers.spec import BuildContext
 from megamoe.layers.mlp.dispatch import local_pairs

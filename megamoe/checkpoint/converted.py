@@ -23,7 +23,7 @@ from megamoe.checkpoint.safetensors_io import nbytes, read_tensor
 from megamoe.core.errors import CheckpointError
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.checkpoint.pieces import all_pieces, assemble, my_ranks, piece_key, stored_rules, unchanged
-from megamoe.parallel.sharding import Shard, _split_one, split_full
+from megamoe.parallel.sharding import Shard, split_one, split_full
 
 FORMAT = "megamoe-safetensors"
 
@@ -34,7 +34,7 @@ def split_pieces(full: torch.Tensor, rules: tuple[Shard, ...], sizes: dict[str, 
     for combo in all_pieces(rules, sizes):
         out = full
         for rule in rules:
-            out = _split_one(out, rule, combo.get(rule.group, 0), sizes.get(rule.group, 1))
+            out = split_one(out, rule, combo.get(rule.group, 0), sizes.get(rule.group, 1))
         yield combo, out
 
 

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from megamoe.parallel.groups import ParallelGroups
-from megamoe.parallel.sharding import _join_one
+from megamoe.parallel.sharding import join_one
 
 GROUPS = ("tp", "pp", "dp", "cp", "ep", "etp", "edp")
 
@@ -60,7 +60,7 @@ def assemble(read: Callable[[str], torch.Tensor], kind: str, name: str, rules, s
         parts = [build(level + 1, {**fixed, rule.group: i}) for i in range(n)]
         if n == 1 and rule.unpadded is None:
             return parts[0]
-        return _join_one(parts, rule)
+        return join_one(parts, rule)
 
     return build(0, {})
 

@@ -20,7 +20,7 @@ def quiet_load(hf_dir: str):
     """The transformers model, without its notices about missing CUDA kernels or progress bars."""
     import transformers
 
-    from megamoe.convert.verify import load_hf_model
+    from megamoe.diagnostics.verify import load_hf_model
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     from megamoe.diagnostics.caption_eval import caption_images, held_out_pairs, record, score_captions
     from megamoe.data import build_tokenizer
     from megamoe.core.errors import ConfigError
-    from megamoe.training.entry import load_train_recipe
+    from megamoe.recipe import load_train_recipe
 
     recipe_file = Path(args.log_dir) / "recipe.yaml"
     if not recipe_file.is_file():

@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
+from megamoe.core.config import ParallelConfig
 from megamoe.core.errors import MegamoeError
 
 DEBUG_HELP = "show the full traceback of an error (also MEGAMOE_DEBUG=1)"
@@ -88,3 +89,22 @@ def one_line(e: BaseException) -> str:
     if isinstance(e, OSError) and e.filename and str(e.filename) not in text:
         text = f"{e.filename}: {text}"
     return " ".join(text.split())
+
+
+def parallel_flags(parser) -> None:
+    """--tp/--pp/--ep/--etp/--cp for a command run under torchrun."""
+    group = parser.add_argument_group("parallel layout (run under torchrun; world size = tp*pp*cp*dp, "
+                                      "dp ranks decode the same batch; cp splits the prefill)")
+    for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert"), ("etp", "expert tensor"),
+                       ("cp", "context (prefill)")):
+        group.add_argument(f"--{name}", type=number_in(int, 1), default=1, help=f"{what} parallel size")
+
+
+def parallel_from_args(args) -> ParallelConfig | None:
+    """The layout the flags ask for; None for one process without torchrun."""
+    import os
+
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, cp=args.cp)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and (args.tp, args.pp, args.ep, args.etp, args.cp) == (1,) * 5:
+        return None
+    return parallel

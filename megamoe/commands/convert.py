@@ -75,13 +75,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:<16} {fam.architecture}  {fam.notes}{fp8}")
     elif args.command == "export-peft":
         from megamoe.core.files import check_replaceable, is_checkpoint_dir
-        from megamoe.lora import export_peft_checkpoint
+        from megamoe.convert.peft import export_peft_checkpoint
 
         check_replaceable(Path(args.out_dir), args.overwrite, is_checkpoint_dir, "checkpoint")
         out = export_peft_checkpoint(args.ckpt_dir, args.out_dir, family=args.family, overwrite=args.overwrite)
         print(f"wrote PEFT adapter {out} (peft.PeftModel.from_pretrained(hf_model, '{out}'))")
     elif args.command == "import-hf":
-        from megamoe.model.placement import read_placement
+        from megamoe.core.placement import read_placement
 
         placement = read_placement(args.placement) if args.placement else None
         out = import_hf(args.hf_dir, args.out_dir, tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp,

@@ -10,7 +10,8 @@ as in megamoe-pretrain (recipe + key=value overrides).
 """
 from megamoe.commands.cli import recipe_parser, run_main
 from megamoe.core.errors import ConfigError
-from megamoe.training.entry import adopt_checkpoint_model, finish, load_train_recipe, run_training, weights_source
+from megamoe.recipe import load_train_recipe
+from megamoe.training.entry import adopt_checkpoint_model, finish, run_training, weights_source
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.commands.cli import number_in, run_main, tool_parser
+from megamoe.commands.cli import number_in, parallel_flags, parallel_from_args, run_main, tool_parser
 from megamoe.inference.load import BASE_HELP
 from megamoe.core.errors import ConfigError
-from megamoe.inference.distributed import parallel_flags, parallel_from_args
 
 
 def image_prompt(model, path: str, ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:

@@ -16,11 +16,12 @@ import sys
 
 from megamoe.commands.cli import number_in, recipe_parser, run_main, tool_parser
 from megamoe.planning.plan import describe, fitting_layouts, long_context_plan, memory_plan, recipe_options
-from megamoe.training.entry import load_train_recipe
+from megamoe.recipe import load_train_recipe
 
 
 def experts(argv: list[str]) -> None:
-    from megamoe.model.placement import balanced_order, imbalance, read_load, write_json
+    from megamoe.core.placement import read_load, write_json
+    from megamoe.planning.placement import balanced_order, imbalance
 
     p = tool_parser("Place experts over EP ranks from their measured load")
     src = p.add_mutually_exclusive_group(required=True)
@@ -59,7 +60,7 @@ def _calibrate(args) -> dict:
     from megamoe.convert import from_hf
     from megamoe.data.tokenizer import load_tokenizer
     from megamoe.core.errors import ConfigError
-    from megamoe.model.placement import calibrate
+    from megamoe.planning.placement import calibrate
 
     if not args.text:
         raise ConfigError("--calibrate needs --text FILE (the user data to route)")

@@ -46,7 +46,7 @@ def hf_comparison(model, hf_dir: str, ids: torch.Tensor, fp32):
     after the final norm, so ours gets the final norm there too)."""
     from pathlib import Path
 
-    from megamoe.convert.verify import load_hf_model
+    from megamoe.diagnostics.verify import load_hf_model
     from megamoe.diagnostics.precision import Capture
 
     if not (Path(hf_dir) / "config.json").is_file():

@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 4 -m megamoe.commands.pretrain --config tiny_train parallel.tp=2 parallel.pp=2
 """
 from megamoe.commands.cli import recipe_parser, run_main
-from megamoe.training.entry import finish, load_train_recipe, run_training
+from megamoe.recipe import load_train_recipe
+from megamoe.training.entry import finish, run_training
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,9 +12,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megamoe.commands.cli import number_in, run_main, tool_parser
+from megamoe.commands.cli import number_in, parallel_flags, parallel_from_args, run_main, tool_parser
 from megamoe.inference.load import BASE_HELP
-from megamoe.inference.distributed import parallel_flags, parallel_from_args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--base", help=BASE_HELP)
     parallel_flags(p)
     args = p.parse_args(argv)
-    from megamoe.convert.verify import verify
+    from megamoe.diagnostics.verify import verify
 
     def run(hf_dir, model=None, **layout):
         return verify(hf_dir, prompt_len=args.prompt_len, new_tokens=args.tokens, seed=args.seed, atol=args.atol,

@@ -21,13 +21,13 @@ from megamoe.convert.table import Entry, check_plan, expand
 from megamoe.core.errors import CheckpointError, ConfigError
 from megamoe.core.files import AtomicDir, check_replaceable, is_checkpoint_dir
 from megamoe.lora.adapters import adapter_of, has_lora
-from megamoe.model.language_model import build_model
-from megamoe.recipe import config_from_dict, config_to_dict
+from megamoe.model.build import build_model
+from megamoe.core.config_io import config_from_dict, config_to_dict
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.checkpoint.pieces import GROUPS
 from megamoe.parallel.record import is_expert_param
 from megamoe.parallel.sharding import full_shape, gather_full, shard_full, sharding
-from megamoe.model.placement import to_logical, to_slots
+from megamoe.core.placement import to_logical, to_slots
 
 log = logging.getLogger(__name__)
 
@@ -257,10 +257,10 @@ def _write_hf(out_dir, family: Family, cfg: ModelConfig, hf_config: dict | None,
 
 def _base_tensors(model) -> dict[str, torch.Tensor]:
     """The tensors an HF checkpoint holds: LoRA adapters must be merged first (their factors are
-    then left out) or written separately (``megamoe.lora.export_peft``), never dropped silently."""
+    then left out) or written separately (``megamoe.convert.export_peft``), never dropped silently."""
     if any(not adapter_of(m).merged for m in model.modules() if has_lora(m)):
         raise CheckpointError("to_hf: the model carries unmerged LoRA adapters; fold them in with "
-                              "megamoe.lora.merge(model) or write them with megamoe.lora.export_peft")
+                              "megamoe.lora.merge(model) or write them with megamoe.convert.export_peft")
     return {n: t for n, t in model_tensors(model).items() if "lora_" not in n.rsplit(".", 1)[-1]}
 
 

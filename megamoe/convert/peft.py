@@ -230,10 +230,10 @@ def export_peft(model, out_dir: str | Path, *, family: str | None = None, hf_con
 def export_peft_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, family: str | None = None,
                            overwrite: bool = False) -> Path:
     """An adapter checkpoint written by a LoRA fine-tune (``step_XXXXXXXX``) -> PEFT directory."""
-    from megamoe.convert.api import build_model
+    from megamoe.model.build import build_model
     from megamoe.lora.api import apply_lora, lora_parameters
     from megamoe.parallel.sharding import sharding
-    from megamoe.recipe import config_from_dict
+    from megamoe.core.config_io import config_from_dict
     from megamoe.checkpoint.dcp import read_full_tensor, read_meta
 
     meta = read_meta(ckpt_dir)

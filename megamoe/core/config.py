@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional
 from megamoe.core.dtypes import DTYPES
 from megamoe.core.errors import ConfigError
 from megamoe.core.layout import MIXERS, MLPS, MOE_LETTERS, Layout, parse_layout
+from megamoe.core.placement import check_placement
 
 FUSION_MODES = ("auto", "on", "off")  # megamoe.layers.ops.fusion.Fusion's modes (a backend's policy)
 
@@ -610,7 +611,7 @@ class MoEConfig:
     swiglu_limit: Optional[float] = None  # routed and shared experts: clamp as MLPConfig.swiglu_limit (GLM-5)
     swiglu_alpha: Optional[float] = None  # routed and shared experts: SwiGLU-OAI as MLPConfig.swiglu_alpha
     # expert placement {layer: order}: slot s (EP rank s // (E/ep)) holds the HF checkpoint's
-    # expert order[s]; applied by the converter (megamoe.model.placement). None: slot s holds expert s
+    # expert order[s]; applied by the converter (megamoe.core.placement). None: slot s holds expert s
     placement: Optional[Dict[str, List[int]]] = None
     # where frozen experts live (LoRA fine-tuning, inference): see ExpertStoreConfig
     expert_store: ExpertStoreConfig = field(default_factory=ExpertStoreConfig)
@@ -791,8 +792,6 @@ class ModelConfig:
         self._validate_sections(layout, path)
         self._validate_residual(path)
         if self.moe is not None and self.moe.placement:
-            from megamoe.model.placement import check_placement
-
             moe_layers = [i for i, k in enumerate(layout.layers) if k.mlp in MOE_LETTERS]
             check_placement(self.moe.placement, self.moe.num_experts, moe_layers, self.moe.n_group,
                             f"{path}.moe.placement")

@@ -104,7 +104,7 @@ def caption_images(hf_dir: str | Path, images: list, tokenizer, max_new_tokens: 
     ``confirm_greedy``), in batches of images of equal token count (no prompt needs padding);
     and how many of them transformers had to correct megamoe's draft on."""
     from megamoe.convert import from_hf
-    from megamoe.convert.verify import load_hf_model
+    from megamoe.diagnostics.verify import load_hf_model
     from megamoe.inference.generate import generate
 
     model = hf_model if hf_model is not None else load_hf_model(hf_dir)

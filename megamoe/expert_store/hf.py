@@ -23,7 +23,7 @@ import torch
 from megamoe.convert.api import open_hf, plan_entries
 from megamoe.convert.table import Entry, Experts
 from megamoe.core.errors import CheckpointError
-from megamoe.model.placement import _order_for
+from megamoe.core.placement import order_for
 from megamoe.expert_store.source import DiskSource, ExpertTensors
 
 
@@ -96,7 +96,7 @@ def hf_expert_sources(root: str | Path, layers: dict, etp: tuple[int, int], plac
                 if ck.dtypes[hf] not in family.weight_dtypes or hf in ck.scales:
                     raise CheckpointError(f"{Path(root) / ck.files[hf]}: tensor {hf} is {ck.dtypes[hf]}, which the "
                                           "expert store does not read (integer or quantised weights)")
-        order = _order_for(f"{name}.gate_up_weight", placement or {},
+        order = order_for(f"{name}.gate_up_weight", placement or {},
                            torch.empty(m.num_experts, 0, device="meta"))
         gate_up, down = pair
         if gate_up.ctx.stacked:

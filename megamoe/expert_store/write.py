@@ -16,7 +16,7 @@ from megamoe.core.files import AtomicDir
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.checkpoint.pieces import GROUPS
 from megamoe.parallel.sharding import gather_full, sharding
-from megamoe.recipe import config_to_dict
+from megamoe.core.config_io import config_to_dict
 from megamoe.checkpoint.dcp import model_tensors
 
 

@@ -59,8 +59,8 @@ def load_model(path: str | Path, parallel: ParallelConfig, groups: ParallelGroup
 
         return from_hf(path, groups, pipeline=stage)
     from megamoe.inference.load import checkpoint_path
-    from megamoe.model.language_model import build_model
-    from megamoe.recipe import config_from_dict
+    from megamoe.model.build import build_model
+    from megamoe.core.config_io import config_from_dict
     from megamoe.checkpoint.dcp import load_checkpoint, read_meta
 
     path = checkpoint_path(path)
@@ -121,24 +121,3 @@ class StageForward:
         if not last_only:
             return shard.gather(local, 1)
         return comm.broadcast_tensor(local[:, -1:].contiguous(), 0, self.model.groups.cp)
-
-
-def parallel_flags(parser) -> None:
-    """--tp/--pp/--ep/--etp/--cp for a command run under torchrun."""
-    from megamoe.commands.cli import number_in
-
-    group = parser.add_argument_group("parallel layout (run under torchrun; world size = tp*pp*cp*dp, "
-                                      "dp ranks decode the same batch; cp splits the prefill)")
-    for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert"), ("etp", "expert tensor"),
-                       ("cp", "context (prefill)")):
-        group.add_argument(f"--{name}", type=number_in(int, 1), default=1, help=f"{what} parallel size")
-
-
-def parallel_from_args(args) -> ParallelConfig | None:
-    """The layout the flags ask for; None for one process without torchrun."""
-    import os
-
-    parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, cp=args.cp)
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and (args.tp, args.pp, args.ep, args.etp, args.cp) == (1,) * 5:
-        return None
-    return parallel

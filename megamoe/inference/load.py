@@ -61,7 +61,7 @@ def load_model(path: str | Path, merge: bool = True, base: str | Path | None = N
     HF directory's weights stay e4m3 (``from_hf(keep_fp8=True)``; a converted checkpoint holds
     them as it was imported)."""
     from megamoe.convert import build_model, from_hf
-    from megamoe.recipe import config_from_dict
+    from megamoe.core.config_io import config_from_dict
     from megamoe.checkpoint.dcp import load_checkpoint, read_meta
 
     tiered = expert_store is not None and expert_store.enabled

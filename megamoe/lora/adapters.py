@@ -56,9 +56,8 @@ from megamoe.core.errors import ConfigError
 from megamoe.model.fp8_base import is_fp8, thaw
 from megamoe.lora.config import LoRAConfig
 from megamoe.lora.experts import ExpertLoRA, lora_swiglu_experts
-from megamoe.model.params import mark_active_fraction
 from megamoe.parallel.groups import ParallelGroups
-from megamoe.parallel.record import record
+from megamoe.parallel.record import mark_active_fraction, record
 from megamoe.parallel.sharding import (Shard, const_init, full_shape, mark_init, mark_partial_grad, set_sharding,
                                       sharding, split_full)
 

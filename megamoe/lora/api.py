@@ -79,7 +79,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig | None = None, *, seed: int 
 def check_targets(model_config, config: LoRAConfig) -> None:
     """Check ``config.targets`` against the whole model (built on the meta device): for trainers
     that apply LoRA to pipeline stages with ``strict=False``."""
-    from megamoe.convert.api import build_model
+    from megamoe.model.build import build_model
 
     with torch.device("meta"):
         model = build_model(model_config, device="meta")

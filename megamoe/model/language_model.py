@@ -366,13 +366,3 @@ def shift_labels(input_ids: torch.Tensor) -> torch.Tensor:
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     labels[:, :-1] = input_ids[:, 1:]
     return labels
-
-
-def build_model(cfg: ModelConfig, groups: ParallelGroups | None = None, *, sequence_parallel: bool = False,
-                device=None, **kw) -> LanguageModel:
-    """The model ``cfg`` describes: a MultimodalModel when it has a vision section."""
-    if cfg.vision is not None:
-        from megamoe.model.multimodal import MultimodalModel
-
-        return MultimodalModel(cfg, groups, sequence_parallel=sequence_parallel, device=device, **kw)
-    return LanguageModel(cfg, groups, sequence_parallel=sequence_parallel, device=device, **kw)

@@ -1,7 +1,7 @@
 """Parameter budget: total and active-per-token counts, per layer and overall.
 
 Counts are of the full (unsharded) model whatever the layout. A parameter marked with
-``mark_active_fraction`` (routed experts: top_k / num_experts) counts that fraction towards
+``megamoe.parallel.record.mark_active_fraction`` (routed experts: top_k / num_experts) counts that fraction towards
 the active budget; everything else is active for every token.
 """
 from __future__ import annotations
@@ -12,12 +12,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from megamoe.parallel.groups import ParallelGroups
-from megamoe.parallel.record import record, update_record
+from megamoe.parallel.record import record
 from megamoe.parallel.sharding import full_shape
-
-
-def mark_active_fraction(param, fraction: float):
-    return update_record(param, active_fraction=fraction)
 
 
 @dataclass

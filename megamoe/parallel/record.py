@@ -49,6 +49,11 @@ def update_record(param: torch.Tensor, **fields: Any) -> torch.Tensor:
     return param
 
 
+def mark_active_fraction(param: torch.Tensor, fraction: float) -> torch.Tensor:
+    """Only ``fraction`` of the tokens use ``param`` (routed experts: top_k / E), as the budget counts it."""
+    return update_record(param, active_fraction=fraction)
+
+
 def is_expert_param(param: torch.Tensor) -> bool:
     """Routed-expert weights (and their per-expert adapters): split over the expert groups,
     replicated over expert-DP, so their gradients are reduced over ``edp``."""

@@ -89,7 +89,8 @@ def mark_init(param: torch.Tensor, fn: InitFn) -> torch.Tensor:
 
 # ---- split / join ------------------------------------------------------------------------
 
-def _split_one(full: torch.Tensor, rule: Shard, rank: int, size: int) -> torch.Tensor:
+def split_one(full: torch.Tensor, rule: Shard, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s piece of ``full`` under one rule over ``size`` ranks (padded, part by part)."""
     if rule.unpadded is not None and full.size(rule.dim) % size:
         pad = list(full.shape)
         pad[rule.dim] = -full.size(rule.dim) % size
@@ -106,7 +107,8 @@ def _split_one(full: torch.Tensor, rule: Shard, rank: int, size: int) -> torch.T
     return torch.cat(pieces, dim=rule.dim) if len(pieces) > 1 else pieces[0]
 
 
-def _join_one(locals_: Sequence[torch.Tensor], rule: Shard) -> torch.Tensor:
+def join_one(locals_: Sequence[torch.Tensor], rule: Shard) -> torch.Tensor:
+    """The inverse of ``split_one``: every rank's piece, in rank order -> the tensor before the rule."""
     size = len(locals_)
     parts = rule.parts or (locals_[0].size(rule.dim) * size,)
     local_parts = [p // size for p in parts]
@@ -122,7 +124,7 @@ def split_full(full: torch.Tensor, rules: Sequence[Shard], groups: ParallelGroup
     """This rank's piece of ``full`` under ``rules``."""
     out = full
     for rule in rules:
-        out = _split_one(out, rule, groups.rank(rule.group), groups.size(rule.group))
+        out = split_one(out, rule, groups.rank(rule.group), groups.size(rule.group))
     return out
 
 
@@ -148,7 +150,7 @@ def gather_full(param: torch.Tensor, groups: ParallelGroups, tensor: torch.Tenso
         if size == 1 and rule.unpadded is None:
             continue
         gathered = all_gather_tensor(out, rule.dim, group)
-        out = _join_one(list(gathered.chunk(size, dim=rule.dim)), rule)
+        out = join_one(list(gathered.chunk(size, dim=rule.dim)), rule)
     return out
 
 

@@ -158,7 +158,7 @@ def _fake_layers(cfg, kinds: dict[str, int]):
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from megamoe.model.language_model import build_model
+    from megamoe.model.build import build_model
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:

@@ -10,7 +10,7 @@ from megamoe.model.params import ParamBudget, count_parameters, format_budget, h
 def meta_model(cfg: ModelConfig):
     """The full model on ``torch.device('meta')``: shapes only, no memory, no init.
     With ``cfg.vision`` it is the multimodal model (its tower counts as part ``vision``)."""
-    from megamoe.model.language_model import build_model
+    from megamoe.model.build import build_model
 
     with torch.device("meta"):
         return build_model(cfg, device="meta")

@@ -1,4 +1,5 @@
-"""What tools/pretrain.py and tools/finetune.py run: recipe -> data -> Trainer.fit()."""
+"""What tools/pretrain.py and tools/finetune.py run: a recipe (``megamoe.recipe.load_train_recipe``)
+-> data -> Trainer.fit()."""
 from __future__ import annotations
 
 import logging
@@ -6,19 +7,9 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-from megamoe.recipe import load_config, to_yaml
+from megamoe.core.config_io import to_yaml
 
 log = logging.getLogger(__name__)
-
-
-def load_train_recipe(path, overrides: Sequence[str] = (), validate: bool = True):
-    """A training recipe; ``validate=False`` leaves the runtime sections unchecked (planning)."""
-    from megamoe.recipe import Recipe
-
-    recipe = load_config(Recipe, path, overrides)
-    if validate:
-        recipe.validate()
-    return recipe
 
 
 def weights_source(recipe) -> Path | None:
@@ -37,7 +28,7 @@ def adopt_checkpoint_model(recipe, overrides: Sequence[str] = ()) -> None:
     apply on top, and the resume guards then refuse any that differs from the checkpoint."""
     from omegaconf import OmegaConf
 
-    from megamoe.recipe import config_from_dict, config_to_dict
+    from megamoe.core.config_io import config_from_dict, config_to_dict
     from megamoe.checkpoint.dcp import read_meta
     from megamoe.training.guards import changed_fields
 

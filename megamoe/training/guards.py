@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 from megamoe.core.errors import CheckpointError
-from megamoe.recipe import config_to_dict
+from megamoe.core.config_io import config_to_dict
 
 log = logging.getLogger(__name__)
 

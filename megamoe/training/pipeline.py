@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from megamoe.core.config import ModelConfig, ParallelConfig, check_pipeline_support
-from megamoe.model.language_model import LanguageModel, build_model
+from megamoe.model.language_model import LanguageModel
+from megamoe.model.build import build_model
 from megamoe.parallel import comm
 from megamoe.parallel.groups import ParallelGroups
 

@@ -26,7 +26,7 @@ from megamoe.planning.plan import budget
 from megamoe.parallel import comm
 from megamoe.parallel.cross_entropy import IGNORE_INDEX
 from megamoe.parallel.groups import ParallelGroups, build_groups, init_distributed
-from megamoe.recipe import Recipe, config_to_dict
+from megamoe.core.config_io import config_to_dict
 from megamoe.checkpoint import dcp as ckpt
 from megamoe.training.config import TrainConfig
 from megamoe.training.grads import clip_grads, global_grad_norm, sync_grads
@@ -39,9 +39,6 @@ from megamoe.training.pipeline import build_chunks, build_schedule, timed_p2p
 from megamoe.model.weights import initialize
 
 log = logging.getLogger(__name__)
-
-TrainRecipe = Recipe  # the training runtime reads every section of a recipe
-
 
 class NonFiniteStop(MegamoeError, RuntimeError):
     """Raised after ``train.nan_max_consecutive`` skipped steps; nothing is saved, so ``latest``
@@ -57,8 +54,9 @@ def _device(train: TrainConfig) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, recipe: TrainRecipe, dataset=None, groups: ParallelGroups | None = None):
-        """``dataset``: a map-style dataset of samples {"input_ids": [s], "labels": [s], ...}
+    def __init__(self, recipe, dataset=None, groups: ParallelGroups | None = None):
+        """``recipe``: a ``megamoe.recipe.Recipe`` (the runtime reads every section of it).
+        ``dataset``: a map-style dataset of samples {"input_ids": [s], "labels": [s], ...}
         (see megamoe.data.build_dataset); the sample order comes from ``recipe.data``."""
         recipe.validate()
         self.recipe, self.dataset = recipe, dataset

@@ -13,12 +13,9 @@ a placement is a property of how weights are laid out, like TP or EP sharding:
   ``placement=``) and undoes it when it writes one (``to_hf`` / ``export_hf``), so HF files
   always hold the logical order.
 
-The load comes from a calibration pass (``calibrate``: tokens routed to each expert over
-some batches) saved as JSON ``{"layers": {"3": [tokens per expert, ...], ...}}``;
-``balanced_order`` assigns the heaviest experts first, each to the least loaded rank with a
-free slot (LPT with equal capacities), which bounds the busiest rank's load near the mean.
-Group-limited routing (``n_group > 1``) ties experts to contiguous groups, so it takes no
-placement.
+These are the rules (validation, the JSON files, the permutation of a tensor); choosing an
+order from measured load is ``megamoe.planning.placement``. Group-limited routing
+(``n_group > 1``) ties experts to contiguous groups, so it takes no placement.
 """
 from __future__ import annotations
 
@@ -32,33 +29,6 @@ import torch
 from megamoe.core.errors import ConfigError
 
 _EXPERT_TENSOR = re.compile(r"^layers\.(\d+)\.mlp\.(router\.weight|router\.expert_bias|experts\.[A-Za-z_]+)$")
-
-
-def balanced_order(load: Sequence[float], ep: int) -> list[int]:
-    """Expert ids in slot order: heaviest first, each to the least-loaded rank with room
-    (ties: the lower rank); within a rank, ascending ids."""
-    n = len(load)
-    if ep < 1 or n % ep:
-        raise ConfigError(f"--ep={ep} must divide the {n} experts")
-    per, totals = n // ep, [0.0] * ep
-    ranks: list[list[int]] = [[] for _ in range(ep)]
-    for e in sorted(range(n), key=lambda i: (-float(load[i]), i)):
-        r = min((r for r in range(ep) if len(ranks[r]) < per), key=lambda r: (totals[r], r))
-        ranks[r].append(e)
-        totals[r] += float(load[e])
-    return [e for r in ranks for e in sorted(r)]
-
-
-def rank_loads(load: Sequence[float], order: Sequence[int], ep: int) -> list[float]:
-    per = len(order) // ep
-    return [sum(float(load[e]) for e in order[r * per:(r + 1) * per]) for r in range(ep)]
-
-
-def imbalance(load: Sequence[float], order: Sequence[int], ep: int) -> float:
-    """Busiest EP rank's load / the mean rank load (1 = perfectly even)."""
-    per_rank = rank_loads(load, order, ep)
-    mean = sum(per_rank) / ep
-    return max(per_rank) / mean if mean else 1.0
 
 
 # ---- files ----------------------------------------------------------------------------------
@@ -116,7 +86,9 @@ def check_placement(placement: dict, num_experts: int, moe_layers: Sequence[int]
 
 # ---- applying it to tensors --------------------------------------------------------------------
 
-def _order_for(name: str, placement: dict, tensor: torch.Tensor) -> list[int] | None:
+def order_for(name: str, placement: dict, tensor: torch.Tensor) -> list[int] | None:
+    """The slot order of the expert tensor ``name`` (None: not an expert tensor, or no placement
+    for its layer)."""
     m = _EXPERT_TENSOR.match(name)
     if not m or not placement:
         return None
@@ -128,43 +100,15 @@ def _order_for(name: str, placement: dict, tensor: torch.Tensor) -> list[int] | 
 
 def to_slots(name: str, full: torch.Tensor, placement: dict) -> torch.Tensor:
     """A full tensor in logical expert order (as HF holds it) -> slot order."""
-    order = _order_for(name, placement, full)
+    order = order_for(name, placement, full)
     return full if order is None else full.index_select(0, torch.tensor(order))
 
 
 def to_logical(name: str, full: torch.Tensor, placement: dict) -> torch.Tensor:
     """A full tensor in slot order -> the logical expert order."""
-    order = _order_for(name, placement, full)
+    order = order_for(name, placement, full)
     if order is None:
         return full
     inverse = torch.empty(len(order), dtype=torch.long)
     inverse[torch.tensor(order)] = torch.arange(len(order))
     return full.index_select(0, inverse)
-
-
-# ---- calibration ----------------------------------------------------------------------------------
-
-@torch.no_grad()
-def calibrate(model, batches) -> dict[int, list[float]]:
-    """Tokens routed to each expert (slot order of ``model``) per MoE layer, over ``batches``
-    of input ids [b, s], in eval mode."""
-    from megamoe.model.moe_controls import routers
-
-    counts: dict[int, torch.Tensor] = {}
-
-    def hook(router, inputs, out):
-        n = router.cfg.num_experts
-        c = torch.bincount(out.idx.reshape(-1).cpu(), minlength=n).double()
-        counts[router.layer_number] = counts.get(router.layer_number, 0) + c
-
-    handles = [r.register_forward_hook(hook) for r in routers(model)]
-    was_training = model.training
-    model.eval()
-    try:
-        for ids in batches:
-            model(ids)
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
-    return {layer: c.tolist() for layer, c in sorted(counts.items())}
