@@ -13,7 +13,7 @@ import torch
 
 from megamoe.convert import export_hf, import_hf
 from megamoe.diagnostics.verify import load_hf_model, verify
-from megamoe.recipe import config_from_dict
+from megamoe.core.config_io import config_from_dict
 from megamoe.checkpoint.dcp import load_checkpoint, read_meta
 
 ATOL = 1e-4

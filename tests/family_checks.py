@@ -108,7 +108,7 @@ def lora_case(ckpt: str, log_dir: str, steps: int = 50) -> dict:
     from megamoe.data.synthetic import SyntheticDataset
     from megamoe.lora import LoRAConfig
     from megamoe.model.moe_controls import routers
-    from megamoe.recipe import config_from_dict
+    from megamoe.core.config_io import config_from_dict
     from megamoe.checkpoint.dcp import read_meta
     from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
     from megamoe.training.trainer import Trainer

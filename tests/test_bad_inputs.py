@@ -205,7 +205,7 @@ def workspace(hf_dir, ckpt, tmp_path_factory) -> Path:
     from PIL import Image
 
     from megamoe.convert import build_model
-    from megamoe.recipe import config_from_dict
+    from megamoe.core.config_io import config_from_dict
     from megamoe.checkpoint.dcp import read_meta, save_checkpoint
 
     root = tmp_path_factory.mktemp("workspace")

@@ -83,7 +83,7 @@ def test_config_round_trip_and_hub_spelling():
 def test_round_trip_with_images(tmp_path):
     """Both saved layouts import (logits, greedy decoding, export loads in transformers); with
     images the import and the export reproduce transformers' logits and greedy tokens."""
-    from megamoe.convert.verify import load_hf_model
+    from megamoe.diagnostics.verify import load_hf_model
     from tests.conversion_harness import check_round_trip, load_converted
 
     hf = tiny_kimi_k25()
@@ -102,7 +102,7 @@ def test_hub_layout_and_tied_embeddings(tmp_path):
     from safetensors import safe_open
 
     from megamoe.convert import export_hf, import_hf
-    from megamoe.convert.verify import load_hf_model
+    from megamoe.diagnostics.verify import load_hf_model
     from tests.conversion_harness import load_converted
 
     hf = tiny_kimi_k25(tie=True)

@@ -212,7 +212,7 @@ def parallel_case(root: str, ids: torch.Tensor, want: torch.Tensor) -> dict:
     from megamoe.core.config import ParallelConfig
     from megamoe.convert import build_model, to_hf
     from megamoe.parallel.groups import build_groups
-    from megamoe.recipe import config_from_dict
+    from megamoe.core.config_io import config_from_dict
     from megamoe.checkpoint.dcp import load_checkpoint, read_meta
 
     out = {}

@@ -21,7 +21,7 @@ def lora_run(tmp_path_factory):
     only, meta with model, hf, lora and lora_base); the adapters are random, not zero."""
     from megamoe.inference.load import load_model
     from megamoe.lora import LoRAConfig, apply_lora, is_adapter_name, lora_parameters
-    from megamoe.recipe import config_to_dict
+    from megamoe.core.config_io import config_to_dict
     from megamoe.checkpoint.dcp import read_meta, save_checkpoint
 
     root = tmp_path_factory.mktemp("lora_cli")

@@ -140,7 +140,7 @@ def peft_logits_match(hf_dir: Path, base: Path, ckpt: Path, out: Path) -> tuple[
     from megamoe.diagnostics.verify import load_hf_model
     from megamoe.convert import export_peft_checkpoint
     from megamoe.lora import apply_lora, is_adapter_name
-    from megamoe.recipe import config_from_dict
+    from megamoe.core.config_io import config_from_dict
     from megamoe.lora.config import LoRAConfig
     from megamoe.checkpoint.dcp import load_checkpoint, read_meta
     from tests.conversion_harness import load_converted

@@ -1,4 +1,4 @@
-"""Expert placement (megamoe/model/placement.py): balanced slot orders from measured load, applied by
+"""Expert placement (megamoe/core/placement.py): balanced slot orders from measured load, applied by
 the converter, invisible in the outputs and in the HF files written back."""
 from __future__ import annotations
 

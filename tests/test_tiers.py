@@ -57,7 +57,7 @@ def finetune(store: str, log_dir: str, budget_mib: float | None, parallel: dict 
     from megamoe.data import DataConfig
     from megamoe.data.synthetic import SyntheticDataset
     from megamoe.lora import LoRAConfig
-    from megamoe.recipe import config_from_dict
+    from megamoe.core.config_io import config_from_dict
     from megamoe.checkpoint.dcp import read_meta
     from megamoe.training.config import CheckpointConfig, LoggingConfig, OptimConfig, TrainConfig
     from megamoe.recipe import Recipe as TrainRecipe

@@ -92,7 +92,7 @@ def test_hf_expert_store_at_ep2_matches_one_process(pool, tmp_path):
 def _open(hf: Path, ckpt: str):
     from megamoe.core.config import ExpertStoreConfig
     from megamoe.model.language_model import LanguageModel
-    from megamoe.recipe import config_from_dict
+    from megamoe.core.config_io import config_from_dict
     from megamoe.expert_store import open_expert_store
     from megamoe.checkpoint.dcp import read_meta
 

@@ -111,7 +111,7 @@ def converted_case(root: str, ids: torch.Tensor, images: list, want: torch.Tenso
     from megamoe.core.config import ParallelConfig
     from megamoe.convert import build_model, to_hf
     from megamoe.parallel.groups import build_groups
-    from megamoe.recipe import config_from_dict
+    from megamoe.core.config_io import config_from_dict
     from megamoe.checkpoint.dcp import load_checkpoint, read_meta
     from tests.numerics import max_abs
 

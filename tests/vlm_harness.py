@@ -77,7 +77,7 @@ def parallel_case(root: str, layouts: dict, ids, images, targets, want_logits) -
     from megamoe.convert import build_model
     from megamoe.parallel.groups import build_groups
     from megamoe.parallel.sharding import gather_full
-    from megamoe.recipe import config_from_dict
+    from megamoe.core.config_io import config_from_dict
     from megamoe.checkpoint.dcp import load_checkpoint, read_meta
     from megamoe.model.weights import finalize_grads
 

@@ -69,7 +69,7 @@ def v4_cache_bytes() -> None:
     """The measurement ``--v4-cache`` prints (see the module docstring)."""
     from megamoe.layers.cache.decode import InferenceCache
     from megamoe.core.config import CompressedAttentionConfig, DSAConfig, HyperConnectionConfig, ModelConfig, MoEConfig
-    from megamoe.model.language_model import build_model
+    from megamoe.model.build import build_model
     from megamoe.model.weights import initialize
 
     cfg = ModelConfig(vocab_size=256, hidden_size=64, layout="WeCeHe", params_dtype="bfloat16",

@@ -94,7 +94,7 @@ def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequenc
             pipeline: tuple[int, int] = (0, 1), keep_fp8: bool = False):
     """A megamoe model holding an HF checkpoint's weights (this rank's shards under ``groups``);
     ``fp8``: the backend's FP8 recipe (as ``train.fp8``); ``placement``: {layer: expert order}
-    laid out over the EP slots (``megamoe.model.placement``; recorded in ``model.moe.placement``).
+    laid out over the EP slots (``megamoe.core.placement``; recorded in ``model.moe.placement``).
     ``pipeline`` (stage, stages): build and load only that pipeline stage's layers (cut by
     ``Layout.stages(stages, balanced=True)``; the first holds the embedding, the last the output
     layer); tensors of other stages are never read. Each tensor is read, sliced to this rank's
@@ -143,7 +143,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int =
               shard_bytes: int = 2 << 30, overwrite: bool = False, progress: bool = True,
               placement: dict | None = None, experts: bool = True, keep_fp8: bool = False) -> Path:
     """Convert an HF directory into a megamoe checkpoint (optionally split for a TP/PP/EP layout;
-    ``placement``: {layer: expert order} over the EP slots, see ``megamoe.model.placement``).
+    ``placement``: {layer: expert order} over the EP slots, see ``megamoe.core.placement``).
     ``experts=False``: the routed experts stay in ``hf_dir`` only (never read here); runs with
     tiered experts (``model.moe.expert_store``) read them from there (``megamoe.expert_store.hf``).
     ``keep_fp8``: an FP8 checkpoint's weights are written as e4m3 + block scales
