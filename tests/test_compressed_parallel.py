@@ -140,7 +140,8 @@ def model_case(parallel: dict, sp: bool = False) -> dict:
     ``parallel`` against one process: the loss and every gradient, summed as a trainer sums them
     (TP partial sums, then data-parallel ranks; experts over their own data-parallel group). Each
     data-parallel rank takes its own row of the batch."""
-    from megamoe.model.language_model import build_model, shift_labels
+    from megamoe.model.build import build_model
+    from megamoe.model.language_model import shift_labels
     from megamoe.parallel import comm
     from megamoe.parallel.groups import ParallelGroups, build_groups
     from megamoe.parallel.record import is_expert_param

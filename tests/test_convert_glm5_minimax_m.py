@@ -138,7 +138,7 @@ def test_minimax_m3_vl_round_trip_with_images(tmp_path):
     """Text round trip (both layouts, export, 16 greedy tokens), then an image prompt: the
     imported model and the exported checkpoint reproduce transformers' logits, and greedy
     decoding after the images equals transformers' generate."""
-    from megamoe.convert.verify import load_hf_model
+    from megamoe.diagnostics.verify import load_hf_model
     from megamoe.inference.generate import generate
     from tests.conversion_harness import ATOL, check_round_trip, load_converted
 

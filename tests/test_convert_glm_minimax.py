@@ -96,7 +96,7 @@ def test_glm5_next_round_trip_with_its_vision_tower(tmp_path, caplog):
     """The tower converts (no notice, nothing skipped) into megamoe's glm5_vit_enc + glm_merger: both
     layouts round-trip; with images the import and the export give transformers' logits and greedy
     tokens, and every parameter's gradient (tower and merger included) is transformers'."""
-    from megamoe.convert.verify import load_hf_model
+    from megamoe.diagnostics.verify import load_hf_model
     from tests.conversion_harness import ATOL, check_round_trip, load_converted
     from tests.vlm_harness import GRAD_REL, check_images, grad_errors
 

@@ -72,7 +72,7 @@ def test_round_trip_with_images_and_hub_expert_orientation(tmp_path):
     from safetensors import safe_open
 
     from megamoe.convert import import_hf
-    from megamoe.convert.verify import load_hf_model
+    from megamoe.diagnostics.verify import load_hf_model
     from tests.conversion_harness import check_round_trip, load_converted
 
     hf = tiny_qwen3_vl_moe()

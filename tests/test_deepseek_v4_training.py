@@ -83,7 +83,8 @@ def test_lora_finetune_keeps_mhc_hash_table_and_routers_frozen():
     the adapters move, and the hyper-connections, the hash table, the routers, the sinks and the
     compressors' position biases stay bitwise."""
     from megamoe.lora import LoRAConfig, apply_lora
-    from megamoe.model.language_model import build_model, shift_labels
+    from megamoe.model.build import build_model
+    from megamoe.model.language_model import shift_labels
     from megamoe.model.weights import initialize
 
     model = build_model(tiny_v4())

@@ -145,7 +145,7 @@ def fp8_parallel_case(ckpt: str, ids: torch.Tensor) -> dict:
     from megamoe.parallel.cross_entropy import vocab_parallel_cross_entropy
     from megamoe.parallel.groups import ParallelGroups, build_groups
     from megamoe.parallel.sharding import gather_full
-    from megamoe.recipe import config_from_dict
+    from megamoe.core.config_io import config_from_dict
     from megamoe.checkpoint.dcp import load_checkpoint, read_meta
     from megamoe.training.grads import sync_grads
     from tests.numerics import rel_err

@@ -134,7 +134,7 @@ def dsa_recipe(parallel: ParallelConfig, mode: str, steps: int, lr: float = 1e-3
     from megamoe.data import DataConfig
     from megamoe.training.config import (CheckpointConfig, IndexerTrainConfig, LoggingConfig, OptimConfig,
                                          TrainConfig)
-    from megamoe.training.trainer import TrainRecipe
+    from megamoe.recipe import Recipe as TrainRecipe
 
     # init_std 0.3: peaked attention and index scores from the start (at 0.02 both are near uniform and
     # their KL, ~1e-5, is mostly fp32 rounding)
