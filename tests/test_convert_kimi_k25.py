@@ -15,7 +15,8 @@ import torch
 from tests.conversion_harness import ATOL
 from tests.mixer_utils import randomize
 from tests.numerics import max_abs
-from tests.vlm_harness import GRAD_REL, check_images, grad_errors, parallel_case, targets_for
+from tests.vlm_harness import (GRAD_REL, check_images, check_lora_steps, check_parallel_images, grad_errors,
+                               meta_budget, prompts)
 
 IMAGE_TOKEN = 100
 PATCH = 4
@@ -48,12 +49,7 @@ def image_inputs():
     resampled from it: 2x5 and 1x4 tokens)."""
     from megamoe.vision.hf_kimi import images_to_pixel_values
 
-    gen = torch.Generator().manual_seed(4)
-    images = [torch.randn(3, h, w, generator=gen) for h, w in ((24, 24), (16, 40), (8, 32))]
-    ids = torch.randint(3, 90, (2, 24), generator=gen)
-    ids[0, 2:11] = IMAGE_TOKEN
-    ids[0, 14:24] = IMAGE_TOKEN
-    ids[1, 5:9] = IMAGE_TOKEN
+    ids, images = prompts(((24, 24), (16, 40), (8, 32)), ((0, 2, 11), (0, 13, 23), (1, 5, 9)), IMAGE_TOKEN)
     pv, thw = zip(*(images_to_pixel_values(img[None], PATCH) for img in images))
     return ids, images, dict(input_ids=ids, pixel_values=torch.cat(pv), image_grid_thw=torch.cat(thw))
 
@@ -139,52 +135,16 @@ LAYOUTS = {"tp2ep2": dict(tp=2, ep=2)}
 
 
 def test_tp2_ep2_with_images_equals_one_process(pool, tmp_path):
-    from megamoe.convert import import_hf
-
-    hf = tiny_kimi_k25()
-    hf.save_pretrained(tmp_path / "hf")
-    import_hf(tmp_path / "hf", tmp_path / "single", progress=False)
-    for name, parallel in LAYOUTS.items():
-        import_hf(tmp_path / "hf", tmp_path / name, progress=False, **parallel)
     ids, images, hf_inputs = image_inputs()
-    with torch.no_grad():
-        want = hf(**hf_inputs).logits
-    targets = targets_for(ids, 128)
-    for rank, errs in enumerate(pool(2).run(parallel_case, str(tmp_path), LAYOUTS, ids, images, targets, want)):
-        for name, e in errs.items():
-            assert e["hf logits"] <= ATOL and e["logits"] <= 1e-5 and e["loss"] <= 1e-6, (rank, name, e)
-            worst = max((k for k in e if k.startswith("grad")), key=e.get)
-            assert e[worst] <= GRAD_REL, (rank, name, worst, e[worst])
+    check_parallel_images(tiny_kimi_k25(), tmp_path, pool, LAYOUTS, ids, images, hf_inputs)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_lora_finetune_lowers_loss_with_frozen_routing(tmp_path):
     """50 LoRA steps on an image prompt (adapters on every linear role and expert): the loss
-    falls, the adapters move and every router weight and selection bias stays bitwise."""
-    from megamoe.convert import from_hf
-    from megamoe.lora import LoRAConfig, apply_lora
-    from megamoe.model.moe_controls import routers
-
-    hf = tiny_kimi_k25()
-    hf.save_pretrained(tmp_path / "hf")
-    model = apply_lora(from_hf(tmp_path / "hf"), LoRAConfig(rank=4, alpha=8.0))
-    frozen = {n: t.detach().clone() for r in routers(model) for n, t in r.state_dict().items()}
+    falls and every router weight and selection bias stays bitwise."""
     ids, images, _ = image_inputs()
-    targets = targets_for(ids, 128)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    assert trainable and not any(p.requires_grad for n, p in model.named_parameters() if "router" in n)
-    opt = torch.optim.AdamW(trainable, lr=1e-2)
-    losses = []
-    model.train()
-    for _ in range(50):
-        loss = torch.nn.functional.cross_entropy(model(ids, images).flatten(0, 1), targets.flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    after = {n: t for r in routers(model) for n, t in r.state_dict().items()}
-    assert losses[-1] < 0.5 * losses[0], losses[::10]
-    assert frozen.keys() == after.keys() and all(torch.equal(frozen[n], after[n]) for n in frozen)
+    check_lora_steps(tiny_kimi_k25(), tmp_path, ids, images)
 
 
 def test_released_size_preset_counts_on_meta():
@@ -192,28 +152,12 @@ def test_released_size_preset_counts_on_meta():
     and its counts equal a hand count (the language model as moe_1t's, MoonViT and the merger by
     their formulas); the language model's 32.9B active and the tower's 417M are the release's
     "32B active" and "MoonViT 400M"."""
-    import json
-    import subprocess
-    import sys
-    import textwrap
 
     from megamoe.core.config import validate_model_parallel
     from megamoe.recipe import load_recipe
     from tests.test_moe import hand_count_moe_1t
 
-    code = textwrap.dedent("""
-        import json, time
-        from megamoe.diagnostics.memory import peak_rss_mib
-        from megamoe.planning.plan import budget
-        from megamoe.recipe import load_recipe
-        cfg = load_recipe("kimi_k25").model
-        t = time.process_time()  # CPU time: the shared test machine's load must not decide the test
-        b = budget(cfg)
-        print(json.dumps({"total": b.total, "active": b.active, "seconds": time.process_time() - t,
-                          "rss_mib": peak_rss_mib()}))
-    """)
-    out = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                                    text=True).stdout.strip().splitlines()[-1])
+    out = meta_budget("kimi_k25")
     recipe = load_recipe("kimi_k25")
     validate_model_parallel(recipe.model, recipe.parallel)
     lm_total, lm_active = hand_count_moe_1t(recipe.model)

@@ -14,7 +14,8 @@ import torch
 from tests.conversion_harness import ATOL
 from tests.mixer_utils import randomize
 from tests.numerics import max_abs
-from tests.vlm_harness import GRAD_REL, check_images, grad_errors, parallel_case, targets_for
+from tests.vlm_harness import (GRAD_REL, check_images, check_lora_steps, check_parallel_images, grad_errors,
+                               meta_budget, prompts)
 
 IMAGE_TOKEN = 100
 TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
@@ -40,12 +41,9 @@ def image_inputs():
     resampled from it: 2x5 and 1x2 tokens)."""
     from megamoe.vision.hf_qwen import images_to_pixel_values
 
-    gen = torch.Generator().manual_seed(4)
-    images = [torch.randn(3, h, w, generator=gen) for h, w in ((24, 24), (16, 40), (8, 16))]
-    ids = torch.randint(3, 90, (2, 24), generator=gen)
-    ids[0, 2:11] = IMAGE_TOKEN
-    ids[0, 13:23] = IMAGE_TOKEN  # prompts end in text: transformers' generate mis-positions the tokens after a
-    ids[1, 5:7] = IMAGE_TOKEN    # prompt that ends on an image placeholder (its own forward disagrees with it)
+    # prompts end in text: transformers' generate mis-positions the tokens after a prompt that ends
+    # on an image placeholder (its own forward disagrees with it there)
+    ids, images = prompts(((24, 24), (16, 40), (8, 16)), ((0, 2, 11), (0, 13, 23), (1, 5, 7)), IMAGE_TOKEN)
     pv, thw = zip(*(images_to_pixel_values(img[None], patch_size=4, merge_size=2) for img in images))
     return ids, images, dict(input_ids=ids, pixel_values=torch.cat(pv), image_grid_thw=torch.cat(thw),
                              mm_token_type_ids=(ids == IMAGE_TOKEN).int())
@@ -111,76 +109,27 @@ LAYOUTS = {"tp2ep2-sp": dict(tp=2, ep=2, sequence_parallel=True)}
 
 
 def test_tp2_ep2_sp_with_images_equals_one_process(pool, tmp_path):
-    from megamoe.convert import import_hf
-
-    hf = tiny_qwen3_vl_moe()
-    hf.save_pretrained(tmp_path / "hf")
-    import_hf(tmp_path / "hf", tmp_path / "single", progress=False)
-    import_hf(tmp_path / "hf", tmp_path / "tp2ep2-sp", progress=False, tp=2, ep=2)
     ids, images, hf_inputs = image_inputs()
-    with torch.no_grad():
-        want = hf(**hf_inputs).logits
-    targets = targets_for(ids, 128)
-    for rank, errs in enumerate(pool(2).run(parallel_case, str(tmp_path), LAYOUTS, ids, images, targets, want)):
-        for name, e in errs.items():
-            assert e["hf logits"] <= ATOL and e["logits"] <= 1e-5 and e["loss"] <= 1e-6, (rank, name, e)
-            worst = max((k for k in e if k.startswith("grad")), key=e.get)
-            assert e[worst] <= GRAD_REL, (rank, name, worst, e[worst])
+    check_parallel_images(tiny_qwen3_vl_moe(), tmp_path, pool, LAYOUTS, ids, images, hf_inputs)
 
 
 def test_lora_finetune_lowers_loss_with_frozen_routing(tmp_path):
     """50 LoRA steps on an image prompt: the loss falls, every router stays bitwise."""
-    from megamoe.convert import from_hf
-    from megamoe.lora import LoRAConfig, apply_lora
-    from megamoe.model.moe_controls import routers
-
-    hf = tiny_qwen3_vl_moe()
-    hf.save_pretrained(tmp_path / "hf")
-    model = apply_lora(from_hf(tmp_path / "hf"), LoRAConfig(rank=4, alpha=8.0))
-    frozen = {f"{r.layer_number}.{n}": t.detach().clone() for r in routers(model) for n, t in r.state_dict().items()}
     ids, images, _ = image_inputs()
-    targets = targets_for(ids, 128)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    model.train()
-    losses = []
-    for _ in range(50):
-        loss = torch.nn.functional.cross_entropy(model(ids, images).flatten(0, 1), targets.flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    after = {f"{r.layer_number}.{n}": t for r in routers(model) for n, t in r.state_dict().items()}
-    assert losses[-1] < 0.5 * losses[0], losses[::10]
-    assert frozen and frozen.keys() == after.keys() and all(torch.equal(frozen[n], after[n]) for n in frozen)
+    check_lora_steps(tiny_qwen3_vl_moe(), tmp_path, ids, images)
 
 
 def test_released_size_preset_counts_on_meta():
     """megamoe/recipes/qwen3_vl_moe_235b.yaml: built on meta in a fresh process (< 30 s, < 2 GiB),
     counts equal to a hand count (the tower's from timm on meta, the mergers by their formula); the
     language model's 235.1B total / 22.2B active are the release's "235B / 22B"."""
-    import json
-    import subprocess
-    import sys
-    import textwrap
 
     import pytest
     import timm
 
     from megamoe.recipe import load_recipe
 
-    code = textwrap.dedent("""
-        import json, time
-        from megamoe.diagnostics.memory import peak_rss_mib
-        from megamoe.planning.plan import budget
-        from megamoe.recipe import load_recipe
-        cfg = load_recipe("qwen3_vl_moe_235b").model
-        t = time.process_time()  # CPU time: the shared test machine's load must not decide the test
-        b = budget(cfg)
-        print(json.dumps({"total": b.total, "active": b.active, "seconds": time.process_time() - t,
-                          "rss_mib": peak_rss_mib()}))
-    """)
-    out = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                                    text=True).stdout.strip().splitlines()[-1])
+    out = meta_budget("qwen3_vl_moe_235b")
     m = load_recipe("qwen3_vl_moe_235b").model
     h, a, e, n = m.hidden_size, m.attention, m.moe, m.parsed_layout().num_layers
     q, kv = a.num_heads * a.head_dim, a.kv_heads() * a.head_dim

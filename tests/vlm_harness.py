@@ -5,9 +5,12 @@ kimi_k25, qwen3_vl_moe and glm5_next's tower):
   equal transformers' for a prompt with images;
 - ``grad_errors``: one cross-entropy backward through both models, every parameter's gradient
   compared in megamoe's names (HF gradients mapped through the family's own table);
-- ``parallel_case``: a checkpoint imported for a parallel layout, run on gloo ranks with the
-  images (``sequence_parallel`` in a layout is a run-time flag), against the single-process
-  import (logits, loss and every gathered gradient).
+- ``parallel_case`` / ``check_parallel_images``: a checkpoint imported for a parallel layout, run
+  on gloo ranks with the images (``sequence_parallel`` in a layout is a run-time flag), against
+  the single-process import (logits, loss and every gathered gradient);
+- ``check_lora_steps``: 50 LoRA steps on the image prompt lower the loss, every router bitwise;
+- ``prompts``: two prompts with images at given placeholder runs; ``meta_budget``: a preset's
+  counts built on meta in a fresh process.
 """
 from __future__ import annotations
 
@@ -105,3 +108,87 @@ def parallel_case(root: str, layouts: dict, ids, images, targets, want_logits) -
                 errs[f"grad {n}"] = rel_err(gather_full(p, groups, p.grad), ref_grads[n])
         out[name] = errs
     return out
+
+
+def meta_budget(recipe: str) -> dict:
+    """A shipped recipe's model built on meta in a fresh process (so the RSS is the build's own):
+    {total, active, seconds (CPU time of the build: the shared test machine's load must not
+    decide the test), rss_mib}."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import json, time
+        from megamoe.diagnostics.memory import peak_rss_mib
+        from megamoe.planning.plan import budget
+        from megamoe.recipe import load_recipe
+        cfg = load_recipe({recipe!r}).model
+        t = time.process_time()
+        b = budget(cfg)
+        print(json.dumps({{"total": b.total, "active": b.active, "seconds": time.process_time() - t,
+                          "rss_mib": peak_rss_mib()}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def prompts(sizes, runs, token: int, length: int = 24, seed: int = 4):
+    """(ids [2, length], images [3, h, w] per size): text ids in [3, 90), image ``i``'s
+    placeholders at ``runs[i] = (row, start, stop)``."""
+    gen = torch.Generator().manual_seed(seed)
+    images = [torch.randn(3, h, w, generator=gen) for h, w in sizes]
+    ids = torch.randint(3, 90, (2, length), generator=gen)
+    for row, start, stop in runs:
+        ids[row, start:stop] = token
+    return ids, images
+
+
+def check_parallel_images(hf, root: Path, pool, layouts: dict, ids, images, hf_inputs) -> None:
+    """Import for one process and for each layout, run ``parallel_case`` on two ranks and assert:
+    transformers' logits (ATOL), the single process's logits (1e-5), loss (1e-6), every gradient
+    (GRAD_REL)."""
+    from megamoe.convert import import_hf
+
+    hf.save_pretrained(root / "hf")
+    import_hf(root / "hf", root / "single", progress=False)
+    for name, parallel in layouts.items():
+        sizes = {k: v for k, v in parallel.items() if k != "sequence_parallel"}  # a run-time flag
+        import_hf(root / "hf", root / name, progress=False, **sizes)
+    with torch.no_grad():
+        want = hf(**hf_inputs).logits
+    targets = targets_for(ids, hf.config.get_text_config().vocab_size)
+    for rank, errs in enumerate(pool(2).run(parallel_case, str(root), layouts, ids, images, targets, want)):
+        for name, e in errs.items():
+            assert e["hf logits"] <= ATOL and e["logits"] <= 1e-5 and e["loss"] <= 1e-6, (rank, name, e)
+            worst = max((k for k in e if k.startswith("grad")), key=e.get)
+            assert e[worst] <= GRAD_REL, (rank, name, worst, e[worst])
+
+
+def check_lora_steps(hf, root: Path, ids, images, steps: int = 50) -> list[float]:
+    """``steps`` LoRA steps (rank 4 on every linear role and expert) on the image prompt: the loss
+    halves and every router's weight and selection bias stays bitwise. Returns the losses."""
+    from megamoe.convert import from_hf
+    from megamoe.lora import LoRAConfig, apply_lora
+    from megamoe.model.moe_controls import routers
+
+    hf.save_pretrained(root / "hf")
+    model = apply_lora(from_hf(root / "hf"), LoRAConfig(rank=4, alpha=8.0))
+    frozen = {f"{r.layer_number}.{n}": t.detach().clone() for r in routers(model) for n, t in r.state_dict().items()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and frozen and not any(p.requires_grad for n, p in model.named_parameters() if "router" in n)
+    targets = targets_for(ids, model.config.vocab_size)
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        loss = F.cross_entropy(model(ids, images).flatten(0, 1), targets.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    after = {f"{r.layer_number}.{n}": t for r in routers(model) for n, t in r.state_dict().items()}
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
+    assert frozen.keys() == after.keys() and all(torch.equal(frozen[n], after[n]) for n in frozen)
+    return losses

@@ -21,11 +21,11 @@ from functools import partial
 
 import torch
 from torch import nn
-from timm.layers import PatchEmbed, RmsNorm, SwiGLU, trunc_normal_
+from timm.layers import PatchEmbed, RmsNorm, SwiGLU
 from timm.layers.attention import AttentionRope
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
-from timm.models._manipulate import checkpoint
 
+from megamoe.vision.native_vit import CLIP_MEAN, CLIP_STD, NativeVit, pretrained_cfg
 from megamoe.vision.pos_embed import axial_rope
 
 __all__ = ["ClampedSwiGLU", "GlmVitEncoder"]
@@ -62,10 +62,8 @@ class GlmVitBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class GlmVitEncoder(nn.Module):
+class GlmVitEncoder(NativeVit):
     """GLM-5 vision encoder: images -> patch features ``[b, gh, gw, embed_dim]`` (module doc)."""
-
-    output_fmt: str = "NHWC"
 
     def __init__(self, img_size: int = 336, patch_size: int = 14, in_chans: int = 3, embed_dim: int = 1024,
                  depth: int = 24, num_heads: int = 16, mlp_hidden_dim: int = 4096, swiglu_limit: float = 10.0,
@@ -74,46 +72,23 @@ class GlmVitEncoder(nn.Module):
         dd = {"device": device, "dtype": dtype}
         if embed_dim % num_heads or (embed_dim // num_heads) % 4:
             raise ValueError(f"embed_dim={embed_dim} / num_heads={num_heads} must be a head size divisible by 4")
-        self.num_classes, self.num_prefix_tokens = 0, 0
-        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
-        self.head_dim, self.rope_temperature = embed_dim // num_heads, rope_temperature
-        self.grad_checkpointing = False
+        self.init_common(embed_dim, num_heads, depth, patch_size, rope_temperature)
         self.patch_embed = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
                                       bias=True, strict_img_size=False, output_fmt="NHWC", **dd)
         self.blocks = nn.ModuleList([GlmVitBlock(embed_dim, num_heads, mlp_hidden_dim, swiglu_limit, norm_eps, bias, **dd)
                                      for _ in range(depth)])
         self.norm = RmsNorm(embed_dim, eps=norm_eps, **dd)
-        self.feature_info = [dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=patch_size) for i in range(depth)]
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        self.init_linears()
 
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+    def _embed(self, x: torch.Tensor):
+        """images [b, 3, H, W] -> (tokens [b, gh*gw, d], rope [gh*gw, 2*head_dim], (gh, gw))."""
         x = self.patch_embed(x)
         b, gh, gw, d = x.shape
-        x = x.reshape(b, gh * gw, d)
         rope = axial_rope((gh, gw), self.head_dim, self.rope_temperature, "hw", device=x.device)
-        for blk in self.blocks:
-            x = checkpoint(blk, x, rope) if self.grad_checkpointing else blk(x, rope)
-        return self.norm(x).reshape(b, gh, gw, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_features(x)
+        return x.reshape(b, gh * gw, d), rope, (gh, gw)
 
 
-def _cfg(**kwargs) -> dict:
-    return {"url": "", "input_size": (3, 336, 336), "pool_size": None, "fixed_input_size": False, "crop_pct": 1.0,
-            "interpolation": "bicubic", "mean": (0.48145466, 0.4578275, 0.40821073),
-            "std": (0.26862954, 0.26130258, 0.27577711), "num_classes": 0, "first_conv": "patch_embed.proj", **kwargs}
-
-
-default_cfgs = generate_default_cfgs({"glm5_vit_enc": _cfg()})
+default_cfgs = generate_default_cfgs({"glm5_vit_enc": pretrained_cfg(336, CLIP_MEAN, CLIP_STD)})
 
 
 @register_model

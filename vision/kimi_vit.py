@@ -24,9 +24,9 @@ import torch
 from torch import nn
 from timm.layers import LayerNorm, PatchEmbed, calculate_drop_path_rates, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
-from timm.models._manipulate import checkpoint
 from timm.models.eva import EvaBlock
 
+from megamoe.vision.native_vit import NativeVit, pretrained_cfg
 from megamoe.vision.pos_embed import axial_rope, resample_grid
 
 __all__ = ["KimiVitEncoder"]
@@ -38,10 +38,8 @@ def mlp_ratio_for(dim: int, hidden: int) -> float:
     return (hidden + 0.5) / dim
 
 
-class KimiVitEncoder(nn.Module):
+class KimiVitEncoder(NativeVit):
     """MoonViT encoder: images -> patch features ``[b, gh, gw, embed_dim]`` (see the module doc)."""
-
-    output_fmt: str = "NHWC"
 
     def __init__(self, img_size: int = 448, patch_size: int = 14, in_chans: int = 3, embed_dim: int = 1152,
                  depth: int = 27, num_heads: int = 16, mlp_hidden_dim: int = 4304, pos_embed_grid: tuple = (64, 64),
@@ -51,10 +49,7 @@ class KimiVitEncoder(nn.Module):
         dd = {"device": device, "dtype": dtype}
         if embed_dim % num_heads or (embed_dim // num_heads) % 4:
             raise ValueError(f"embed_dim={embed_dim} / num_heads={num_heads} must be a head size divisible by 4")
-        self.num_classes, self.num_prefix_tokens = 0, 0
-        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
-        self.head_dim, self.rope_temperature = embed_dim // num_heads, rope_temperature
-        self.grad_checkpointing = False
+        self.init_common(embed_dim, num_heads, depth, patch_size, rope_temperature)
         norm_layer = partial(LayerNorm, eps=norm_eps)
         self.patch_embed = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
                                       bias=True, strict_img_size=False, output_fmt="NHWC", **dd)
@@ -67,23 +62,12 @@ class KimiVitEncoder(nn.Module):
                      norm_layer=norm_layer, **dd)
             for i in range(depth)])
         self.norm = norm_layer(embed_dim, **dd)
-        self.feature_info = [dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=patch_size) for i in range(depth)]
-        self.init_weights()
-
-    def init_weights(self) -> None:
         trunc_normal_(self.pos_embed, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=0.02)
-                nn.init.zeros_(m.bias)
+        self.init_linears()
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
         return {"pos_embed"}
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
 
     def _embed(self, x: torch.Tensor):
         """images [b, 3, H, W] -> (tokens [b, gh*gw, d], rope [gh*gw, 2*head_dim], (gh, gw))."""
@@ -93,42 +77,8 @@ class KimiVitEncoder(nn.Module):
         rope = axial_rope((gh, gw), self.head_dim, self.rope_temperature, "wh_interleaved", device=x.device)
         return x, rope, (gh, gw)
 
-    def _blocks(self, x: torch.Tensor, rope: torch.Tensor, taps=()):
-        kept = []
-        for i, blk in enumerate(self.blocks):
-            x = checkpoint(blk, x, rope=rope) if self.grad_checkpointing else blk(x, rope=rope)
-            if i in taps:
-                kept.append(x)
-        return x, kept
 
-    def forward_intermediates(self, x: torch.Tensor, indices=None, output_fmt: str = "NLC",
-                              intermediates_only: bool = False, **_):
-        """(features [b, gh, gw, d], block outputs at ``indices`` [b, gh*gw, d]) as timm's ViTs."""
-        taps = range(len(self.blocks)) if indices is None else list(indices)
-        x, rope, (gh, gw) = self._embed(x)
-        x, kept = self._blocks(x, rope, taps)
-        if output_fmt == "NCHW":
-            kept = [y.reshape(y.size(0), gh, gw, -1).permute(0, 3, 1, 2) for y in kept]
-        if intermediates_only:
-            return kept
-        return self.norm(x).reshape(x.size(0), gh, gw, -1), kept
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x, rope, (gh, gw) = self._embed(x)
-        x, _ = self._blocks(x, rope)
-        return self.norm(x).reshape(x.size(0), gh, gw, -1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_features(x)
-
-
-def _cfg(**kwargs) -> dict:
-    return {"url": "", "input_size": (3, 448, 448), "pool_size": None, "fixed_input_size": False, "crop_pct": 1.0,
-            "interpolation": "bicubic", "mean": (0.5, 0.5, 0.5), "std": (0.5, 0.5, 0.5), "num_classes": 0,
-            "first_conv": "patch_embed.proj", **kwargs}
-
-
-default_cfgs = generate_default_cfgs({"kimi_k25_vit_enc": _cfg()})
+default_cfgs = generate_default_cfgs({"kimi_k25_vit_enc": pretrained_cfg(448)})
 
 
 @register_model

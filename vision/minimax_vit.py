@@ -36,10 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 from timm.layers import LayerNorm, calculate_drop_path_rates, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
-from timm.models._manipulate import checkpoint
 from timm.models.eva import EvaBlock
 
 from megamoe.vision.kimi_vit import mlp_ratio_for
+from megamoe.vision.native_vit import CLIP_MEAN, CLIP_STD, NativeVit, pretrained_cfg
 
 __all__ = ["MiniMaxVitEncoder", "rope_permutation", "thw_rope"]
 
@@ -70,10 +70,8 @@ def thw_rope(size: tuple[int, int], head_dim: int, theta: float = 10000.0, devic
     return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
 
-class MiniMaxVitEncoder(nn.Module):
+class MiniMaxVitEncoder(NativeVit):
     """MiniMax-M3 ViT: images -> patch features ``[b, gh, gw, embed_dim]`` (see the module doc)."""
-
-    output_fmt: str = "NHWC"
 
     def __init__(self, img_size: int = 448, patch_size: int = 14, temporal_patch_size: int = 2, in_chans: int = 3,
                  embed_dim: int = 1280, depth: int = 32, num_heads: int = 16, mlp_hidden_dim: int = 5120,
@@ -83,11 +81,8 @@ class MiniMaxVitEncoder(nn.Module):
         dd = {"device": device, "dtype": dtype}
         if embed_dim % num_heads or (embed_dim // num_heads) % 2:
             raise ValueError(f"embed_dim={embed_dim} / num_heads={num_heads} must be an even head size")
-        self.num_classes, self.num_prefix_tokens = 0, 0
-        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
+        self.init_common(embed_dim, num_heads, depth, patch_size, rope_temperature)
         self.patch_size, self.img_size = patch_size, img_size
-        self.head_dim, self.rope_temperature = embed_dim // num_heads, rope_temperature
-        self.grad_checkpointing = False
         norm_layer = partial(LayerNorm, eps=norm_eps)
         # the released Conv3d weight [d, C, T, p, p]; an image's T frames are identical
         self.patch_weight = nn.Parameter(torch.empty(embed_dim, in_chans, temporal_patch_size, patch_size,
@@ -99,19 +94,9 @@ class MiniMaxVitEncoder(nn.Module):
                      mlp_ratio=mlp_ratio_for(embed_dim, mlp_hidden_dim), num_prefix_tokens=0, attn_type="rope",
                      rotate_half=True, drop_path=dpr[i], act_layer=nn.GELU, norm_layer=norm_layer, **dd)
             for i in range(depth)])
-        self.feature_info = [dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=patch_size) for i in range(depth)]
-        self.init_weights()
-
-    def init_weights(self) -> None:
+        self.norm = nn.Identity()  # transformers' tower returns the last block's output
         trunc_normal_(self.patch_weight, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=0.02)
-                nn.init.zeros_(m.bias)
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
+        self.init_linears()
 
     def _embed(self, x: torch.Tensor):
         """images [b, 3, H, W] -> (tokens [b, gh*gw, d], rope [gh*gw, 2*head_dim], (gh, gw))."""
@@ -120,41 +105,9 @@ class MiniMaxVitEncoder(nn.Module):
         x = self.norm_pre(x.flatten(2).transpose(1, 2))
         return x, thw_rope((gh, gw), self.head_dim, self.rope_temperature, device=x.device), (gh, gw)
 
-    def _blocks(self, x: torch.Tensor, rope: torch.Tensor, taps=()):
-        kept = []
-        for i, blk in enumerate(self.blocks):
-            x = checkpoint(blk, x, rope=rope) if self.grad_checkpointing else blk(x, rope=rope)
-            if i in taps:
-                kept.append(x)
-        return x, kept
 
-    def forward_intermediates(self, x: torch.Tensor, indices=None, output_fmt: str = "NLC",
-                              intermediates_only: bool = False, **_):
-        """(features [b, gh, gw, d], block outputs at ``indices`` [b, gh*gw, d]) as timm's ViTs."""
-        taps = range(len(self.blocks)) if indices is None else list(indices)
-        x, rope, (gh, gw) = self._embed(x)
-        x, kept = self._blocks(x, rope, taps)
-        if output_fmt == "NCHW":
-            kept = [y.reshape(y.size(0), gh, gw, -1).permute(0, 3, 1, 2) for y in kept]
-        if intermediates_only:
-            return kept
-        return x.reshape(x.size(0), gh, gw, -1), kept
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x, rope, (gh, gw) = self._embed(x)
-        return self._blocks(x, rope)[0].reshape(x.size(0), gh, gw, -1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_features(x)
-
-
-def _cfg(**kwargs) -> dict:
-    return {"url": "", "input_size": (3, 448, 448), "pool_size": None, "fixed_input_size": False, "crop_pct": 1.0,
-            "interpolation": "bicubic", "mean": (0.48145466, 0.4578275, 0.40821073),
-            "std": (0.26862954, 0.26130258, 0.27577711), "num_classes": 0, "first_conv": "patch_weight", **kwargs}
-
-
-default_cfgs = generate_default_cfgs({"minimax_m3_vit_enc": _cfg()})
+default_cfgs = generate_default_cfgs({"minimax_m3_vit_enc": pretrained_cfg(448, CLIP_MEAN, CLIP_STD,
+                                                                            first_conv="patch_weight")})
 
 
 @register_model
