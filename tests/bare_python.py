@@ -4,6 +4,7 @@ paths, so their .pth files (an editable megamoe's finder among them) are not run
 megamoe`` finds only what the caller installs or puts on the path."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +35,16 @@ def clean_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "MEGAMOE_VENV")}
     env.update(extra)
     return env
+
+
+def plain_copy(dest: Path) -> Path:
+    """The checkout's files as a fresh clone (or the GPU machine) has them: tracked and
+    untracked-not-ignored, without .git and without what earlier builds left (build/, egg-info)."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                           capture_output=True, text=True).stdout.split("\0")
+    for rel in filter(None, files):
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    return dest

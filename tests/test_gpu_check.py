@@ -4,24 +4,11 @@ no megamoe installed, imports every module from that copy and collects the `gpu`
 error; the phase limits fit the budget; a failing step is a non-zero exit."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.bare_python import REPO, bare_python, clean_env
-
-
-def plain_copy(dest: Path) -> Path:
-    """The checkout's files as the device gets them: tracked and untracked-not-ignored, no .git."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
-                           capture_output=True, text=True).stdout.split("\0")
-    for rel in filter(None, files):
-        src = REPO / rel
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
-    return dest
+from tests.bare_python import REPO, bare_python, clean_env, plain_copy
 
 
 def test_a_plain_checkout_rehearses_the_gpu_check(tmp_path):

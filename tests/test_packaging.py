@@ -8,7 +8,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from tests.bare_python import bare_python, clean_env
+from tests.bare_python import bare_python, clean_env, plain_copy
 
 REPO = Path(__file__).resolve().parent.parent
 # The floors (docs/architecture.md draws the same table): a package imports only from its own
@@ -228,8 +228,10 @@ def test_wheel_installs_every_module_and_the_commands(tmp_path):
     """The wheel, installed into a fresh venv and run from a folder outside the checkout,
     imports every module it holds and every console entry point answers --help."""
     wheel_dir = tmp_path / "wheel"
+    # built from a plain copy: setuptools' build/ in the checkout keeps files an earlier build saw
+    # (modules since moved or deleted would ship again), and its egg-info would sit on PYTHONPATH
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(wheel_dir), str(REPO)], check=True, cwd=tmp_path)
+                    "-w", str(wheel_dir), str(plain_copy(tmp_path / "source"))], check=True, cwd=tmp_path)
     wheel = next(wheel_dir.glob("megamoe-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "megamoe/layers/__init__.py" in names and "megamoe/vision/__init__.py" in names
