@@ -77,9 +77,11 @@ def test_expert_bias_is_mapped_and_changes_results(tmp_path):
     assert (model(ids) - want).abs().max() > 1e-2
 
 
-def test_mtp_layers_are_skipped_as_transformers_does(tmp_path):
-    """Hub checkpoints append num_nextn_predict_layers MTP layers; they are not converted, and
-    a tensor of a layer beyond them is still an unmapped-tensor error."""
+def test_incomplete_mtp_layer_and_layers_beyond_are_errors(tmp_path):
+    """A checkpoint without MTP tensors converts without MTP (transformers saves none though its
+    config counts one); part of an MTP layer names the first tensor missing, and a tensor of a
+    layer beyond the MTP layers is still an unmapped-tensor error. (The whole MTP layer converts:
+    tests/test_mtp_convert.py.)"""
     from safetensors.torch import save_file
 
     from megamoe.convert import from_hf
@@ -87,10 +89,15 @@ def test_mtp_layers_are_skipped_as_transformers_does(tmp_path):
 
     hf = tiny_deepseek_v3()
     hf.save_pretrained(tmp_path)
-    save_file({"model.layers.2.eh_proj.weight": torch.zeros(32, 64)}, tmp_path / "mtp.safetensors")
     ids = torch.arange(8)[None]
+    model = from_hf(tmp_path)
+    assert model.config.mtp is None
     with torch.no_grad():
-        assert (from_hf(tmp_path)(ids) - hf(input_ids=ids).logits).abs().max() <= 1e-4
+        assert (model(ids) - hf(input_ids=ids).logits).abs().max() <= 1e-4
+    save_file({"model.layers.2.eh_proj.weight": torch.zeros(32, 64)}, tmp_path / "mtp.safetensors")
+    with pytest.raises(CheckpointError, match=r"tensor model.layers.2.\w+.weight \(for mtp.0.\w+.weight\) is missing"):
+        from_hf(tmp_path)
+    (tmp_path / "mtp.safetensors").unlink()
     save_file({"model.layers.3.eh_proj.weight": torch.zeros(32, 64)}, tmp_path / "beyond.safetensors")
     with pytest.raises(CheckpointError, match="model.layers.3.eh_proj.weight is not mapped"):
         from_hf(tmp_path)

@@ -1,11 +1,10 @@
 """Conversion of glm5_next (text model: KDA + pooled DSA, hyper-connections, clamped SwiGLU, dense
 and MoE layers) and minimax (lightning + softmax attention, top-2 MoE, scaled residual): the whole
 round trip of tests/conversion_harness.py in both expert layouts, plus the family-specific
-inputs (glm5_next's vision tower with images, multi-token-prediction layers skipped with a
-notice, decay buffers that disagree with the config, shared indexers)."""
+inputs (glm5_next's vision tower with images, decay buffers that disagree with the config,
+shared indexers)."""
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
@@ -118,24 +117,15 @@ def test_glm5_next_round_trip_with_its_vision_tower(tmp_path, caplog):
     assert any(n.startswith("vision.projector.") for n in errs) and errs[worst] <= GRAD_REL, (worst, errs[worst])
 
 
-def test_glm5_next_export_without_origin_and_mtp_layers_skipped(tmp_path, caplog):
-    """A model with no HF origin exports with a minimal vision config; the hub's MTP layer (index
-    num_hidden_layers, num_nextn_predict_layers=1) is skipped on import with a notice, as
-    transformers ignores it."""
+def test_glm5_next_export_without_origin(tmp_path):
+    """A model with no HF origin exports with a minimal vision config. (Its MTP layers convert
+    both ways: tests/test_mtp_convert.py.)"""
     from megamoe.convert import from_hf, to_hf
     from megamoe.diagnostics.verify import load_hf_model
 
     hf = tiny_glm5_next().float().eval()
     hf.save_pretrained(tmp_path / "hf")
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config["text_config"]["num_nextn_predict_layers"] = 1
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    weights = load_file(tmp_path / "hf" / "model.safetensors")
-    weights["model.language_model.layers.2.eh_proj.weight"] = torch.zeros(32, 64)
-    save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
-    with caplog.at_level(logging.WARNING, logger="megamoe.convert.api"):
-        model = from_hf(tmp_path / "hf")
-    assert any("multi-token-prediction" in r.getMessage() for r in caplog.records)
+    model = from_hf(tmp_path / "hf")
     model.hf_origin = None
     to_hf(model, tmp_path / "out", family="glm5_next")
     ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(4))

@@ -115,6 +115,18 @@ class InferenceCache:
         real = k[None] >= self.pad.to(k.device)[:, None, None]  # [b, 1, t_k]
         return allowed[None] & (real | (k == q)[None])
 
+    def snapshot(self):
+        """What ``restore`` needs to undo the forwards after this call (speculative decoding's
+        rejected drafts). Mixers replace their state tensors and never write into them, so shallow
+        copies of the states are enough."""
+        return self.seen, {n: LayerState(state) for n, state in self._layers.items()}
+
+    def restore(self, snapshot) -> None:
+        """Back to ``snapshot`` (rows must not have been selected since)."""
+        self.seen, layers = snapshot
+        self._layers = {n: LayerState(state) for n, state in layers.items()}
+        self._mask = None
+
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep/reorder rows (beam search, dropping finished rows) in every state."""
         for state in self._layers.values():

@@ -221,6 +221,11 @@ class PagedCache(InferenceCache):
         super().__init__(batch_size, pad)
         self.block_size, self.kv_dtype = block_size, kv_dtype
 
+    def snapshot(self):
+        """Blocks are written in place, so a paged cache cannot go back (speculative decoding
+        decodes with the contiguous cache)."""
+        raise ConfigError("a paged decode cache cannot be rolled back: speculative decoding needs the contiguous cache")
+
     def new_state(self, layer_number) -> LayerState:
         return PagedLayerState(self)
 

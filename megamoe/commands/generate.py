@@ -7,6 +7,7 @@ fine-tune's checkpoint too: its base comes from its meta.json, the adapters are 
     megamoe-generate VLM_DIR --image shapes.png --tokenizer byte     # caption an image
     megamoe-generate CKPT --ids 1,2,3 --expert-budget 4096           # routed experts read from disk as routed
     megamoe-generate CKPT --ids 1,2,3 --expert-budget 4096 --expert-store HF_DIR   # ... from the HF checkpoint
+    megamoe-generate HF_DIR --ids 1,2,3 --speculative mtp            # drafts from the model's MTP layers
     torchrun --nproc-per-node 4 -m megamoe.commands.generate HF_DIR --tp 2 --pp 2 --ids 1,2,3   # at a layout
 """
 from __future__ import annotations
@@ -74,6 +75,10 @@ def parser():
                    help="decode cache: contiguous tensors, paged blocks, or paged int8 / fp8 (e4m3) blocks "
                         "with per-block, per-head scales")
     p.add_argument("--block-size", type=number_in(int, 1), default=16, help="tokens per block of a paged cache")
+    p.add_argument("--speculative", choices=("mtp",),
+                   help="greedy decoding drafted by the model's multi-token-prediction layers (model.mtp): each step "
+                        "verifies the drafts in one forward, the tokens are plain greedy's; prints the accepted tokens "
+                        "per step (one process, contiguous cache; docs/inference.md)")
     p.add_argument("--compile", action="store_true",
                    help="run each decode step as one torch.compile'd graph (one process; the first steps "
                         "compile, tens of seconds; docs/inference.md)")
@@ -105,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError("give --prompt (with a tokenizer), --image (with a tokenizer) or --ids")
     if args.image and len(args.ids or args.prompt or [""]) > 1:
         raise ConfigError("--image: give one prompt with an image")
+    check_speculative(args)
     model, forward, show = load_for_layout(args)
     tok = load_tokenizer(args.tokenizer or args.model_dir) if (args.prompt or args.tokenizer) else None
     if prompts is None:
@@ -121,12 +127,26 @@ def main(argv: list[str] | None = None) -> None:
     for ids in prompts:
         check_ids(ids, model.config.vocab_size, "--ids" if args.ids else "--prompt")
     longest, limit = max(len(ids) for ids in prompts), model.config.max_seq_len
-    if longest + args.max_new_tokens > limit:  # the model's context, not a hang of 10^11 steps
-        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: with the prompt's {longest} tokens that is more "
-                          f"than the model's max_seq_len {limit}")
+    drafts = model.config.mtp.num_layers if args.speculative and model.config.mtp is not None else 0
+    if longest + args.max_new_tokens + drafts > limit:  # the model's context, not a hang of 10^11 steps
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: with the prompt's {longest} tokens "
+                          f"{'and the drafts ' if drafts else ''}that is more than the model's max_seq_len {limit}")
     for line in decode_lines(model, prompts, tok, args, images, forward):
         if show:
             print(line, flush=True)
+
+
+def check_speculative(args) -> None:
+    """--speculative mtp decodes greedily, in one process, with the contiguous cache."""
+    if not args.speculative:
+        return
+    clash = next((flag for flag, on in (("--sample", args.sample), ("--image", args.image), ("--compile", args.compile),
+                                        ("--expert-budget", args.expert_budget is not None),
+                                        (f"--kv-cache {args.kv_cache}", args.kv_cache != "contiguous"),
+                                        ("a parallel layout", parallel_from_args(args) is not None)) if on), None)
+    if clash:
+        raise ConfigError(f"--speculative mtp: not with {clash} (greedy decoding in one process with the contiguous "
+                          f"cache)")
 
 
 def load_for_layout(args):
@@ -176,20 +196,28 @@ def decode_lines(model, prompts: list[list[int]], tok, args, images, forward=Non
     """Decode the prompts as one batch; yield the lines to print (with --stream one per token as
     it comes, then one line per prompt)."""
     from megamoe.inference.generate import stream
+    from megamoe.inference.speculative import SpeculativeStats, stream_speculative
 
     new: list[list[int]] = [[] for _ in prompts]
-    for rows, tokens in stream(model, prompts, args.max_new_tokens, do_sample=args.sample,
-                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                               eos_token_id=tok.eos_id if tok is not None else None, seed=args.seed,
-                               images=images, prefill_chunk=args.prefill_chunk or None,
-                               cache_factory=cache_factory(args.kv_cache, args.block_size), forward=forward,
-                               compile=args.compile):
+    eos, stats = tok.eos_id if tok is not None else None, SpeculativeStats()
+    if args.speculative:
+        steps = stream_speculative(model, prompts, args.max_new_tokens, eos_token_id=eos,
+                                   prefill_chunk=args.prefill_chunk or None, stats=stats)
+    else:
+        steps = stream(model, prompts, args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, eos_token_id=eos, seed=args.seed, images=images,
+                       prefill_chunk=args.prefill_chunk or None,
+                       cache_factory=cache_factory(args.kv_cache, args.block_size), forward=forward,
+                       compile=args.compile)
+    for rows, tokens in steps:
         for r, t in zip(rows.tolist(), tokens.tolist()):
             new[r].append(t)
             if args.stream:
                 yield f"[{r}] {tok.decode([t]) if tok is not None else t}"
     for ids in new:
         yield tok.decode(ids) if tok is not None else ids
+    if args.speculative:
+        yield stats.summary()
 
 
 def cli() -> None:

@@ -55,6 +55,7 @@ def open_hf(hf_dir) -> tuple[HFCheckpoint | DequantizedHF, Family, ModelConfig]:
     source = str(Path(hf_dir) / "config.json")
     family = get_family(ck.config.get("model_type"), source)
     cfg = family.config_from_hf(ck.config)
+    _drop_absent_mtp(ck, family, cfg)
     cfg.validate()
     fmt = quant_format(ck.config, source)
     if fmt is not None:
@@ -64,6 +65,19 @@ def open_hf(hf_dir) -> tuple[HFCheckpoint | DequantizedHF, Family, ModelConfig]:
         raise CheckpointError(f"{ck.path}: tensor {fp8[0]} is {ck.dtypes[fp8[0]]} but {source} has no "
                               f"quantization_config naming its format; dequantise the checkpoint first")
     return ck, family, cfg
+
+
+def _drop_absent_mtp(ck: HFCheckpoint, family: Family, cfg: ModelConfig) -> None:
+    """Configs count multi-token-prediction layers that a checkpoint may not hold (transformers'
+    deepseek_v3 defaults to one and never saves it): with none of their tensors there, the model
+    is built without them; with some, the plan names the first one missing."""
+    if cfg.mtp is None:
+        return
+    needed = {n for e in plan_entries(family, cfg, ck.config, ck.names) if e.mm.startswith("mtp.") for n in e.hf}
+    if not needed & ck.names:
+        log.info("%s: the config counts %d multi-token-prediction layer(s) but the checkpoint holds none; "
+                 "converting the model without them", ck.path, cfg.mtp.num_layers)
+        cfg.mtp = None
 
 
 def _checked_plan(ck: HFCheckpoint, family: Family, cfg: ModelConfig, meta_tensors: dict) -> list[Entry]:

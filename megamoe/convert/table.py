@@ -9,15 +9,22 @@ tensor pattern(s) it is made of, with a typed transform both ways:
     Fn(...)        any pair of functions (fused QKV, GDN interleaves, conv layouts)
     Experts(...)   per-expert HF tensors ({E}) or HF's stacked tensors <-> megamoe's [E, ...]
     OneOf(a, b)    the same tensor from alternative HF layouts (hub names or transformers' own)
+    Copies(...)    a rule's tensor also stored under other names (MTP layers' copies of the
+                   shared embedding and head): equal on import, written to every name
 
 ``{L}`` is a layer index, ``when`` restricts a rule to layers whose mixer or MLP letter is in
-it (``""``: not a layer tensor). ``expand`` turns a table into concrete entries for one
-model; ``check_plan`` proves it covers the model exactly and consumes every HF tensor.
+it (``""``: not a layer tensor). ``{D}`` is a multi-token-prediction depth (``megamoe.model.mtp``):
+such a rule is expanded for every depth whose layer kind ``when`` allows (``""``: all), with
+``{L}`` the depth's layer number (``num_layers + D``, as the HF checkpoints number it).
+``renamed`` re-targets a rule (e.g. a family's layer rules at the MTP depths' layers).
+``expand`` turns a table into concrete entries for one model; ``check_plan`` proves it covers
+the model exactly and consumes every HF tensor.
 Transforms are plain torch, so they also run on meta tensors: shapes are checked before a
 byte is read.
 """
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -35,8 +42,10 @@ class Ctx:
     cfg: ModelConfig
     hf: dict
     layer: int | None = None
+    depth: int | None = None  # the multi-token-prediction depth of a ``{D}`` rule
     stacked: bool = False  # experts: the HF checkpoint holds stacked (not per-expert) tensors
     variant: int = 0  # OneOf: the index of the HF layout found in the checkpoint
+    copies: list = field(default_factory=list)  # Copies: the copies' names found in the checkpoint
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,7 @@ class Rule(ABC):
 
 def fmt(pattern: str, ctx: Ctx, expert: int | None = None) -> str:
     out = pattern.replace("{L}", str(ctx.layer)) if ctx.layer is not None else pattern
+    out = out.replace("{D}", str(ctx.depth)) if ctx.depth is not None else out
     return out.replace("{E}", str(expert)) if expert is not None else out
 
 
@@ -154,6 +164,32 @@ class Experts(Rule):
         return list(self.to_stacked(tensor, ctx)) if self.to_stacked else [tensor]
 
 
+@dataclass(frozen=True)
+class Copies(Rule):
+    """``rule``'s tensor (one HF tensor) also stored under the names in ``hf`` (DeepSeek-V3's MTP
+    layers carry copies of the embedding and head they share with the model). Import reads the
+    copies the checkpoint holds and checks they equal the tensor bitwise, so keeping one loses
+    nothing; export writes it under every name."""
+
+    rule: Rule = None
+
+    def hf_names(self, ctx, available):
+        copies = [fmt(p, ctx) for p in self.hf]
+        ctx.copies = [n for n in copies if n in available] if available else copies  # export: all of them
+        return [*self.rule.hf_names(ctx, available), *ctx.copies]
+
+    def to_mm(self, tensors, ctx):
+        first = self.rule.to_mm(tensors[:1], ctx)
+        for name, t in zip(ctx.copies, tensors[1:]):
+            if t.shape != first.shape or not (first.is_meta or t.is_meta or torch.equal(t, first)):
+                raise CheckpointError(f"tensor {name} differs from the model's {self.mm}: megamoe keeps one "
+                                      f"{self.mm}, shared by the model and its multi-token-prediction layers")
+        return first
+
+    def to_hf(self, tensor, ctx):
+        return [*self.rule.to_hf(tensor, ctx), *[tensor] * len(ctx.copies)]
+
+
 def OneOf(*rules: Rule) -> Rule:  # noqa: N802  (reads like a table row)
     """One megamoe tensor from whichever of several HF layouts the checkpoint holds.
 
@@ -196,6 +232,19 @@ class _OneOf(Rule):
         return self.rules[ctx.variant].to_hf(tensor, ctx)
 
 
+def renamed(rule: Rule, mm: Callable[[str], str], hf: Callable[[str], str]) -> Rule:
+    """``rule`` with its megamoe pattern mapped by ``mm`` and every HF pattern (alternatives and
+    stacked experts included) by ``hf``; transforms unchanged."""
+    changes = {"mm": mm(rule.mm), "hf": tuple(hf(p) for p in rule.hf)}
+    if isinstance(rule, Experts):
+        changes["stacked"] = tuple(hf(p) for p in rule.stacked)
+    if isinstance(rule, _OneOf):
+        changes["rules"] = tuple(renamed(r, mm, hf) for r in rule.rules)
+    if isinstance(rule, Copies):
+        changes["rule"] = renamed(rule.rule, mm, hf)
+    return dataclasses.replace(rule, **changes)
+
+
 # ---- expansion and checks ----------------------------------------------------------------
 
 @dataclass
@@ -222,17 +271,18 @@ def expand(rules: list[Rule], cfg: ModelConfig, hf: dict, available: set[str] | 
            num_layers: int | None = None) -> list[Entry]:
     """Concrete entries for every layer of ``cfg`` (HF names as found in ``available``)."""
     layout = cfg.parsed_layout()
+    depths = cfg.mtp.kinds() if cfg.mtp is not None else ()
     available = available or set()
     out: list[Entry] = []
     for rule in rules:
-        if "{L}" not in rule.mm:
-            ctx = Ctx(cfg, hf)
-            out.append(Entry(rule.mm, rule.hf_names(ctx, available), rule, ctx))
-            continue
-        for i, kind in enumerate(layout.layers):
-            if layer_matches(rule, kind):
-                ctx = Ctx(cfg, hf, i)
-                out.append(Entry(fmt(rule.mm, ctx), rule.hf_names(ctx, available), rule, ctx))
+        if "{D}" in rule.mm:
+            contexts = [Ctx(cfg, hf, layout.num_layers + d, depth=d) for d, kind in enumerate(depths)
+                        if not rule.when or layer_matches(rule, kind)]
+        elif "{L}" in rule.mm:
+            contexts = [Ctx(cfg, hf, i) for i, kind in enumerate(layout.layers) if layer_matches(rule, kind)]
+        else:
+            contexts = [Ctx(cfg, hf)]
+        out += [Entry(fmt(rule.mm, ctx), rule.hf_names(ctx, available), rule, ctx) for ctx in contexts]
     return out
 
 

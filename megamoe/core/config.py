@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional
 
 from megamoe.core.dtypes import DTYPES
 from megamoe.core.errors import ConfigError
-from megamoe.core.layout import MIXERS, MLPS, MOE_LETTERS, Layout, parse_layout
+from megamoe.core.layout import MIXERS, MLPS, MOE_LETTERS, LayerKind, Layout, parse_layout
 from megamoe.core.placement import check_placement
 
 FUSION_MODES = ("auto", "on", "off")  # megamoe.layers.ops.fusion.Fusion's modes (a backend's policy)
@@ -740,6 +740,38 @@ class Fp8BaseConfig:
 
 
 @dataclass
+class MTPConfig:
+    """Multi-token prediction (``model.mtp``), as DeepSeek-V3 defines its MTP modules.
+
+    ``num_layers`` depths follow the last layer (HF ``num_nextn_predict_layers`` or
+    ``mtp_num_hidden_layers``). Depth k (0-based) reads h^k at position i (h^0: the main model's
+    final-normed hidden state) and the embedding of token i+k+1, and predicts token i+k+2::
+
+        h^{k+1}_i = norm_k(layer_k(eh_proj_k([enorm_k(E(t_{i+k+1})), hnorm_k(h^k_i)])))
+        logits^k_i = h^{k+1}_i W_out^T
+
+    with the model's own embedding E and output layer W_out (shared, not copies). ``layout``:
+    each depth's decoder layer, one mixer+MLP letter pair per depth, or one pair for all depths
+    (e.g. ``Me``: MLA and routed experts, as DeepSeek-V3's MTP layer).
+    """
+
+    num_layers: int = 1
+    layout: str = "Ae"
+
+    def kinds(self) -> tuple[LayerKind, ...]:
+        """The decoder layer kind of every depth."""
+        layers = parse_layout(self.layout, "model.mtp.layout").layers
+        return layers * self.num_layers if len(layers) == 1 else layers
+
+    def validate(self, path: str = "model.mtp") -> None:
+        check_positive(f"{path}.num_layers", self.num_layers)
+        layout = parse_layout(self.layout, f"{path}.layout")
+        check(not layout.cuts, f"{path}.layout", self.layout, "has no pipeline cuts (every depth sits on the last stage)")
+        check(layout.num_layers in (1, self.num_layers), f"{path}.layout", self.layout,
+              f"gives one layer for every depth or {self.num_layers} (num_layers), not {layout.num_layers}")
+
+
+@dataclass
 class ModelConfig:
     """A causal language model (plus, later, its vision encoder) described by a layout string.
 
@@ -769,6 +801,7 @@ class ModelConfig:
     fusion: Optional[str] = None  # auto | on | off: compiled elementwise kernels (megamoe.layers.ops.fusion); None: MEGAMOE_FUSION
     vision: Optional[VisionConfig] = None  # image encoder + projector (megamoe.model.multimodal)
     fp8_base: Optional[Fp8BaseConfig] = None  # weights kept in FP8 (import-hf --keep-fp8; megamoe.model.fp8_base)
+    mtp: Optional[MTPConfig] = None  # multi-token-prediction depths after the last layer (megamoe.model.mtp)
 
     def parsed_layout(self) -> Layout:
         return parse_layout(self.layout, "model.layout")
@@ -789,6 +822,8 @@ class ModelConfig:
             check_choice(f"{path}.fusion", self.fusion, FUSION_MODES)
         layout = parse_layout(self.layout, f"{path}.layout")
         check_selection_sources(layout, [list(range(layout.num_layers))], f"{path}.layout")
+        if self.mtp is not None:
+            self.mtp.validate(f"{path}.mtp")
         self._validate_sections(layout, path)
         self._validate_residual(path)
         if self.moe is not None and self.moe.placement:
@@ -807,16 +842,19 @@ class ModelConfig:
         """Config sections the layout's letters need, by name; a missing one is an error.
 
         Every section implements ``validate(hidden_size, path)`` and
-        ``validate_parallel(parallel, path)``.
+        ``validate_parallel(parallel, path)``. The MTP depths' layers count as the layout's.
         """
-        used = layout.counts()
+        used = {letter: f"{path}.layout" for letter in layout.counts()}
+        for kind in self.mtp.kinds() if self.mtp is not None else ():  # the MTP depths' layers too
+            used.setdefault(kind.mixer, f"{path}.mtp.layout")
+            used.setdefault(kind.mlp, f"{path}.mtp.layout")
         sections = {}
         for letter, (what, section) in [*MIXERS.items(), *MLPS.items()]:
             if letter not in used or section is None or section in sections:
                 continue
             sub = getattr(self, section, None)
             if sub is None:
-                raise ConfigError(f"{path}.{section} is not set but {path}.layout uses '{letter}' ({what})")
+                raise ConfigError(f"{path}.{section} is not set but {used[letter]} uses '{letter}' ({what})")
             sections[section] = sub
         return sections
 

@@ -31,6 +31,7 @@ from megamoe.model.fp8_base import keep_fp8
 from megamoe.layers.backends import get_backend
 from megamoe.layers.hyper_connection import HyperConnection, HyperHead, expand_streams, merge_streams
 from megamoe.core.layout import MIXERS, MLPS, LayerKind
+from megamoe.model.mtp import MTPTargets, add_mtp_loss, build_depths
 from megamoe.parallel import comm
 from megamoe.parallel.context import ContextShard, split_for_cp
 from megamoe.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
@@ -205,7 +206,8 @@ class LanguageModel(nn.Module):
     """A decoder-only LM from a layout string.
 
     ``layer_ids``: global layer indices this pipeline stage holds (default: all);
-    ``pre_process``/``post_process``: whether it holds the embedding / norm+output.
+    ``pre_process``/``post_process``: whether it holds the embedding / norm+output (and the
+    multi-token-prediction depths ``mtp``, which also read the embedding: ``megamoe.model.mtp``).
     """
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups | None = None, *,
@@ -222,7 +224,7 @@ class LanguageModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): self.block(self.layout.layers[i], cfg, ctx, i) for i in ids})
         self.cp_size = ctx.groups.size("cp")
         self.embedding = None
-        if pre_process or (post_process and cfg.tie_embeddings):
+        if pre_process or (post_process and (cfg.tie_embeddings or cfg.mtp is not None)):
             self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.groups.tp,
                                                     sequence_parallel=ctx.sp, init_std=cfg.init_std,
                                                     dtype=ctx.dtype, device=device)
@@ -232,6 +234,8 @@ class LanguageModel(nn.Module):
             padded = self.embedding.padded_vocab if self.embedding is not None else \
                 -(-cfg.vocab_size // ctx.groups.tp_size) * ctx.groups.tp_size
             self.output_layer = OutputLayer(cfg, ctx, padded, tied=cfg.tie_embeddings)
+        self.mtp = build_depths(cfg, ctx, self.block) if post_process and cfg.mtp is not None else None
+        self.mtp_loss_sums = torch.zeros(len(self.mtp or ()), dtype=torch.float64)  # see megamoe.model.mtp.add_mtp_loss
         if cfg.fp8_base is not None:
             keep_fp8(self, cfg.fp8_base)  # the released FP8 weights stay e4m3 (megamoe.model.fp8_base)
 
@@ -241,7 +245,7 @@ class LanguageModel(nn.Module):
         unknown = parts - set(RECOMPUTE_CHOICES)
         if unknown:
             raise ConfigError(f"train.recompute={sorted(parts)} is invalid: allowed: {', '.join(RECOMPUTE_CHOICES)}")
-        for layer in self.layers.values():
+        for layer in [*self.layers.values(), *(d.layer for d in self.mtp or ())]:
             layer.recompute = parts
             mixer = getattr(layer, "mixer", None)
             if hasattr(mixer, "recompute_core"):
@@ -270,11 +274,20 @@ class LanguageModel(nn.Module):
         """The last layer's residual stream -> [b, s(/tp), h] for the final norm."""
         return self.block.leave_stream(stream) if self.stream_head is None else self.stream_head(stream)
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[b, s(/tp), h] -> vocab-parallel logits [b, s, V_pad/tp]."""
-        hidden = self.final_norm(hidden)
+    def head(self, hidden: torch.Tensor, info: ForwardInfo | None = None,
+             mtp: MTPTargets | None = None) -> torch.Tensor:
+        """[b, s(/tp), h] -> vocab-parallel logits [b, s, V_pad/tp]; with ``mtp`` (training) the
+        MTP depths' loss is attached to their gradient (``megamoe.model.mtp.add_mtp_loss``)."""
+        normed = self.final_norm(hidden)
+        logits = self.output(normed)
+        if mtp is not None and self.mtp is not None:
+            logits = add_mtp_loss(self, logits, normed, mtp, info)
+        return logits
+
+    def output(self, normed: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [b, s(/tp), h] -> vocab-parallel logits [b, s, V_pad/tp]."""
         tied = self.embedding.weight if self.config.tie_embeddings else None
-        return self.output_layer(hidden, tied)
+        return self.output_layer(normed, tied)
 
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """[b, s, V_pad/tp] -> [b, s, V] on every TP rank."""
@@ -340,11 +353,13 @@ class LanguageModel(nn.Module):
         return self.loss(out, labels)
 
     def forward_stage(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
-                      documents: torch.Tensor | None = None, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      documents: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
+                      mtp: MTPTargets | None = None) -> torch.Tensor:
         """One pipeline stage: token ids [b, S] (first stage) or hidden states in; hidden states
         or, on the last stage, vocab-parallel logits [b, s, V_pad/tp] out. ``positions`` [b, S]
         (or [3, b, S]), ``documents`` [b, S] and ``token_ids`` [b, S] (later stages: the input
-        ids, which hash-routed MoE layers read) cover the full sequence on every stage."""
+        ids, which hash-routed MoE layers read) cover the full sequence on every stage; ``mtp``:
+        the last stage's multi-token-prediction targets in training (``megamoe.model.mtp``)."""
         ids, hidden = (x, None) if self.pre_process else (None, x)
         token_ids = ids if ids is not None else token_ids
         shard = self.context_shard(self.full_length(ids, hidden, cache), cache)
@@ -358,7 +373,7 @@ class LanguageModel(nn.Module):
             hidden = self.run_layers(hidden, info)
         if cache is not None:  # every pipeline stage keeps its own cache
             cache.advance(positions.size(-1))
-        return self.head(hidden) if self.post_process else hidden
+        return self.head(hidden, info, mtp) if self.post_process else hidden
 
 
 def shift_labels(input_ids: torch.Tensor) -> torch.Tensor:

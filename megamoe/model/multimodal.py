@@ -222,7 +222,7 @@ class MultimodalModel(LanguageModel):
 
     def forward_stage(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
                       images=None, documents: torch.Tensor | None = None,
-                      token_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      token_ids: torch.Tensor | None = None, mtp=None) -> torch.Tensor:
         """One pipeline stage (see ``LanguageModel.forward_stage``); the first stage also takes
         the batch's ``images``. Placeholders without images are an error, never ignored."""
         ids, hidden = (x, None) if self.pre_process else (None, x)
@@ -238,7 +238,7 @@ class MultimodalModel(LanguageModel):
         hidden = self.run_layers(hidden, info, after=deepstack)
         if cache is not None:  # every pipeline stage keeps its own cache
             cache.advance(positions.size(-1))
-        return self.head(hidden) if self.post_process else hidden
+        return self.head(hidden, info, mtp) if self.post_process else hidden
 
 
 # ---- addressing vision and language parameters separately -----------------------------------

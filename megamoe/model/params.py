@@ -31,8 +31,8 @@ class ParamBudget:
 
 def _part_name(param_name: str) -> str:
     bits = param_name.split(".")
-    if bits[0] == "layers":
-        return f"layers.{bits[1]}"
+    if bits[0] in ("layers", "mtp"):  # a layer, or a multi-token-prediction depth (megamoe.model.mtp)
+        return f"{bits[0]}.{bits[1]}"
     return bits[0]
 
 

@@ -181,7 +181,7 @@ def traced_kinds(cfg, seq: int, act: int) -> tuple[int, dict[str, dict]]:
     if key not in _TRACED:
         from megamoe.layers.spec import ForwardInfo
 
-        kinds = {}
+        cfg, kinds = _with_mtp_kinds(cfg), {}
         for i, kind in enumerate(cfg.parsed_layout().layers):
             kinds.setdefault(str(kind), i)
         mode, model = _fake_layers(cfg, kinds)
@@ -191,6 +191,17 @@ def traced_kinds(cfg, seq: int, act: int) -> tuple[int, dict[str, dict]]:
             _TRACED[key] = {k: _traced_kind(model.layers[str(i)], cfg, seq, act, params, info)
                             for k, i in sorted(kinds.items(), key=lambda item: item[1])}
     return seq, _TRACED[key]
+
+
+def _with_mtp_kinds(cfg):
+    """``cfg`` whose layout also holds the multi-token-prediction depths' layer kinds (after the
+    last layer, as their layer numbers are), so one trace covers them too."""
+    if cfg.mtp is None:
+        return cfg
+    import dataclasses
+
+    kinds = [*cfg.parsed_layout().layers, *cfg.mtp.kinds()]
+    return dataclasses.replace(cfg, layout="".join(str(k) for k in kinds), mtp=None)
 
 
 def _split(parts: dict[str, tuple[float, float]], tp: int, sp: bool) -> dict[str, float]:
@@ -207,13 +218,15 @@ def head_bytes(cfg, tokens: float, *, tp: int, sp: bool, act: int) -> float:
 
 
 def stage_activations(cfg, stages: list[list[int]], micro_batch: int, seq: int, *, tp: int, sp: bool,
-                      etp: int, act: int, recompute=()) -> list[dict]:
+                      etp: int, act: int, recompute=(), mtp: bool = False) -> list[dict]:
     """Per stage, for one rank: ``kept`` (bytes of one micro-batch's activations kept for
     backward), ``transient`` (the most one layer's recomputed forward adds while its backward
     runs) and ``working`` (the backward's working set: the largest part's kept bytes, a mixer
     or an MLP with its norm: the gradients its backward produces while what it saved is still
     held; e.g. the routed experts' per-copy gradients and their weight gradients' new terms). ``seq``: this rank's tokens per
-    sequence (S / CP)."""
+    sequence (S / CP). ``mtp``: the multi-token-prediction depths train (``train.mtp_loss_weight``
+    > 0): the last stage also keeps, per depth, its layer, its projection's input [b, s, 2h] and
+    its logits as the head's."""
     traced, per_kind = traced_kinds(cfg, seq, act)
     grow = micro_batch * seq / traced
     streams = cfg.hyper_connections.streams if cfg.hyper_connections is not None else 1
@@ -239,5 +252,10 @@ def stage_activations(cfg, stages: list[list[int]], micro_batch: int, seq: int, 
             transient = max(transient, mixer if "mixer" in recompute else 0.0, mlp if "mlp" in recompute else 0.0)
         if s == len(stages) - 1:
             kept += head_bytes(cfg, micro_batch * seq, tp=tp, sp=sp, act=act)
+            for kind in cfg.mtp.kinds() if mtp and cfg.mtp is not None else ():
+                mixer, mlp = parts_of[str(kind)]
+                working = max(working, mixer, mlp)
+                kept += (2 * stream if "layer" in recompute else mixer + mlp + 2 * stream)
+                kept += head_bytes(cfg, micro_batch * seq, tp=tp, sp=sp, act=act)
         rows.append({"kept": kept, "transient": transient, "working": working})
     return rows

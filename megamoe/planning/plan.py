@@ -27,13 +27,15 @@ def describe(cfg: ModelConfig) -> str:
     layout = cfg.validate()
     b = budget(cfg)
     kinds = {f"layers.{i}": str(k) for i, k in enumerate(layout.layers)}
+    kinds.update({f"mtp.{k}": str(kind) for k, kind in enumerate(cfg.mtp.kinds() if cfg.mtp is not None else ())})
     counts = layout.counts()
     legend = ", ".join(f"{k}={MIXERS[k][0]} x{counts[k]}" for k in MIXERS if k in counts)
     legend += "; " + ", ".join(f"{k}={MLPS[k][0]} x{counts[k]}" for k in MLPS if k in counts)
     stages = f"{len(layout.cuts) + 1} pipeline stage(s)" if layout.cuts else "no pipeline cuts"
+    mtp = f"; multi-token prediction: {cfg.mtp.num_layers} depth(s) {cfg.mtp.layout}" if cfg.mtp is not None else ""
     lines = [
         f"layout: {cfg.layout}",
-        f"layers: {layout.num_layers} ({stages}): {layout.compact()}",
+        f"layers: {layout.num_layers} ({stages}): {layout.compact()}{mtp}",
         f"kinds: {legend}",
         format_budget(b, kinds),
         f"summary: {human(b.total)} total, {human(b.active)} active per token, "
@@ -47,7 +49,7 @@ def _stage_of(name: str, stages: list[list[int]]) -> int:
     if bits[0] == "layers":
         layer = int(bits[1])
         return next(i for i, ids in enumerate(stages) if layer in ids)
-    if bits[0] in ("final_norm", "output_layer"):
+    if bits[0] in ("final_norm", "output_layer", "mtp"):
         return len(stages) - 1
     return 0  # embedding, vision tower
 
@@ -70,9 +72,24 @@ def _grid(parallel, world_size: int) -> dict[str, int]:
             "dp_cp": dp * parallel.cp, "edp": edp}
 
 
+def _count(row: dict, p, local: float, g: dict, zero1: bool, scales: bool) -> None:
+    """One rank's ``local`` elements of ``p`` in its stage's ``row``: weights, gradients and AdamW
+    state (``scales``: a frozen FP8 weight's scales, bytes but not parameters)."""
+    from megamoe.parallel.record import record
+    from megamoe.parallel.sharding import sharding
+
+    row["params"] += 0 if scales else local
+    row["stored" if record(p).stored else "weights"] += local * p.element_size()
+    if p.requires_grad:
+        replicas = g["edp"] if any(r.group in ("ep", "etp") for r in sharding(p)) else g["dp_cp"]
+        state = 8 + (4 if p.dtype != torch.float32 else 0)      # moments (+ fp32 master)
+        row["grads"] += local * p.element_size()
+        row["optim"] += local * state / (replicas if zero1 else 1)
+
+
 def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, seq_len: int, *,
                  lora=None, offload: bool = False, recompute=(), zero1: bool = True, model=None,
-                 micro_batches: int | None = None, activation_bytes: int = 2) -> list[dict]:
+                 micro_batches: int | None = None, activation_bytes: int = 2, mtp: bool = False) -> list[dict]:
     """Bytes one rank of each pipeline stage holds (on the device, and in host memory with
     ``offload``): parameters in their dtype; gradients of trainable parameters in that dtype;
     AdamW's two fp32 moments, plus an fp32 master for a parameter below fp32, split over the
@@ -87,14 +104,15 @@ def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, 
     kept bytes: the activation gradients it produces while its inputs are still held).
     ``activation_bytes``: 2 for bf16 (a GPU run under autocast, or bf16 parameters), 4 for an
     fp32 run. CP divides the tokens. ``model``: the meta model (``planned_model``) when
-    planning many layouts of one.
+    planning many layouts of one. The multi-token-prediction depths sit on the last stage, with a
+    copy of the embedding there (as a tied output layer has); ``mtp``: they train
+    (``train.mtp_loss_weight`` > 0), so their activations count.
 
     Tiered experts (``model.moe.expert_store.budget_mib``): their weights stay in the store
     (``stored``: the bytes a rank's store holds, on disk or, with the ``host`` tier, in host
     memory) and a stage holding any counts ``min(budget, stored)`` resident instead."""
     import math
 
-    from megamoe.parallel.record import record
     from megamoe.planning.activations import stage_activations
     from megamoe.parallel.sharding import sharding
 
@@ -108,16 +126,12 @@ def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, 
     for name, p in model.named_parameters():
         rules = sharding(p)
         local = math.prod(p.shape) / math.prod(g.get(r.group, 1) for r in rules)
-        row = rows[_stage_of(name, stages)]
-        row["params"] += 0 if name in fp8_scales else local  # a frozen FP8 weight's scales: bytes, not parameters
-        row["stored" if record(p).stored else "weights"] += local * p.element_size()
-        if p.requires_grad:
-            replicas = g["edp"] if any(r.group in ("ep", "etp") for r in rules) else g["dp_cp"]
-            state = 8 + (4 if p.dtype != torch.float32 else 0)      # moments (+ fp32 master)
-            row["grads"] += local * p.element_size()
-            row["optim"] += local * state / (replicas if zero1 else 1)
+        copied = name == "embedding.weight" and (cfg.tie_embeddings or cfg.mtp is not None)
+        for i in {_stage_of(name, stages), *([len(stages) - 1] if copied else [])}:  # the last stage's copy
+            _count(rows[i], p, local, g, zero1, scales=name in fp8_scales)
     acts = stage_activations(cfg, stages, micro_batch, seq_len // parallel.cp, tp=parallel.tp,
-                             sp=parallel.sequence_parallel, etp=parallel.etp, act=activation_bytes, recompute=recompute)
+                             sp=parallel.sequence_parallel, etp=parallel.etp, act=activation_bytes, recompute=recompute,
+                             mtp=mtp)
     store = cfg.moe.expert_store if cfg.moe is not None else None
     for i, (row, a) in enumerate(zip(rows, acts)):
         if row["stored"]:
@@ -139,7 +153,7 @@ def recipe_options(recipe, parallel=None, world_size: int | None = None) -> dict
     t = recipe.train
     bf16 = recipe.model.params_dtype != "float32" or t.precision != "fp32"
     opts = dict(lora=recipe.lora, offload=t.optimizer_offload, recompute=t.recompute, zero1=recipe.optim.zero1,
-                activation_bytes=2 if bf16 else 4)
+                activation_bytes=2 if bf16 else 4, mtp=t.mtp_loss_weight > 0)
     if parallel is not None:
         per_rank = t.micro_batch_size * (world_size // (parallel.tp * parallel.pp * parallel.cp))
         if per_rank and t.global_batch_size % per_rank == 0:

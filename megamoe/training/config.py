@@ -76,6 +76,9 @@ class TrainConfig:
     # blockwise, mxfp8: Transformer Engine recipes (model.backend=te). None: off
     fp8: Optional[str] = None
     indexer: IndexerTrainConfig = field(default_factory=IndexerTrainConfig)  # D/I layers' indexer training
+    # multi-token-prediction loss weight lambda (DeepSeek-V3): + lambda * the mean over model.mtp's
+    # depths of each depth's cross-entropy; 0: the MTP depths do not train (frozen)
+    mtp_loss_weight: float = 0.0
 
     def validate(self, path: str = "train") -> None:
         self.indexer.validate(f"{path}.indexer")
@@ -83,6 +86,7 @@ class TrainConfig:
             check_positive(f"{path}.{name}", getattr(self, name))
         check(self.collective_timeout_s > 0, f"{path}.collective_timeout_s", self.collective_timeout_s, "must be > 0")
         check_choice(f"{path}.precision", self.precision, PRECISIONS)
+        check(self.mtp_loss_weight >= 0, f"{path}.mtp_loss_weight", self.mtp_loss_weight, "must be >= 0")
         check_choice(f"{path}.device", self.device, ("auto", "cpu", "cuda"))
         if self.fp8 is not None:
             check_choice(f"{path}.fp8", self.fp8, FP8_CHOICES)

@@ -1,7 +1,8 @@
 """Gradient synchronisation and the global gradient norm over the whole grid.
 
-Order after backward: TP-partial grads summed over TP (``finalize_grads``), tied embedding
-grads summed over the first and last pipeline stage, then dense grads summed over the
+Order after backward: TP-partial grads summed over TP (``finalize_grads``), the embedding's
+grads summed over the first and last pipeline stage where the last holds a copy (tied to the
+output layer, or read by the multi-token-prediction depths), then dense grads summed over the
 data(-context)-parallel group and expert grads over the expert-data-parallel group. The
 loss is normalised by the global token count, so sums (not averages) make every layout
 equal the single-process run.
@@ -65,8 +66,9 @@ def sync_grads(parts: list[nn.Module], groups: ParallelGroups) -> None:
 def _sync_grads(parts: list[nn.Module], groups: ParallelGroups) -> None:
     for part in parts:
         finalize_grads(part, groups)
-    if groups.embd is not None and parts[0].config.tie_embeddings:
-        # the first stage's embedding and the last stage's output weight are one tensor
+    cfg = parts[0].config
+    if groups.embd is not None and (cfg.tie_embeddings or cfg.mtp is not None):
+        # the first stage's embedding and the last stage's copy (its output weight, or what the MTP reads) are one tensor
         tied = [p for part in parts for n, p in part.named_parameters() if n == "embedding.weight"]
         all_reduce_bucketed(_materialize(tied), groups.embd)
     params = unique_params(parts)
@@ -92,7 +94,7 @@ def _counts_here(name: str, p: torch.Tensor, groups: ParallelGroups, part) -> bo
     if is_expert_param(p):
         return "etp" in split_over or groups.rank("etp") == 0
     if name == "embedding.weight" and not part.pre_process:
-        return False  # the tied copy on the last stage; counted on the first
+        return False  # the last stage's copy (tied, or the MTP's); counted on the first
     return "tp" in split_over or groups.tp_rank == 0
 
 

@@ -20,7 +20,7 @@ from megamoe.core.config_io import config_to_dict
 log = logging.getLogger(__name__)
 
 # the train settings that change the maths (steps may grow; micro-batching and the device do not)
-TRAIN_KEYS = ("global_batch_size", "seed", "precision", "fp8", "indexer")
+TRAIN_KEYS = ("global_batch_size", "seed", "precision", "fp8", "indexer", "mtp_loss_weight")
 DATA_SKIP = ("num_workers",)
 
 

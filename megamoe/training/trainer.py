@@ -33,6 +33,7 @@ from megamoe.training.grads import clip_grads, global_grad_norm, sync_grads
 from megamoe.training.faults import describe, is_collective_failure
 from megamoe.training.guards import CheckpointMismatch, check_unchanged, run_record
 from megamoe.training.monitor import Monitor, memory_gib, peak_tflops
+from megamoe.training.mtp_loss import MTPLoss
 from megamoe.training.optimizer import DistributedOptimizer, lr_at
 from megamoe.training import reports
 from megamoe.training.pipeline import build_chunks, build_schedule, timed_p2p
@@ -96,6 +97,7 @@ class Trainer:
             from megamoe.training.indexer import setup_indexer_training
 
             setup_indexer_training(self.chunks, self.train.indexer, self.train.global_batch_size * recipe.data.seq_len)
+        self.mtp = MTPLoss(recipe, self.chunks, self.groups, self.last)  # frozen unless train.mtp_loss_weight > 0
         self.expert_store = self._open_expert_store()
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.optimizer = DistributedOptimizer(named, self.groups, self.optim_cfg, offload=self.train.optimizer_offload)
@@ -304,7 +306,7 @@ class Trainer:
             for mb in micro:
                 ids, extra = self._stage_inputs(mb)
                 with self._autocast():
-                    logits = chunk.forward_stage(ids, **extra)
+                    logits = chunk.forward_stage(ids, **extra, **self.mtp.targets(mb, self.device))
                 s = self._loss_sum(logits, mb["labels"].to(self.device))
                 (s / total_tokens).backward()
                 loss_sum += s.detach().double().cpu()
@@ -342,7 +344,8 @@ class Trainer:
         # keyword inputs ride along per micro-batch: the first stage's images (the vision tower runs
         # inside it) and, on every stage, packed documents and their positions
         for sid, module in zip(self.stage_ids, self._stage_modules):
-            module.extra = [self._stage_inputs(mb)[1] if sid == 0 else self._later_stage_inputs(mb) for mb in micro]
+            module.extra = [{**(self._stage_inputs(mb)[1] if sid == 0 else self._later_stage_inputs(mb)),
+                             **(self.mtp.targets(mb, self.device) if sid == self.n_stages - 1 else {})} for mb in micro]
         args = [(mb["input_ids"].to(self.device),) for mb in micro] if self.first else None
         targets = [mb["labels"].to(self.device) for mb in micro] if self.last else None
         losses: list = []
@@ -376,6 +379,7 @@ class Trainer:
             raise DataError(f"step {self.step + 1}: the global batch has no target tokens (every label is masked), "
                             f"so the loss would be 0 and nothing learned; check data.paths (SFT samples whose "
                             f"answers data.seq_len truncates away?)")
+        self.mtp.start_step(micro)  # each MTP depth's target count (a collective over dp)
         self.optimizer.zero_grad()
         self.phase = "forward/backward"
         loss_sum = self._forward_backward(micro, total_tokens.to(self.device))
@@ -400,6 +404,7 @@ class Trainer:
         counted = loss_sum if (self.last and self.groups.tp_rank == 0) else torch.zeros_like(loss_sum)
         self.phase = "loss reduction"
         total_loss = comm.all_reduce_tensor(counted, dist.group.WORLD) / total_tokens.double()
+        mtp_metrics = self.mtp.report()  # mtp_loss: the depths' mean cross-entropy (a collective)
         self.step += 1
         self.consumed += self.train.global_batch_size
         if finite:
@@ -407,7 +412,7 @@ class Trainer:
                 hook(self)
         seconds = time.perf_counter() - start
         tokens = self.train.global_batch_size * self.recipe.data.seq_len
-        return {"loss": total_loss.item(), "lr": lr, "grad_norm": norm, "skipped": float(not finite),
+        return {"loss": total_loss.item(), **mtp_metrics, "lr": lr, "grad_norm": norm, "skipped": float(not finite),
                 "seconds": seconds, "tokens_per_s": tokens / seconds}
 
     # ---- the loop ---------------------------------------------------------------------------

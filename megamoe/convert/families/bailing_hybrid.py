@@ -24,13 +24,15 @@ from __future__ import annotations
 from megamoe.core.config import KDAConfig, ModelConfig
 from megamoe.convert.families.common import dense_mlp_rules, embedding_rules, norm_rules
 from megamoe.convert.families.deepseek_v3 import (base_model_config, deepseek_moe_rules, expressible, mla_from_hf,
-                                                  mla_rules, mlp_letters, mtp_skipped)
-from megamoe.convert.families.kimi_linear import hybrid_to_hf, kda_rules, layer_types_to_letters
+                                                  mla_rules, mlp_letters)
+from megamoe.convert.families.kimi_linear import MIXER_LETTERS, hybrid_to_hf, kda_rules, layer_types_to_letters
 from megamoe.convert.family import Family, hf_get, register
+from megamoe.convert.mtp import NEXTN, NEXTN_KEY, mtp_from_hf, mtp_to_hf, nextn_table
 from megamoe.convert.table import Rule, Same, alternatives
 from megamoe.core.errors import CheckpointError
 
 ROPE_THETA = 6_000_000.0  # transformers' default for bailing_hybrid
+MTP_NAMES = {**NEXTN, "final_norm": "final_layernorm"}  # Ling's MTP layer (megamoe.convert.mtp)
 
 
 def kda_from_hf(hf: dict) -> KDAConfig:
@@ -50,10 +52,14 @@ def config_from_hf(hf: dict) -> ModelConfig:
     types = hf.get("layer_types") or ["full_attention" if (i + 1) % group == 0 else "linear_attention"
                                       for i in range(n)]
     layout = "".join(a + b for a, b in zip(layer_types_to_letters(types, n), mlp_letters(hf, dense_default=2)))
-    sections = {"kda": kda_from_hf(hf)} if "K" in layout else {}
-    if "M" in layout:
+    mtp = mtp_from_hf(hf, NEXTN_KEY, MIXER_LETTERS, "M", "e" in layout)
+    letters = layout + (mtp.layout if mtp is not None else "")
+    sections = {"kda": kda_from_hf(hf)} if "K" in letters else {}
+    if "M" in letters:
         sections["mla"] = mla_from_hf(hf, rope="interleaved", head_gate=True, default_theta=ROPE_THETA)
-    return base_model_config(hf, layout, 2.5, **sections)
+    cfg = base_model_config(hf, layout, 2.5, **sections)
+    cfg.mtp = mtp
+    return cfg
 
 
 def config_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
@@ -71,6 +77,7 @@ def config_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
                    kda_safe_gate=k.gate_lower_bound is not None)
         if k.gate_lower_bound is not None:
             out["kda_lower_bound"] = k.gate_lower_bound
+    mtp_to_hf(cfg, out, NEXTN_KEY, MIXER_LETTERS, "M")
     return out
 
 
@@ -91,11 +98,11 @@ def layer_rules(cfg: ModelConfig, *, hub: bool) -> list[Rule]:
 
 
 def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
-    return [*alternatives(layer_rules(cfg, hub=True), layer_rules(cfg, hub=False)),
-            *embedding_rules(cfg)[1:],  # final norm and head: the same names in both layouts
-            *norm_rules("model.layers.{L}", "KM"), *dense_mlp_rules("model.layers.{L}.mlp")]
+    return nextn_table([*alternatives(layer_rules(cfg, hub=True), layer_rules(cfg, hub=False)),
+                        *embedding_rules(cfg)[1:],  # final norm and head: the same names in both layouts
+                        *norm_rules("model.layers.{L}", "KM"), *dense_mlp_rules("model.layers.{L}.mlp")], cfg,
+                       names=MTP_NAMES)
 
 
 BAILING_HYBRID = register(Family("bailing_hybrid", "BailingHybridForCausalLM", config_from_hf, config_to_hf, rules,
-                                 notes="safe-gate KDA + gated MLA + group-routed MoE; hub and in-memory names",
-                                 skipped=mtp_skipped))
+                                 notes="safe-gate KDA + gated MLA + group-routed MoE; hub and in-memory names; MTP"))

@@ -18,6 +18,7 @@ from megamoe.core.config import MLAConfig, MLPConfig, ModelConfig, MoEConfig, Ya
 from megamoe.convert.families.common import (base_hf_config, dense_mlp_rules, dtype_name, embedding_rules, moe_rules,
                                              norm_rules, rope_theta, rope_to_hf, yarn_from_hf)
 from megamoe.convert.family import WITH_FP8, Family, hf_get, register
+from megamoe.convert.mtp import NEXTN_KEY, mtp_from_hf, mtp_to_hf, nextn_table
 from megamoe.convert.table import Rule, Same
 from megamoe.core.errors import CheckpointError
 
@@ -186,8 +187,9 @@ def base_to_hf(cfg: ModelConfig, original: dict | None, model_type: str, archite
 
 
 def mtp_skipped(hf: dict, names: set[str], prefix: str = "model.layers.") -> tuple[set[str], str]:
-    """Hub checkpoints append ``num_nextn_predict_layers`` multi-token-prediction layers after the
-    last decoder layer; transformers ignores them and so does the import (later layers still fail)."""
+    """For a family that does not convert them (kimi_k25): the ``num_nextn_predict_layers``
+    multi-token-prediction layers after the last decoder layer are left out, as transformers
+    leaves them (later layers still fail). The others convert them (megamoe.convert.mtp)."""
     n, extra = hf_get(hf, "num_hidden_layers"), hf.get("num_nextn_predict_layers") or 0
     layer = re.compile(rf"^{re.escape(prefix)}(\d+)\.")
     mtp = {x for x in names if (m := layer.match(x)) and n <= int(m.group(1)) < n + extra}
@@ -195,12 +197,17 @@ def mtp_skipped(hf: dict, names: set[str], prefix: str = "model.layers.") -> tup
                  f"them too)" if mtp else "")
 
 
+MTP_TYPES = {"full_attention": "M"}  # the MTP layer's mixer by HF layer type (megamoe.convert.mtp)
+
+
 # ---- deepseek_v3 ------------------------------------------------------------------------------
 
 def config_from_hf(hf: dict) -> ModelConfig:
     layout = "".join("M" + m for m in mlp_letters(hf, dense_default=3))
     rope = "interleaved" if hf.get("rope_interleave", True) else "half"
-    return base_model_config(hf, layout, 2.5, mla=mla_from_hf(hf, rope=rope))
+    cfg = base_model_config(hf, layout, 2.5, mla=mla_from_hf(hf, rope=rope))
+    cfg.mtp = mtp_from_hf(hf, NEXTN_KEY, MTP_TYPES, "M", cfg.moe is not None)
+    return cfg
 
 
 def config_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
@@ -214,6 +221,7 @@ def config_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
     expressible(rope != "none", "deepseek_v3", "mla.rope", rope, "deepseek_v3 rotates (interleaved or half)")
     mla_to_hf(cfg, out, "deepseek_v3", rope=rope)
     out["rope_interleave"] = rope == "interleaved"
+    mtp_to_hf(cfg, out, NEXTN_KEY, MTP_TYPES, "M")
     return out
 
 
@@ -227,9 +235,9 @@ def text_rules(cfg: ModelConfig, model: str = "model.", head: str = "lm_head.wei
 
 
 def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
-    return text_rules(cfg)
+    return nextn_table(text_rules(cfg), cfg)
 
 
 DEEPSEEK_V3 = register(Family("deepseek_v3", "DeepseekV3ForCausalLM", config_from_hf, config_to_hf, rules,
-                              notes="MLA + sigmoid group-limited MoE with the aux-free expert bias",
-                              skipped=mtp_skipped, weight_dtypes=WITH_FP8))
+                              notes="MLA + sigmoid group-limited MoE with the aux-free expert bias; MTP layers",
+                              weight_dtypes=WITH_FP8))

@@ -13,12 +13,13 @@ from __future__ import annotations
 from megamoe.core.config import DSAConfig, ModelConfig
 from megamoe.convert.families.common import dense_mlp_rules, embedding_rules, norm_rules
 from megamoe.convert.families.deepseek_v3 import (base_model_config, base_to_hf, deepseek_moe_rules, expressible,
-                                                  mla_from_hf, mla_rules, mla_to_hf, mlp_letters, mlp_types_to_hf,
-                                                  mtp_skipped)
+                                                  mla_from_hf, mla_rules, mla_to_hf, mlp_letters, mlp_types_to_hf)
 from megamoe.convert.family import WITH_FP8, Family, hf_get, register
+from megamoe.convert.mtp import NEXTN_KEY, mtp_from_hf, mtp_to_hf, nextn_table
 from megamoe.convert.table import Rule, Same
 from megamoe.core.errors import CheckpointError
 
+MTP_TYPES = {"indexed_attention": "D"}  # the MTP layer's mixer by HF layer type (megamoe.convert.mtp)
 INDEXER = {"linear_q.weight": "wq_b.weight", "linear_k.weight": "wk.weight", "k_norm.weight": "k_norm.weight",
            "k_norm.bias": "k_norm.bias", "linear_weights.weight": "weights_proj.weight"}
 
@@ -43,7 +44,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise CheckpointError("config.json: q_lora_rank must be set for deepseek_v32 (the indexer reads the "
                               "query latent)")
     mla = mla_from_hf(hf, rope="interleaved", indexer=indexer_from_hf(hf))
-    return base_model_config(hf, "".join("D" + m for m in letters), 2.5, mla=mla)
+    cfg = base_model_config(hf, "".join("D" + m for m in letters), 2.5, mla=mla)
+    cfg.mtp = mtp_from_hf(hf, NEXTN_KEY, MTP_TYPES, "D", cfg.moe is not None)
+    return cfg
 
 
 def config_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
@@ -56,16 +59,17 @@ def config_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
     out.update(index_n_heads=idx.num_heads, index_head_dim=idx.head_dim, index_topk=idx.topk,
                layer_types=["indexed_attention"] * len(kinds))
     mlp_types_to_hf(cfg, out)
+    mtp_to_hf(cfg, out, NEXTN_KEY, MTP_TYPES, "D")
     return out
 
 
 def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
     layer = "model.layers.{L}"
-    return [*embedding_rules(cfg), *norm_rules(layer, "D"), *mla_rules(f"{layer}.self_attn", "D", cfg),
-            *indexer_rules(f"{layer}.self_attn"), *dense_mlp_rules(f"{layer}.mlp"),
-            *deepseek_moe_rules(f"{layer}.mlp")]
+    return nextn_table([*embedding_rules(cfg), *norm_rules(layer, "D"), *mla_rules(f"{layer}.self_attn", "D", cfg),
+                        *indexer_rules(f"{layer}.self_attn"), *dense_mlp_rules(f"{layer}.mlp"),
+                        *deepseek_moe_rules(f"{layer}.mlp")], cfg)
 
 
 DEEPSEEK_V32 = register(Family("deepseek_v32", "DeepseekV32ForCausalLM", config_from_hf, config_to_hf, rules,
-                               notes="deepseek_v3 + DSA lightning indexer (letter D)",
-                               skipped=mtp_skipped, weight_dtypes=WITH_FP8))
+                               notes="deepseek_v3 + DSA lightning indexer (letter D); MTP layers",
+                               weight_dtypes=WITH_FP8))

@@ -8,9 +8,9 @@ experts) by ``mlp_layer_types``; SwiGLU inputs clamped at ``swiglu_limit``; hype
 The vision tower (``model.visual.*``) is megamoe's timm-style ``glm5_vit_enc``
 (megamoe.vision.glm_vit) with the ``glm_merger`` projector; a flat (text-only) config, whose
 checkpoint holds no tower, converts to a text model, and a text model exports with a minimal
-vision config (transformers initialises the tower it always builds). The hub's
-multi-token-prediction layers (``num_nextn_predict_layers`` after the last layer), which
-transformers ignores too, are skipped.
+vision config (transformers initialises the tower it always builds). The multi-token-prediction
+layers (``num_nextn_predict_layers`` after the last layer, ``layers.{N+D}.*`` DeepSeek-style with
+hyper-connections; megamoe.convert.mtp) convert both ways.
 
 HF names (under ``model.language_model.``; the stacked layout's in brackets)::
 
@@ -41,11 +41,12 @@ from megamoe.core.config import DSAConfig, HyperConnectionConfig, KDAConfig, Mod
 from megamoe.convert.families.common import base_hf_config, dense_mlp_rules, embedding_rules, norm_rules, text_config
 from megamoe.convert.families.deepseek_v3 import (HF_LATENT_NORM_EPS, base_model_config, base_to_hf,
                                                   deepseek_moe_rules, expressible, mla_from_hf, mla_rules, mla_to_hf,
-                                                  mlp_letters, mlp_types_to_hf, mtp_skipped)
+                                                  mlp_letters, mlp_types_to_hf)
 from megamoe.convert.families.deepseek_v32 import indexer_rules as dsa_indexer_rules
 from megamoe.convert.families.kimi_linear import kda_rules
 from megamoe.convert.families.qwen3_5_moe import conv2d_to_3d, conv3d_to_2d
 from megamoe.convert.family import Family, hf_get, register
+from megamoe.convert.mtp import NEXTN_KEY, mtp_from_hf, mtp_to_hf, nextn_table
 from megamoe.convert.table import Fn, Rule, Same, alternatives
 from megamoe.core.errors import CheckpointError, ConfigError
 
@@ -76,6 +77,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise CheckpointError(f"config.json: text_config.qk_rope_head_dim={text['qk_rope_head_dim']} is not "
                               f"supported (glm5_next's indexed attention has no RoPE)")
     layout = "".join(a + m for a, m in zip(layer_letters(text), mlp_letters(text, dense_default=3)))
+    mtp = mtp_from_hf(text, NEXTN_KEY, LETTERS, "I", "e" in layout)
+    letters = layout + (mtp.layout if mtp is not None else "")
     indexer = DSAConfig(num_heads=hf_get(text, "index_n_heads"), head_dim=hf_get(text, "index_head_dim"),
                         topk=hf_get(text, "index_topk"), kpool=hf_get(text, "index_kpool"),
                         select_tail=bool(text.get("index_kpool_always_select_tail", True)))
@@ -83,7 +86,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     mla = dataclasses.replace(mla_from_hf(text, rope="none", indexer=indexer), latent_norm_eps=None)
     kda = KDAConfig(num_heads=hf_get(text, "linear_num_heads"), head_dim=hf_get(text, "linear_head_dim"),
                     conv_kernel=hf_get(text, "linear_conv_kernel_dim"), gate_lower_bound=text.get("linear_lower_bound"))
-    cfg = base_model_config(text, layout, 2.5, mla=mla if "I" in layout else None, kda=kda if "K" in layout else None)
+    cfg = base_model_config(text, layout, 2.5, mla=mla if "I" in letters else None, kda=kda if "K" in letters else None)
+    cfg.mtp = mtp
     limit = float(hf_get(text, "swiglu_limit"))
     cfg.mlp.swiglu_limit = limit
     if cfg.moe is not None:
@@ -134,6 +138,7 @@ def config_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
                 hc_eps=cfg.hyper_connections.eps, max_position_embeddings=text.get("max_position_embeddings",
                                                                                    cfg.max_seq_len))
     mlp_types_to_hf(cfg, text)
+    mtp_to_hf(cfg, text, NEXTN_KEY, {"linear_attention": "K", "indexed_attention": "I"}, "I")
     if cfg.kda is not None:
         text.update(linear_num_heads=cfg.kda.num_heads, linear_head_dim=cfg.kda.head_dim,
                     linear_conv_kernel_dim=cfg.kda.conv_kernel, linear_lower_bound=cfg.kda.gate_lower_bound)
@@ -171,11 +176,6 @@ def vision_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
     return glm_vision_to_hf(v, cfg.hidden_size, original)
 
 
-def skipped(hf: dict, names: set[str]) -> tuple[set[str], str]:
-    """The multi-token-prediction layers (see the module docstring)."""
-    return mtp_skipped(text_config(hf), names, prefix="model.language_model.layers.")
-
-
 # ---- table ---------------------------------------------------------------------------------
 
 def hc_rules(layer: str, letters: str) -> list[Rule]:
@@ -210,7 +210,7 @@ def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
         out += [*mla_rules(f"{layer}.self_attn", "I", cfg), *indexer_rules(f"{layer}.self_attn")]
     if cfg.moe is not None:
         out += deepseek_moe_rules(f"{layer}.mlp")
-    return out + (vision_rules(cfg) if cfg.vision is not None else [])
+    return nextn_table(out, cfg, layer) + (vision_rules(cfg) if cfg.vision is not None else [])
 
 
 BLOCK = {"norm1": "norm1", "norm2": "norm2", "attn.q_norm": "attn.q_norm", "attn.k_norm": "attn.k_norm",
@@ -241,5 +241,4 @@ def vision_rules(cfg: ModelConfig, prefix: str = "model.visual.") -> list[Rule]:
 
 GLM5_NEXT = register(Family("glm5_next", "Glm5NextForConditionalGeneration", config_from_hf, config_to_hf, rules,
                             notes="KDA + pooled DSA, hyper-connections, clamped SwiGLU, and the vision tower "
-                            "(megamoe's timm-style glm5_vit_enc + glm_merger; images, not video)",
-                            skipped=skipped))
+                            "(megamoe's timm-style glm5_vit_enc + glm_merger; images, not video); MTP layers"))

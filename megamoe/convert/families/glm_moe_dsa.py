@@ -11,17 +11,18 @@ expert). The indexer's tensors are deepseek_v32's (``indexer_rules``).
 Hub configs may give the indexer schedule as ``index_topk_pattern`` ("FSS..."), or as
 ``index_topk_freq`` / ``index_skip_topk_offset``, instead of ``indexer_types``; they are read
 the way transformers reads them. The multi-token-prediction layers the hub checkpoints append
-(``model.layers.{num_hidden_layers}``) are skipped as transformers skips them.
+(``model.layers.{num_hidden_layers}``: an MLA + DSA layer with its own indexer and routed experts,
+``De``) convert both ways (megamoe.convert.mtp), where transformers skips them.
 """
 from __future__ import annotations
 
 from megamoe.core.config import ModelConfig
 from megamoe.convert.families.common import dense_mlp_rules, embedding_rules, norm_rules
 from megamoe.convert.families.deepseek_v3 import (base_model_config, base_to_hf, deepseek_moe_rules, expressible,
-                                                  mla_from_hf, mla_rules, mla_to_hf, mlp_letters, mlp_types_to_hf,
-                                                  mtp_skipped)
-from megamoe.convert.families.deepseek_v32 import indexer_from_hf, indexer_rules
+                                                  mla_from_hf, mla_rules, mla_to_hf, mlp_letters, mlp_types_to_hf)
+from megamoe.convert.families.deepseek_v32 import MTP_TYPES, indexer_from_hf, indexer_rules
 from megamoe.convert.family import WITH_FP8, Family, hf_get, register
+from megamoe.convert.mtp import NEXTN_KEY, mtp_from_hf, mtp_to_hf, nextn_table
 from megamoe.convert.table import Rule
 from megamoe.core.errors import CheckpointError
 
@@ -62,7 +63,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
     indexer.rope = "interleaved"
     mla = mla_from_hf(hf, rope="interleaved", indexer=indexer)
     layout = "".join(LETTERS[t] + m for t, m in zip(indexer_types(hf), mlps))
-    return base_model_config(hf, layout, 2.5, mla=mla)
+    cfg = base_model_config(hf, layout, 2.5, mla=mla)
+    cfg.mtp = mtp_from_hf(hf, NEXTN_KEY, MTP_TYPES, "D", cfg.moe is not None)  # its own indexer
+    return cfg
 
 
 def config_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
@@ -79,17 +82,18 @@ def config_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
                layer_types=["indexed_attention"] * len(kinds),
                indexer_types=["full" if k.mixer == "D" else "shared" for k in kinds])
     mlp_types_to_hf(cfg, out)
+    mtp_to_hf(cfg, out, NEXTN_KEY, MTP_TYPES, "D")
     return out
 
 
 def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
     layer = "model.layers.{L}"
-    return [*embedding_rules(cfg), *norm_rules(layer, "DR"), *mla_rules(f"{layer}.self_attn", "DR", cfg),
-            *indexer_rules(f"{layer}.self_attn", "D"), *dense_mlp_rules(f"{layer}.mlp"),
-            *deepseek_moe_rules(f"{layer}.mlp")]
+    return nextn_table([*embedding_rules(cfg), *norm_rules(layer, "DR"), *mla_rules(f"{layer}.self_attn", "DR", cfg),
+                        *indexer_rules(f"{layer}.self_attn", "D"), *dense_mlp_rules(f"{layer}.mlp"),
+                        *deepseek_moe_rules(f"{layer}.mlp")], cfg)
 
 
 GLM_MOE_DSA = register(Family("glm_moe_dsa", "GlmMoeDsaForCausalLM", config_from_hf, config_to_hf, rules,
                               notes="GLM-5: MLA + DSA (letter D, interleaved indexer RoPE), shared-indexer layers "
-                                    "(letter R), DeepSeek MoE",
-                              skipped=mtp_skipped, weight_dtypes=WITH_FP8))
+                                    "(letter R), DeepSeek MoE; MTP layers",
+                              weight_dtypes=WITH_FP8))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from megamoe.core.config import AttentionConfig, GDNConfig, MLPConfig, ModelConfig, MoEConfig
 from megamoe.convert.family import Family, hf_get, register
+from megamoe.convert.mtp import QWEN_KEY, check_single_qwen_depth, mtp_from_hf, mtp_to_hf, qwen_table
 from megamoe.convert.families.common import (attention_rules, base_hf_config, dense_mlp_rules, dtype_name,
                                              embedding_rules, moe_rules, norm_rules)
 from megamoe.convert.families.qwen3 import attention_from_hf, attention_to_hf, common_to_hf
@@ -66,11 +67,14 @@ def hybrid_config(hf: dict, model_type: str, mlps: list[str], **kw) -> ModelConf
     layout = "".join(m + p for m, p in zip(mixer_letters(hf, model_type), mlps))
     ffn = hf_get(hf, "intermediate_size") if "d" in mlps else hf.get("intermediate_size")
     mlp = MLPConfig(ffn_hidden_size=ffn) if ffn else MLPConfig()  # kept for the export when all MLPs are MoE
-    return ModelConfig(vocab_size=hf_get(hf, "vocab_size"), hidden_size=hf_get(hf, "hidden_size"), layout=layout,
-                       attention=gated_attention_from_hf(hf), mlp=mlp, gdn=gdn_from_hf(hf),
-                       moe=shared_moe_from_hf(hf) if "e" in mlps else None, norm_zero_centered=True,
-                       norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings")),
-                       max_seq_len=hf.get("max_position_embeddings", 4096), params_dtype=dtype_name(hf), **kw)
+    cfg = ModelConfig(vocab_size=hf_get(hf, "vocab_size"), hidden_size=hf_get(hf, "hidden_size"), layout=layout,
+                      attention=gated_attention_from_hf(hf), mlp=mlp, gdn=gdn_from_hf(hf),
+                      moe=shared_moe_from_hf(hf) if "e" in mlps else None, norm_zero_centered=True,
+                      norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings")),
+                      max_seq_len=hf.get("max_position_embeddings", 4096), params_dtype=dtype_name(hf),
+                      mtp=mtp_from_hf(hf, QWEN_KEY, MIXER_TYPES, "A", "e" in mlps), **kw)
+    check_single_qwen_depth(cfg, model_type)
+    return cfg
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -114,6 +118,7 @@ def hybrid_to_hf(cfg: ModelConfig, out: dict) -> None:
         moe_to_hf(cfg.moe, out)
         out.update(moe_intermediate_size=cfg.moe.moe_ffn_hidden_size,
                    shared_expert_intermediate_size=cfg.moe.shared_ffn())
+    mtp_to_hf(cfg, out, QWEN_KEY, MIXER_TYPES, "A")
 
 
 def config_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
@@ -155,9 +160,10 @@ def gdn_rules(prefix: str, fused: bool) -> list[Rule]:
 def hybrid_rules(cfg: ModelConfig, prefix: str, fused_gdn: bool, head: str = "lm_head.weight") -> list[Rule]:
     """Text backbone of qwen3_next / qwen3_5_moe under ``prefix`` (e.g. ``model.``)."""
     layer = prefix + "layers.{L}"
-    return [*embedding_rules(cfg, prefix, head), *norm_rules(layer, "GA"), *attention_rules(f"{layer}.self_attn", "A"),
-            *gdn_rules(f"{layer}.linear_attn", fused_gdn), *dense_mlp_rules(f"{layer}.mlp"),
-            *moe_rules(f"{layer}.mlp", shared="shared_expert", shared_gate="shared_expert_gate")]
+    rules = [*embedding_rules(cfg, prefix, head), *norm_rules(layer, "GA"), *attention_rules(f"{layer}.self_attn", "A"),
+             *gdn_rules(f"{layer}.linear_attn", fused_gdn), *dense_mlp_rules(f"{layer}.mlp"),
+             *moe_rules(f"{layer}.mlp", shared="shared_expert", shared_gate="shared_expert_gate")]
+    return qwen_table(rules, cfg, layer, "qwen")  # the MTP module (top-level mtp.*), if any
 
 
 def rules(cfg: ModelConfig, hf: dict):
