@@ -291,3 +291,31 @@ def test_mtp_layers_import_match_the_reference_and_export_bitwise(family, tmp_pa
         assert torch.equal(source[name], exported[name]), name
     config = json.loads((back / "config.json").read_text())
     assert (config[case["text"]] if "text" in case else config)[case["key"]] == case["depths"]
+
+
+def test_peft_export_leaves_the_mtp_adapters_out(tmp_path, caplog):
+    """LoRA on every module of a deepseek_v3 with its MTP layers (the default targets adapt them
+    too): the PEFT adapter holds the main model's, which PEFT applies to transformers' model (it
+    has no MTP layers) to give megamoe's main logits; the MTP adapters are named as left out."""
+    import logging
+
+    from peft import PeftModel
+
+    from megamoe.convert import from_hf
+    from megamoe.diagnostics.verify import load_hf_model
+    from megamoe.lora import LoRAConfig, apply_lora
+    from megamoe.convert import export_peft
+    from tests.lora_utils import randomize_adapters
+
+    case = case_deepseek_v3()
+    hf_dir = write_released(case, depth_weights(32, case["depths"]), tmp_path)
+    model = apply_lora(from_hf(hf_dir), LoRAConfig(rank=2, targets=["*"]))
+    randomize_adapters(model)
+    assert any(n.startswith("mtp.") and "lora_" in n for n, _ in model.named_parameters())
+    with caplog.at_level(logging.WARNING, logger="megamoe.convert.peft"):
+        export_peft(model, tmp_path / "peft")
+    assert any("multi-token-prediction" in r.getMessage() for r in caplog.records)
+    ids = torch.randint(3, 64, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(load_hf_model(hf_dir), str(tmp_path / "peft")).eval()(input_ids=ids).logits
+        assert (model(ids) - theirs).abs().max() <= ATOL

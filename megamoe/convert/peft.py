@@ -19,6 +19,7 @@ a row-parallel one they share B and split A. Shared expert adapters are written 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -29,6 +30,8 @@ from megamoe.convert.table import Experts, expand
 from megamoe.core.errors import CheckpointError
 from megamoe.lora.adapters import EXPERT_WEIGHTS
 from megamoe.lora.config import LoRAConfig
+
+log = logging.getLogger(__name__)
 
 PREFIX = "base_model.model."
 
@@ -138,7 +141,14 @@ def peft_tensors(adapters: dict[str, torch.Tensor], model_config, family_name: s
     entries = {e.mm: e for e in expand(family.rules(model_config, config), model_config, config, set(params))}
     renamed = _peft_renamed_leaves(config["model_type"])
     linear, wrapped = {}, {}  # HF name -> (A, B)
-    for weight, a, b in _adapted_weights(adapters):
+    adapted = _adapted_weights(adapters)
+    mtp = [w for w, _, _ in adapted if w.startswith("mtp.")]
+    if mtp:  # transformers builds no MTP layers, so PEFT could not load them (export-hf --merge keeps them)
+        log.warning("export_peft: the adapters of %d multi-token-prediction weights are left out (%s has no MTP "
+                    "layers; export-hf --merge keeps them)", len(mtp), family.architecture)
+    for weight, a, b in adapted:
+        if weight.startswith("mtp."):
+            continue
         if weight not in entries:
             raise CheckpointError(f"export_peft: {family_name} has no HF tensor for adapted weight {weight}")
         if a.dim() == 2 and weight.rsplit(".", 1)[-1] in EXPERT_WEIGHTS.values():  # a shared expert adapter
