@@ -28,11 +28,12 @@ def decode_at(hf_dir: str, layout: dict) -> dict:
     from megamoe.core.config import ParallelConfig
     from megamoe.inference.generate import generate_batch
     from megamoe.layers.cache.paged import PagedCache
-    from megamoe.inference.distributed import StageForward, inference_groups, load_model
+    from megamoe.inference.distributed import StageForward, inference_groups
+    from megamoe.inference.load import load_model
 
     parallel = ParallelConfig(**layout)
     groups = inference_groups(parallel)
-    model = load_model(hf_dir, parallel, groups)
+    model = load_model(hf_dir, groups=groups)
     forward = StageForward(model, groups)
     held = sum(p.numel() for p in model.parameters())
     return {"greedy": generate_batch(model, PROMPTS, 6, forward=forward),
@@ -62,11 +63,12 @@ def verify_at_tp2(hf_dir: str):
 
     from megamoe.core.config import ParallelConfig
     from megamoe.diagnostics.verify import verify
-    from megamoe.inference.distributed import StageForward, inference_groups, load_model
+    from megamoe.inference.distributed import StageForward, inference_groups
+    from megamoe.inference.load import load_model
 
     parallel = ParallelConfig(tp=2)
     groups = inference_groups(parallel)
-    model = load_model(hf_dir, parallel, groups)
+    model = load_model(hf_dir, groups=groups)
     report = verify(hf_dir, model=model, forward=StageForward(model, groups), new_tokens=8,
                     reference=dist.get_rank() == 0)
     return None if report is None else (report.max_abs_logits, report.decode_equal, report.ok)

@@ -17,6 +17,7 @@ from megamoe.core.config import ParallelConfig
 from megamoe.core.errors import MegamoeError
 
 DEBUG_HELP = "show the full traceback of an error (also MEGAMOE_DEBUG=1)"
+BASE_HELP = "for a LoRA checkpoint: its base weights, instead of the folder its meta.json records"
 
 
 class OneLineParser(argparse.ArgumentParser):

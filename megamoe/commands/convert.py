@@ -21,8 +21,7 @@ a checkpoint megamoe or an HF checkpoint wrote.
 import argparse
 from pathlib import Path
 
-from megamoe.commands.cli import DEBUG_HELP, number_in, run_main, tool_parser
-from megamoe.inference.load import BASE_HELP
+from megamoe.commands.cli import BASE_HELP, DEBUG_HELP, number_in, run_main, tool_parser
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,16 +94,15 @@ def main(argv: list[str] | None = None) -> None:
 
 def export(args):
     """export-hf: a checkpoint as it is, or a LoRA checkpoint merged into its base."""
-    from megamoe.inference.load import checkpoint_path, load_model
+    from megamoe.checkpoint.open import open_checkpoint
+    from megamoe.inference.load import load_model
     from megamoe.convert import export_hf, to_hf
     from megamoe.core.errors import CheckpointError, ConfigError
     from megamoe.core.files import check_replaceable, is_checkpoint_dir
-    from megamoe.checkpoint.dcp import read_meta
 
     check_replaceable(Path(args.out_dir), args.overwrite, is_checkpoint_dir, "checkpoint")  # before any loading
     shard_bytes = int(args.shard_gib * 2**30)
-    meta = read_meta(checkpoint_path(args.ckpt_dir))
-    if not meta.get("lora"):
+    if not open_checkpoint(args.ckpt_dir).is_lora:
         return export_hf(args.ckpt_dir, args.out_dir, family=args.family, overwrite=args.overwrite,
                          shard_bytes=shard_bytes, fp8_blocks=args.fp8_blocks)
     if not args.merge:

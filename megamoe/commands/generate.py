@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megamoe.commands.cli import number_in, parallel_flags, parallel_from_args, run_main, tool_parser
-from megamoe.inference.load import BASE_HELP
+from megamoe.commands.cli import BASE_HELP, number_in, parallel_flags, parallel_from_args, run_main, tool_parser
 from megamoe.core.errors import ConfigError
 
 
@@ -154,8 +153,8 @@ def load_for_layout(args):
     under torchrun at --tp/--pp/--ep/--etp (every rank decodes, the first prints)."""
     import torch.distributed as dist
 
+    from megamoe.inference.distributed import StageForward, inference_groups
     from megamoe.inference.load import load_model
-    from megamoe.inference.distributed import StageForward, inference_groups, load_model as load_stage
 
     parallel = parallel_from_args(args)
     store = None
@@ -176,7 +175,7 @@ def load_for_layout(args):
     if args.image and parallel.pp > 1:
         raise ConfigError("--image with --pp > 1: the vision tower sits on the first stage only; use --pp 1")
     groups = inference_groups(parallel)
-    model = load_stage(args.model_dir, parallel, groups)
+    model = load_model(args.model_dir, groups=groups)
     return model, StageForward(model, groups), dist.get_rank() == 0
 
 

@@ -12,8 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megamoe.commands.cli import number_in, parallel_flags, parallel_from_args, run_main, tool_parser
-from megamoe.inference.load import BASE_HELP
+from megamoe.commands.cli import BASE_HELP, number_in, parallel_flags, parallel_from_args, run_main, tool_parser
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,23 +51,25 @@ def verify_at_layout(hf_dir: str, parallel, run):
     import torch.distributed as dist
 
     from megamoe.core.errors import ConfigError
-    from megamoe.inference.distributed import StageForward, inference_groups, load_model
+    from megamoe.inference.distributed import StageForward, inference_groups
+    from megamoe.inference.load import load_model
 
     if not (Path(hf_dir) / "config.json").is_file():
         raise ConfigError(f"{hf_dir}: at a parallel layout verify reads an HF folder (export a checkpoint first)")
     groups = inference_groups(parallel)
-    model = load_model(hf_dir, parallel, groups)
+    model = load_model(hf_dir, groups=groups)
     return run(hf_dir, model, forward=StageForward(model, groups), reference=dist.get_rank() == 0)
 
 
 def verify_checkpoint(path: str, run, base: str | None = None):
     """A megamoe checkpoint: its model (LoRA adapters merged) against transformers on the same
     weights written as an HF directory (in a temporary folder, removed afterwards)."""
-    from megamoe.inference.load import hf_origin_of, load_model
+    from megamoe.checkpoint.open import open_checkpoint
+    from megamoe.inference.load import load_model
     from megamoe.convert import to_hf
     from megamoe.core.errors import CheckpointError
 
-    if not hf_origin_of(path, base):
+    if not open_checkpoint(path).hf_origin(base):
         raise CheckpointError(f"{path}: the weights did not come from an HF checkpoint, so there is no "
                               f"transformers family to compare with")
     model = load_model(path, base=base)

@@ -301,22 +301,17 @@ def to_hf(model, out_dir: str | Path, *, family: str | None = None, hf_config: d
 def open_megamoe_checkpoint(path: str | Path):
     """(meta, config, meta-device tensors, full-tensor reader) for a converted checkpoint, a
     training checkpoint (step_XXXXXXXX) or a training run's directory (its latest checkpoint)."""
-    from megamoe.checkpoint.dcp import latest_checkpoint, read_meta
+    from megamoe.checkpoint.dcp import read_full_tensor
+    from megamoe.checkpoint.open import open_checkpoint
 
-    if not (Path(path) / "meta.json").is_file() and latest_checkpoint(path) is not None:
-        path = latest_checkpoint(path)
-    meta = read_meta(path)
-    if "model" not in meta:
-        raise CheckpointError(f"{path}: meta.json has no model config (written by an older megamoe?)")
-    cfg = config_from_dict(meta["model"])
+    ck = open_checkpoint(path)
+    cfg = ck.config
     with torch.device("meta"):
         tensors = model_tensors(build_model(cfg, device="meta"))
-    if meta.get("format") == FORMAT:
-        ck = ConvertedCheckpoint(path, meta)
-        return meta, cfg, tensors, lambda n: ck.full(n, sharding(tensors[n]))
-    from megamoe.checkpoint.dcp import read_full_tensor
-
-    return meta, cfg, tensors, lambda n: read_full_tensor(path, meta, n, sharding(tensors[n]))
+    if ck.meta.get("format") == FORMAT:
+        converted = ConvertedCheckpoint(ck.path, ck.meta)
+        return ck.meta, cfg, tensors, lambda n: converted.full(n, sharding(tensors[n]))
+    return ck.meta, cfg, tensors, lambda n: read_full_tensor(ck.path, ck.meta, n, sharding(tensors[n]))
 
 
 def export_hf(ckpt_dir: str | Path, out_dir: str | Path, *, family: str | None = None,

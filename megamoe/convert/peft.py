@@ -240,25 +240,26 @@ def export_peft(model, out_dir: str | Path, *, family: str | None = None, hf_con
 def export_peft_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, family: str | None = None,
                            overwrite: bool = False) -> Path:
     """An adapter checkpoint written by a LoRA fine-tune (``step_XXXXXXXX``) -> PEFT directory."""
-    from megamoe.model.build import build_model
-    from megamoe.lora.api import apply_lora, lora_parameters
-    from megamoe.parallel.sharding import sharding
+    from megamoe.checkpoint.dcp import read_full_tensor
+    from megamoe.checkpoint.open import open_checkpoint
     from megamoe.core.config_io import config_from_dict
-    from megamoe.checkpoint.dcp import read_full_tensor, read_meta
+    from megamoe.lora.api import apply_lora, lora_parameters
+    from megamoe.model.build import build_model
+    from megamoe.parallel.sharding import sharding
 
-    meta = read_meta(ckpt_dir)
-    if not meta.get("lora"):
-        raise CheckpointError(f"{ckpt_dir}/meta.json: not a LoRA checkpoint (no 'lora' section)")
-    cfg, lora = config_from_dict(meta["model"]), config_from_dict(meta["lora"], LoRAConfig)
+    ck = open_checkpoint(ckpt_dir)
+    if not ck.is_lora:
+        raise CheckpointError(f"{ck.path}/meta.json: not a LoRA checkpoint (no 'lora' section)")
+    cfg, lora = ck.config, config_from_dict(ck.meta["lora"], LoRAConfig)
     with torch.device("meta"):
         model = apply_lora(build_model(cfg, device="meta"), lora, strict=False)
-    adapters = {n: read_full_tensor(ckpt_dir, meta, n, sharding(p)) for n, p in lora_parameters(model)}
-    origin = meta.get("hf") or {}
+    adapters = {n: read_full_tensor(ck.path, ck.meta, n, sharding(p)) for n, p in lora_parameters(model)}
+    origin = ck.meta.get("hf") or {}
     family = family or origin.get("model_type")
     if family is None:
-        raise CheckpointError(f"{ckpt_dir}/meta.json: no HF origin recorded; pass --family")
+        raise CheckpointError(f"{ck.path}/meta.json: no HF origin recorded; pass --family")
     return write_peft(adapters, cfg, lora, family, origin.get("config"), out_dir, overwrite,
-                      base_name(origin, meta.get("lora_base")))
+                      base_name(origin, ck.meta.get("lora_base")))
 
 
 def read_adapter_config(path: str | Path) -> dict:

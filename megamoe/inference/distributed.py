@@ -1,6 +1,6 @@
 """Generation and verification at a training layout (TP, EP, ETP, PP, CP) under ``torchrun``.
 
-Every rank builds only its pipeline stage with its own shards (``load_model``: an HF folder is
+Every rank builds only its pipeline stage with its own shards (``megamoe.inference.load.load_model`` with ``groups``: an HF folder is
 read tensor by tensor, each sliced to this rank's piece; a megamoe checkpoint loads its own
 piece through torch.distributed.checkpoint) and runs the same decoding loop
 (``megamoe.inference.generate.stream``) over the same prompts. ``StageForward`` is the forward that loop
@@ -28,8 +28,6 @@ same tp without SP.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
@@ -48,36 +46,6 @@ def inference_groups(parallel: ParallelConfig) -> ParallelGroups:
         raise ConfigError(f"parallel.vpp={parallel.vpp}: decoding supports tp, pp, ep, etp and cp")
     init_distributed()
     return build_groups(parallel)
-
-
-def load_model(path: str | Path, parallel: ParallelConfig, groups: ParallelGroups):
-    """This rank's pipeline stage of the model in ``path`` (HF folder or megamoe checkpoint), its
-    own shards only, eval mode."""
-    stage = (groups.rank("pp"), parallel.pp)
-    if (Path(path) / "config.json").is_file():
-        from megamoe.convert import from_hf
-
-        return from_hf(path, groups, pipeline=stage)
-    from megamoe.inference.load import checkpoint_path
-    from megamoe.model.build import build_model
-    from megamoe.core.config_io import config_from_dict
-    from megamoe.checkpoint.dcp import load_checkpoint, read_meta
-
-    path = checkpoint_path(path)
-    meta = read_meta(path)
-    if meta.get("lora"):
-        raise ConfigError(f"{path}: a LoRA checkpoint decodes in one process; for a parallel layout merge it "
-                          f"first (megamoe-convert export-hf --merge, then decode the HF folder)")
-    if "model" not in meta:
-        raise ConfigError(f"{path}/meta.json: no model config (written by an older megamoe?)")
-    cfg = config_from_dict(meta["model"])
-    cut = {} if parallel.pp == 1 else dict(layer_ids=cfg.parsed_layout().stages(parallel.pp, balanced=True)[stage[0]],
-                                           pre_process=stage[0] == 0, post_process=stage[0] == parallel.pp - 1)
-    model = build_model(cfg, groups, **cut)
-    load_checkpoint(path, groups, [model], load_rng=False)
-    if meta.get("hf"):
-        model.hf_origin = meta["hf"]
-    return model.eval()
 
 
 class StageForward:
