@@ -19,7 +19,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -207,6 +207,3 @@ def open_token_source(path: str | Path, tokenizer: Optional[Tokenizer] = None):
     source.check_tokenizer(tokenizer)
     return source
 
-
-def sources_of(paths: Sequence[str | Path], tokenizer: Optional[Tokenizer] = None) -> list:
-    return [open_token_source(p, tokenizer) for p in paths]
