@@ -152,7 +152,6 @@ def test_released_size_preset_counts_on_meta():
     and its counts equal a hand count (the language model as moe_1t's, MoonViT and the merger by
     their formulas); the language model's 32.9B active and the tower's 417M are the release's
     "32B active" and "MoonViT 400M"."""
-
     from megamoe.core.config import validate_model_parallel
     from megamoe.recipe import load_recipe
     from tests.test_moe import hand_count_moe_1t

@@ -39,27 +39,13 @@ def test_released_size_preset_counts_on_meta():
     """megamoe/recipes/deepseek_v4_pro.yaml in a fresh process on meta: its counts equal the hand
     count, and the total equals transformers' parameters plus what transformers keeps as buffers
     (the selection biases and the hash tables)."""
-    import json
-    import subprocess
-    import sys
-    import textwrap
-
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     from megamoe.core.config import validate_model_parallel
     from megamoe.recipe import load_recipe
+    from tests.presets import meta_budget
 
-    code = textwrap.dedent("""
-        import json, time
-        from megamoe.diagnostics.memory import peak_rss_mib
-        from megamoe.planning.plan import budget
-        from megamoe.recipe import load_recipe
-        t = time.time()
-        b = budget(load_recipe("deepseek_v4_pro").model)
-        print(json.dumps({"total": b.total, "active": b.active, "seconds": time.time() - t, "rss_mib": peak_rss_mib()}))
-    """)
-    out = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                                    text=True).stdout.strip().splitlines()[-1])
+    out = meta_budget("deepseek_v4_pro")
     recipe = load_recipe("deepseek_v4_pro")
     validate_model_parallel(recipe.model, recipe.parallel)
     total, active = hand_count_v4(recipe.model)

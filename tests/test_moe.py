@@ -2,11 +2,9 @@
 their gradient injection, metrics, config errors, placement by layout, the 1T preset's budget."""
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import torch
 from megamoe.core.config import ModelConfig, MoEConfig, ParallelConfig, validate_model_parallel
 from megamoe.core.errors import ConfigError
 from tests.numerics import rel_err
+from tests.presets import meta_budget
 
 H = 16
 
@@ -403,17 +402,7 @@ def test_hybrid_vl_1t_preset_builds_on_meta_fast_and_small():
     counts equal the hand count."""
     from megamoe.recipe import load_recipe
 
-    code = textwrap.dedent("""
-        import json, time
-        from megamoe.diagnostics.memory import peak_rss_mib
-        from megamoe.planning.plan import budget
-        from megamoe.recipe import load_recipe
-        t = time.time()
-        b = budget(load_recipe("hybrid_vl_1t").model)
-        print(json.dumps({"total": b.total, "active": b.active, "seconds": time.time() - t, "rss_mib": peak_rss_mib()}))
-    """)
-    out = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                                    text=True).stdout.strip().splitlines()[-1])
+    out = meta_budget("hybrid_vl_1t")
     recipe = load_recipe("hybrid_vl_1t")
     validate_model_parallel(recipe.model, recipe.parallel)
     counts = recipe.model.parsed_layout().counts()
@@ -429,19 +418,7 @@ def test_1t_preset_builds_on_meta_fast_and_small():
     """A fresh process (so the RSS is the build's own): < 30 s, < 2 GiB, counts = hand count."""
     from megamoe.recipe import load_recipe
 
-    code = textwrap.dedent("""
-        import json, time
-        from megamoe.diagnostics.memory import peak_rss_mib
-        from megamoe.planning.plan import budget
-        from megamoe.recipe import load_recipe
-        cfg = load_recipe("moe_1t").model
-        t = time.time()
-        b = budget(cfg)
-        rss = peak_rss_mib()
-        print(json.dumps({"total": b.total, "active": b.active, "seconds": time.time() - t, "rss_mib": rss}))
-    """)
-    out = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                                    text=True).stdout.strip().splitlines()[-1])
+    out = meta_budget("moe_1t")
     recipe = load_recipe("moe_1t")
     validate_model_parallel(recipe.model, recipe.parallel)
     total, active = hand_count_moe_1t(recipe.model)

@@ -1,12 +1,8 @@
 """Any config builds on the meta device; counts equal a hand count."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
-
 from megamoe.recipe import load_recipe
+from tests.presets import meta_budget
 
 
 def hand_count_dense(m) -> int:
@@ -31,18 +27,7 @@ def test_tiny_dense_count_matches_hand_count():
 
 def test_100b_dense_builds_on_meta_fast_and_small():
     """A fresh process (so the RSS is the build's own): < 30 s, < 2 GiB, exact count."""
-    code = textwrap.dedent("""
-        import json, time
-        from megamoe.diagnostics.memory import peak_rss_mib
-        t = time.time()
-        from megamoe.planning.plan import budget
-        from megamoe.recipe import load_recipe
-        b = budget(load_recipe("dense_105b").model)
-        rss = peak_rss_mib()
-        print(json.dumps({"total": b.total, "active": b.active, "seconds": time.time() - t, "rss_mib": rss}))
-    """)
-    out = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                                    text=True).stdout.strip().splitlines()[-1])
+    out = meta_budget("dense_105b")
     m = load_recipe("dense_105b").model
     assert out["total"] == hand_count_dense(m) > 100e9
     assert out["seconds"] < 30, out

@@ -9,8 +9,8 @@ kimi_k25, qwen3_vl_moe and glm5_next's tower):
   on gloo ranks with the images (``sequence_parallel`` in a layout is a run-time flag), against
   the single-process import (logits, loss and every gathered gradient);
 - ``check_lora_steps``: 50 LoRA steps on the image prompt lower the loss, every router bitwise;
-- ``prompts``: two prompts with images at given placeholder runs; ``meta_budget``: a preset's
-  counts built on meta in a fresh process.
+- ``prompts``: two prompts with images at given placeholder runs; ``meta_budget`` (from
+  tests/presets.py): a preset's counts built on meta in a fresh process.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from tests.conversion_harness import ATOL
 from tests.numerics import max_abs, rel_err
+from tests.presets import meta_budget  # noqa: F401  (the VLM tests import it from here)
 
 GRAD_REL = 1e-5  # as tests/test_moe_hf.py and the parallel tests
 
@@ -108,30 +109,6 @@ def parallel_case(root: str, layouts: dict, ids, images, targets, want_logits) -
                 errs[f"grad {n}"] = rel_err(gather_full(p, groups, p.grad), ref_grads[n])
         out[name] = errs
     return out
-
-
-def meta_budget(recipe: str) -> dict:
-    """A shipped recipe's model built on meta in a fresh process (so the RSS is the build's own):
-    {total, active, seconds (CPU time of the build: the shared test machine's load must not
-    decide the test), rss_mib}."""
-    import json
-    import subprocess
-    import sys
-    import textwrap
-
-    code = textwrap.dedent(f"""
-        import json, time
-        from megamoe.diagnostics.memory import peak_rss_mib
-        from megamoe.planning.plan import budget
-        from megamoe.recipe import load_recipe
-        cfg = load_recipe({recipe!r}).model
-        t = time.process_time()
-        b = budget(cfg)
-        print(json.dumps({{"total": b.total, "active": b.active, "seconds": time.process_time() - t,
-                          "rss_mib": peak_rss_mib()}}))
-    """)
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def prompts(sizes, runs, token: int, length: int = 24, seed: int = 4):

@@ -5,7 +5,9 @@ and its entries: the K the indexer selected for each query (CSA, gathered per ti
 entry (HCA, N = T / rate, masked by block end and document). Logits, the sink and the softmax
 are fp32; the tile's function is checkpointed, so backward recomputes its scores from the
 tile's inputs instead of keeping them (masks are rebuilt from positions, never stored). At most
-``b H R (R + window - 1 + K)`` fp32 scores exist at a time, R = ``tile_rows`` of that width.
+``b H R (R + window - 1 + K)`` fp32 scores exist at a time, R = ``tile_size``: at most 2 window rows
+and about 1024^2 scores (the window part of a tile is an R x (R + window - 1) block, most of it
+inside the window when R is near the window).
 
 Same contract as ``naive_compressed_attention`` (``naive.py``), which the tests hold it to.
 """
@@ -51,14 +53,21 @@ def _tile(q, kv, q_pos, kv_pos, q_doc, kv_doc, values, end, ent_doc, select, sin
     return out
 
 
+def tile_size(window: int, entry_keys: int) -> int:
+    """Query rows per tile: a tile scores R x (R + window - 1) window keys (of which R x window are
+    in a window) and R x K entries; R is at most 2 window (so at most a third of the window scores
+    are wasted) and scores about TILE^2 pairs, at least 16 rows."""
+    return max(16, min(2 * window, tile_rows(window + entry_keys)))
+
+
 def chunk_compressed_attention(q, kv, entries: Entries | None, sinks, scale: float, *, window: int, q_start: int = 0,
                                kv_start: int = 0, q_doc=None, kv_doc=None, select=None, tile: int | None = None):
     """q [b, s, H, D] at indices q_start + i, kv [b, T, D] at kv_start + j (both contiguous on
     one axis), entries, sinks [H] -> [b, s, H, D]; ``select`` [b, s, K] (CSA) or None (HCA, or W
     without entries). ``tile``: query rows per tile (default: about 1024^2 scores a tile)."""
     b, s = q.shape[:2]
-    width = window + (0 if entries is None else select.size(-1) if select is not None else entries.values.size(1))
-    rows = tile or tile_rows(width)
+    entry_keys = 0 if entries is None else select.size(-1) if select is not None else entries.values.size(1)
+    rows = tile or tile_size(window, entry_keys)
     values, end, ent_doc = (None, None, None) if entries is None else entries
     outs = []
     for a in range(0, s, rows):

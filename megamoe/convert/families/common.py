@@ -87,6 +87,16 @@ def layer_types_layout(types: list[str], letters: dict[str, str], mlp_letters: l
     return "".join(letters[t] + m for t, m in zip(types, mlp_letters))
 
 
+def type_letters(types: list, key: str, table: dict[str, str], n: int) -> list[str]:
+    """One layout letter per layer from an HF per-layer type list (``table``: type -> letter); a
+    list of the wrong length or an unknown type is one line naming ``key``."""
+    bad = [t for t in types if t not in table]
+    if len(types) != n or bad:
+        raise CheckpointError(f"config.json: {key}={types} must give one of {list(table)} for each of "
+                              f"num_hidden_layers={n} layers")
+    return [table[t] for t in types]
+
+
 def text_config(hf: dict) -> dict:
     """The text part of an HF config (multimodal configs nest it under text_config)."""
     return hf.get("text_config") or hf

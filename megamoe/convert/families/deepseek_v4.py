@@ -37,7 +37,7 @@ import torch
 
 from megamoe.core.config import (CompressedAttentionConfig, DSAConfig, HyperConnectionConfig, ModelConfig, MoEConfig,
                                  SCORE_FUNCTIONS, YarnConfig)
-from megamoe.convert.families.common import base_hf_config, dtype_name
+from megamoe.convert.families.common import base_hf_config, dtype_name, type_letters
 from megamoe.convert.families.deepseek_v3 import expressible
 from megamoe.convert.family import Family, hf_get, register
 from megamoe.convert.table import Cat, Experts, Rule, Same, alternatives
@@ -88,23 +88,15 @@ def layer_types(hf: dict, n: int) -> list[str]:
         "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
 
 
-def _letters(hf: dict, key: str, table: dict, n: int, default: list[str]) -> list[str]:
-    types = hf.get(key) or default
-    bad = [t for t in types if t not in table]
-    if len(types) != n or bad:
-        raise CheckpointError(f"config.json: {key}={types} must give one of {list(table)} for each of "
-                              f"num_hidden_layers={n} layers")
-    return [table[t] for t in types]
-
-
 def config_from_hf(hf: dict) -> ModelConfig:
     n = hf_get(hf, "num_hidden_layers")
     for key, want in (("num_key_value_heads", 1), ("hidden_act", "silu"), ("attention_bias", False)):
         if hf.get(key, want) != want:
             raise CheckpointError(f"config.json: {key}={hf[key]!r} is not supported for deepseek_v4 (allowed: {want!r})")
-    mixers = _letters({"layer_types": layer_types(hf, n)}, "layer_types", MIXERS, n, [])
+    mixers = type_letters(layer_types(hf, n), "layer_types", MIXERS, n)
     hashed = hf.get("num_hash_layers", 3)  # the hub's spelling of the first mlp_layer_types
-    mlps = _letters(hf, "mlp_layer_types", MLPS, n, ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed))
+    mlps = type_letters(hf.get("mlp_layer_types") or ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed),
+                        "mlp_layer_types", MLPS, n)
     head_dim = hf_get(hf, "head_dim")
     rates = {"compressed_sparse_attention": hf.get("compress_rate_csa", 4),
              "heavily_compressed_attention": hf.get("compress_rate_hca", 128), **(hf.get("compress_rates") or {})}

@@ -20,7 +20,7 @@ import torch
 
 from megamoe.core.config import LightningConfig, ModelConfig, ScaledResidualConfig
 from megamoe.convert.families.common import (attention_rules, base_hf_config, dtype_name, embedding_rules,
-                                             moe_rules, norm_rules)
+                                             moe_rules, norm_rules, type_letters)
 from megamoe.convert.families.deepseek_v3 import check_silu, expressible
 from megamoe.convert.families.qwen3 import attention_from_hf, attention_to_hf, common_to_hf
 from megamoe.convert.families.qwen3_moe import check_moe_routing, moe_from_hf, moe_to_hf
@@ -85,11 +85,7 @@ def lightning_buffers(ctx: Ctx) -> list[torch.Tensor]:
 def layer_letters(hf: dict) -> list[str]:
     n = hf_get(hf, "num_hidden_layers")
     types = hf.get("layer_types") or ["full_attention" if (i + 1) % 2 else "linear_attention" for i in range(n)]
-    bad = [t for t in types if t not in LETTERS]
-    if len(types) != n or bad:
-        raise CheckpointError(f"config.json: layer_types={types} must give one of {list(LETTERS)} for each of "
-                              f"num_hidden_layers={n} layers")
-    return [LETTERS[t] for t in types]
+    return type_letters(types, "layer_types", LETTERS, n)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
