@@ -16,6 +16,7 @@ from megamoe.parallel.linear import ColumnParallelLinear, ReplicatedLinear, RowP
 from megamoe.layers.spec import BuildContext
 from megamoe.layers.mixers.block_sparse import block_sparse_attention
 from megamoe.layers.ops.attention.core import CoreAttention
+from megamoe.layers.ops.attention.tiles import MATH
 from megamoe.layers.mixers.dsa import sparse_latent_attention
 from megamoe.layers.mlp.experts import GroupedExperts, reference_kernel
 from megamoe.layers.ops.fp8.frozen import dequantize_rows, frozen_linear
@@ -82,8 +83,14 @@ class BaseBackend:
                               dtype=ctx.dtype, device=ctx.device)
 
     def core_attention(self, ctx: BuildContext, *, softmax_scale: float, window: int = 0) -> nn.Module:
-        """Causal softmax attention with GQA and an optional sliding window (``CoreAttention``)."""
-        return CoreAttention(softmax_scale, window)
+        """Causal softmax attention with GQA and an optional sliding window (``CoreAttention``);
+        under CP its ring runs ``attention_tiles``."""
+        return CoreAttention(softmax_scale, window, self.attention_tiles())
+
+    def attention_tiles(self):
+        """The tile kernel of ring attention (``megamoe.layers.ops.attention.tiles``): here the
+        math reference, fp32 scores per tile of at most TILE x TILE tokens."""
+        return MATH
 
     def latent_attention(self, ctx: BuildContext):
         """MLA's absorbed attention over cached latents (``megamoe.layers.mixers.mla.latent_attention``)."""

@@ -20,6 +20,7 @@ from megamoe.layers.backends.base import BaseBackend
 from megamoe.layers.backends.local import _norm
 from megamoe.layers.mixers.lightning import lightning_chunked, lightning_recurrent
 from megamoe.layers.ops.delta_rule.chunk import chunk_delta_rule
+from megamoe.layers.ops.attention.tiles import FUSED
 from megamoe.layers.ops.conv import causal_conv, l2norm
 from megamoe.layers.ops.delta_rule.naive import recurrent_delta_rule
 from megamoe.layers.norm import HandwrittenRMSNorm
@@ -119,6 +120,11 @@ class CpuBackend(BaseBackend):
 
     def delta_rule(self, ctx: BuildContext):
         return ChunkedDeltaRule(self.fusion)
+
+    def attention_tiles(self):
+        """Ring attention's tiles on torch's fused kernels with the log-sum-exp (CPU flash; CUDA
+        flash for fp16/bf16), math tiles where a mask needs them."""
+        return FUSED
 
     def lightning(self, ctx: BuildContext):
         return ChunkedLightning()

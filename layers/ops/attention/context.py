@@ -8,14 +8,18 @@ single-process run, a CP rank's two chunks and a packed sequence::
 Ring attention (``ring_attention``; letters A and S under CP). Each rank keeps its queries; the
 K/V blocks (the two chunks a rank holds) travel once around the CP ring, and each block is
 merged into the running output with its log-sum-exp (online softmax). Work is done per
-(query chunk, key chunk) pair, in tiles of at most ``TILE`` tokens a side, and a tile that its
-mask leaves empty is skipped, so with the 2·CP load-balanced chunks every rank computes the
-same number of causal tiles, and a sliding window computes only the tiles it reaches. The
-backward recomputes each tile's probabilities from the saved log-sum-exp and passes (K, V)
-and the accumulating (dK, dV) around the ring once more; dK/dV arrive back at their owner
-after CP hops. Why a ring and not an all-gather of K/V: a rank never holds more than two
-blocks (memory stays O(S/CP)), and the next block's transfer overlaps the current block's
-compute.
+(query chunk, key chunk) pair by a tile kernel (``tiles.py``, the backend's ``attention_tiles``
+role): a pair every key of which is visible, or the causal diagonal, is one call of a fused
+kernel that returns the log-sum-exp (no scores held); a pair a sliding window or packed
+documents cut through is split into tiles of at most ``TILE`` tokens a side, each again fused
+when it can be and otherwise run in math form (the masked ones), and a tile that its mask
+leaves empty is skipped. So with the 2·CP load-balanced chunks every rank computes the same
+number of causal tiles, and a sliding window computes only the tiles it reaches. The backward
+runs each tile's backward kernel with the whole row's output and log-sum-exp (the tiles'
+gradients then add up) and passes (K, V) and the accumulating (dK, dV) around the ring once
+more; dK/dV arrive back at their owner after CP hops. Why a ring and not an all-gather of
+K/V: a rank never holds more than two blocks (memory stays O(S/CP)), and the next block's
+transfer overlaps the current block's compute.
 
 A sliding window that reaches at most one chunk back (``halo_fits``) needs no ring: each rank
 all-gathers only the last window-1 K/V rows of its chunks (``halo_window_attention``).
@@ -24,7 +28,7 @@ MLA (M, D, I) all-gathers its latents instead (``tiled_latent_attention`` for M)
 docs/mixers.md "Context parallelism: softmax attention" for the choice per mixer.
 
 Shapes: q [b, s, Hq, d], k [b, s, Hk, d], v [b, s, Hk, dv] (s = this rank's 2 chunks, local
-order); inside, heads are grouped as [b, Hk, rep, t, d] so GQA never expands K/V.
+order); inside, [b, H, s, d], and GQA never expands K/V on CPU.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megamoe.parallel import comm
 from megamoe.core.errors import ConfigError, DataError
+from megamoe.layers.ops.attention.tiles import MATH
 
 TILE = 1024  # tokens per side of a score tile
 
@@ -121,44 +126,68 @@ class _RingTransfer:
 
 class _Blocks:
     """The tiles one ring step computes: for the block that came from rank ``src``, each
-    (query tile, key tile) of at most ``tile`` x ``tile`` tokens inside a (query chunk, key
-    chunk) pair, with its mask, skipping the tiles the mask leaves empty. Tiles bound the
-    transient scores to ``b Hq tile^2`` numbers whatever the chunk length."""
+    (query chunk, key chunk) pair as one tile when the fused kernel can take it whole (every key
+    visible, or the causal diagonal), else cut into tiles of at most ``tile`` x ``tile`` tokens,
+    each again whole-or-causal (fused) or masked (math tiles, whose transient scores are bounded
+    to ``b Hq tile^2`` numbers whatever the chunk length); tiles the mask leaves empty are skipped."""
 
     def __init__(self, cp, window: int, documents: torch.Tensor | None, device, tile: int):
         self.cp, self.window, self.documents, self.device, self.tile = cp, window, documents, device, tile
-        self.q_tiles = self.tiles(cp.rank)
-
-    def tiles(self, rank: int) -> list[tuple[slice, torch.Tensor]]:
-        """(local slice, global positions) of each tile of ``rank``'s two chunks, local order."""
-        n, out = self.cp.chunk_len, []
-        for i, (a, _) in enumerate(self.cp.chunk_bounds(rank)):
-            for t in range(0, n, self.tile):
-                m = min(self.tile, n - t)
-                out.append((slice(i * n + t, i * n + t + m), torch.arange(a + t, a + t + m, device=self.device)))
-        return out
 
     def pairs(self, src: int):
-        k_tiles = self.tiles(src)
-        for qs, qp in self.q_tiles:
-            for ks, kp in k_tiles:
-                if kp[0] > qp[-1] or (self.window and kp[-1] <= qp[0] - self.window):
-                    continue  # causal / window: nothing to see
-                mask = document_mask(self.documents, qp, kp, self.window)  # [1|b, tq, tk]
-                if mask.any():
-                    yield qs, ks, mask[:, None, None]  # [1|b, 1, 1, tq, tk] over [b, Hk, rep, tq, tk]
+        """Yield (query slice, key slice, causal, mask [1|b, 1, tq, tk] or None), local slices."""
+        n = self.cp.chunk_len
+        for i, (qa, _) in enumerate(self.cp.chunk_bounds(self.cp.rank)):
+            for j, (ka, _) in enumerate(self.cp.chunk_bounds(src)):
+                yield from self._tiles(i * n, qa, n, j * n, ka, n)
+
+    def kind(self, qa: int, nq: int, ka: int, nk: int) -> str:
+        """'empty', 'full', 'causal' or 'masked' for queries at global [qa, qa+nq), keys [ka, ka+nk)."""
+        w = self.window
+        if ka > qa + nq - 1 or (w and ka + nk - 1 <= qa - w):
+            return "empty"  # causal / window: nothing to see
+        docs = self.documents
+        if docs is not None:  # one document over both ranges (ids are non-decreasing): no document mask
+            lo, hi = min(qa, ka), max(qa + nq, ka + nk) - 1
+            if not bool((docs[:, lo] == docs[:, hi]).all()):
+                return "masked"
+        if ka + nk - 1 <= qa and (not w or ka > qa + nq - 1 - w):
+            return "full"
+        if ka == qa and nk == nq and (not w or nq <= w):
+            return "causal"
+        return "masked"
+
+    def _tiles(self, ql: int, qa: int, nq: int, kl: int, ka: int, nk: int):
+        kind = self.kind(qa, nq, ka, nk)
+        if kind == "empty":
+            return
+        if kind != "masked":
+            yield slice(ql, ql + nq), slice(kl, kl + nk), kind == "causal", None
+        elif nq <= self.tile and nk <= self.tile:
+            mask = document_mask(self.documents, torch.arange(qa, qa + nq, device=self.device),
+                                 torch.arange(ka, ka + nk, device=self.device), self.window)  # [1|b, tq, tk]
+            if mask.any():
+                yield slice(ql, ql + nq), slice(kl, kl + nk), False, mask[:, None]
+        else:
+            for t in range(0, nq, self.tile):
+                for u in range(0, nk, self.tile):
+                    yield from self._tiles(ql + t, qa + t, min(self.tile, nq - t),
+                                           kl + u, ka + u, min(self.tile, nk - u))
 
 
-def _scores(q, k, scale, mask):
-    """q [b, g, r, n, d], k [b, g, m, d] -> masked fp32 scores [b, g, r, n, m]."""
-    s = torch.einsum("bgrnd,bgmd->bgrnm", q.float(), k.float()) * scale
-    return s.masked_fill(~mask, float("-inf"))
+def _merge(out, lse, qs, blk_out, blk_lse) -> None:
+    """Fold one tile's (output, log-sum-exp) into the running ones at query slice ``qs`` (in place)."""
+    old = lse[..., qs]
+    new = torch.logaddexp(old, blk_lse)
+    safe = torch.where(torch.isinf(new), 0.0, new)  # rows that have seen nothing yet stay 0
+    out[..., qs, :] = out[..., qs, :] * torch.exp(old - safe)[..., None] + blk_out * torch.exp(blk_lse - safe)[..., None]
+    lse[..., qs] = new
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, window, cp, documents, tile):
-        # q [b, g, r, s, d], k [b, g, s, d], v [b, g, s, dv] (grouped, local order)
+    def forward(ctx, q, k, v, scale, window, cp, documents, tile, kernel):
+        # q [b, Hq, s, d], k [b, Hk, s, d], v [b, Hk, s, dv] (local order)
         blocks = _Blocks(cp, window, documents, q.device, tile)
         out = torch.zeros(*q.shape[:-1], v.size(-1), dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
@@ -167,63 +196,49 @@ class RingAttention(torch.autograd.Function):
             src = (cp.rank - step) % cp.size
             transfer = _RingTransfer(kv, cp.group) if step < cp.size - 1 else None  # overlaps the compute
             kb, vb = kv
-            for qs, ks, mask in blocks.pairs(src):
-                s = _scores(q[..., qs, :], kb[:, :, ks], scale, mask)
-                m = s.amax(-1, keepdim=True)
-                m = torch.where(torch.isinf(m), 0.0, m)
-                e = torch.exp(s - m)  # masked scores -> 0
-                blk_lse = m.squeeze(-1) + e.sum(-1).log()
-                blk_out = torch.einsum("bgrnm,bgmd->bgrnd", e, vb[:, :, ks].float())
-                old = lse[..., qs]
-                new = torch.logaddexp(old, blk_lse)
-                safe = torch.where(torch.isinf(new), 0.0, new)
-                out[..., qs, :] = (out[..., qs, :] * torch.exp(old - safe)[..., None]
-                                   + blk_out * torch.exp(m.squeeze(-1) - safe)[..., None])
-                lse[..., qs] = new
+            for qs, ks, causal, mask in blocks.pairs(src):
+                blk_out, blk_lse = kernel.forward(q[:, :, qs], kb[:, :, ks], vb[:, :, ks], scale, causal, mask)
+                _merge(out, lse, qs, blk_out, blk_lse)
             kv = transfer.wait() if transfer else None
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.window, ctx.cp, ctx.documents, ctx.tile = scale, window, cp, documents, tile
-        return out.to(q.dtype)
+        ctx.scale, ctx.window, ctx.cp, ctx.documents, ctx.tile, ctx.kernel = scale, window, cp, documents, tile, kernel
+        return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, scale = ctx.cp, ctx.scale
+        cp, scale, kernel = ctx.cp, ctx.scale, ctx.kernel
         blocks = _Blocks(cp, ctx.window, ctx.documents, q.device, ctx.tile)
-        do = d_out.float()
-        delta = (do * out).sum(-1)  # [b, g, r, s]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
         kb, vb = k, v
-        dk, dv = torch.zeros(k.shape, dtype=torch.float32, device=q.device), torch.zeros(
-            v.shape, dtype=torch.float32, device=q.device)
         for step in range(cp.size):
             src = (cp.rank - step) % cp.size
             kv_next = _RingTransfer([kb, vb], cp.group) if step < cp.size - 1 else None
-            for qs, ks, mask in blocks.pairs(src):
-                qf, kf, vf = q[..., qs, :].float(), kb[:, :, ks].float(), vb[:, :, ks].float()
-                p = torch.exp(_scores(qf, kf, scale, mask) - lse[..., qs, None])  # [b, g, r, n, m]
-                dv[:, :, ks] += torch.einsum("bgrnm,bgrnd->bgmd", p, do[..., qs, :])
-                dp = torch.einsum("bgrnd,bgmd->bgrnm", do[..., qs, :], vf)
-                ds = p * (dp - delta[..., qs, None]) * scale
-                dq[..., qs, :] += torch.einsum("bgrnm,bgmd->bgrnd", ds, kf)
-                dk[:, :, ks] += torch.einsum("bgrnm,bgrnd->bgmd", ds, qf)
+            for qs, ks, causal, mask in blocks.pairs(src):
+                # the whole row's output and log-sum-exp: the tiles' gradients add up
+                g = kernel.backward(d_out[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks], out[:, :, qs],
+                                    lse[:, :, qs], scale, causal, mask)
+                dq[:, :, qs] += g[0]
+                dk[:, :, ks] += g[1]
+                dv[:, :, ks] += g[2]
             # dK/dV travel with their block; after cp.size hops they are back with the owner
             dk, dv = _RingTransfer([dk, dv], cp.group, tag=1).wait()
             if kv_next:
                 kb, vb = kv_next.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def ring_attention(q, k, v, scale: float, window: int, cp, documents: torch.Tensor | None = None,
-                   tile: int | None = None):
+                   tile: int | None = None, kernel=MATH):
     """Causal (optionally windowed, document-masked) attention of this rank's queries over the whole
-    sequence. q [b, s, Hq, d], k [b, s, Hk, d], v [b, s, Hk, dv] -> [b, s, Hq, dv]."""
-    b, s, hq, d = q.shape
-    hk = k.size(2)
-    qg = q.reshape(b, s, hk, hq // hk, d).permute(0, 2, 3, 1, 4)  # [b, Hk, rep, s, d]
-    out = RingAttention.apply(qg.contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
-                              scale, window, cp, documents, tile or TILE)
-    return out.permute(0, 3, 1, 2, 4).reshape(b, s, hq, v.size(-1))
+    sequence, each tile run by ``kernel`` (``megamoe.layers.ops.attention.tiles``).
+    q [b, s, Hq, d], k [b, s, Hk, d], v [b, s, Hk, dv] -> [b, s, Hq, dv]."""
+    q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # [b, H, s, d]
+    out = RingAttention.apply(q, k, v, scale, window, cp, documents, tile or TILE, kernel)
+    return out.transpose(1, 2)
 
 
 # ---- sliding window: a halo instead of the ring ----------------------------------------------------

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamoe.layers.ops.attention.context import check_documents, halo_fits, halo_window_attention, ring_attention
+from megamoe.layers.ops.attention.tiles import MATH
 
 
 def causal_mask(t_q: int, t_k: int, window: int = 0, device=None) -> torch.Tensor:
@@ -23,12 +24,13 @@ class CoreAttention(nn.Module):
     """Causal softmax attention with GQA and an optional sliding window.
 
     q: [b, t, hq, d], k: [b, tk, hk, d], v: [b, tk, hk, dv] -> [b, t, hq, dv]; tk >= t and the
-    queries are the last t positions (decoding with a cache).
+    queries are the last t positions (decoding with a cache). ``tiles``: the kernel ring
+    attention runs per tile under CP (``megamoe.layers.ops.attention.tiles``).
     """
 
-    def __init__(self, softmax_scale: float, window: int = 0):
+    def __init__(self, softmax_scale: float, window: int = 0, tiles=MATH):
         super().__init__()
-        self.scale, self.window = softmax_scale, window
+        self.scale, self.window, self.tiles = softmax_scale, window, tiles
 
     def forward(self, q, k, v, mask: torch.Tensor | None = None, *, cp=None, documents=None):
         """``cp`` (a ``ContextShard`` of more than one rank): q, k, v hold this rank's two chunks and
@@ -39,7 +41,7 @@ class CoreAttention(nn.Module):
         if cp is not None and cp.size > 1:
             if halo_fits(self.window, cp):  # 'S' whose window stays within one chunk back
                 return halo_window_attention(self, q, k, v, self.window, cp, documents)
-            return ring_attention(q, k, v, self.scale, self.window, cp, documents)
+            return ring_attention(q, k, v, self.scale, self.window, cp, documents, kernel=self.tiles)
         if documents is not None and mask is None and q.size(1) == k.size(1):
             return self.packed(q, k, v, documents)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, t, d]
