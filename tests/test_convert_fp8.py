@@ -12,6 +12,7 @@ which differs from the release's 128-blocks when a dimension is not a multiple o
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +43,13 @@ def fp8_checkpoint(hf_model, root):
     hf_model.float().save_pretrained(root / "hf")
     quantised = quantize_like_release(root / "hf", root / "fp8")
     return root / "fp8", quantised
+
+
+@pytest.fixture(scope="session")
+def ds3_release(tmp_path_factory):
+    """The tiny deepseek_v3 FP8 release (dir, {name: (e4m3, scale)}), built once for the FP8
+    tests (tests/test_fp8_base.py imports it): they read it; a test that edits it copies it."""
+    return fp8_checkpoint(tiny("deepseek_v3"), tmp_path_factory.mktemp("ds3_fp8"))
 
 
 def test_quantizer_and_dequantizer_match_the_release_and_transformers():
@@ -98,7 +106,7 @@ def test_fp8_release_with_several_padded_blocks(tmp_path):
 
 
 @torch.no_grad()
-def test_export_fp8_blocks_reads_back_in_transformers(tmp_path):
+def test_export_fp8_blocks_reads_back_in_transformers(ds3_release, tmp_path):
     """import (dequantised, fp32) -> export-hf --fp8-blocks 128: the release's tensors come back
     as e4m3 + weight_scale_inv with the release's quantization_config, the values equal the
     release's (each block requantised from its own dequantised values), transformers' logits
@@ -106,7 +114,7 @@ def test_export_fp8_blocks_reads_back_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
     from megamoe.convert import export_hf
 
-    fp8_dir, quantised = fp8_checkpoint(tiny("deepseek_v3"), tmp_path)
+    fp8_dir, quantised = ds3_release
     ckpt = import_hf(fp8_dir, tmp_path / "mm", progress=False)
     model = load_converted(ckpt)
     out = export_hf(ckpt, tmp_path / "back", fp8_blocks=128, progress=False)
@@ -157,9 +165,11 @@ REFUSALS = {
 
 
 @pytest.mark.parametrize("case", list(REFUSALS))
-def test_fp8_refusals_are_one_line(case, tmp_path):
+def test_fp8_refusals_are_one_line(case, ds3_release, tmp_path):
+    import shutil
+
     edit, words = REFUSALS[case]
-    fp8_dir, _ = fp8_checkpoint(tiny("deepseek_v3"), tmp_path)
+    fp8_dir = Path(shutil.copytree(ds3_release[0], tmp_path / "fp8"))
     _edit(fp8_dir, **edit)
     with pytest.raises(CheckpointError) as err:
         import_hf(fp8_dir, tmp_path / "out", progress=False)

@@ -9,6 +9,7 @@ import torch
 
 from tests.family_checks import (assert_gradients_match, assert_lora_trains, assert_parallel_equals_single, batch,
                                  hf_gradient_errors, lora_case, parallel_grads_case)
+from tests.presets import show_model_counts
 
 TOKENS = dict(vocab_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
@@ -213,34 +214,6 @@ def hf_meta_counts(hf_config, arch) -> dict:
                                                                                  ".experts.down_proj"))),
             "vision": count(lambda n: "vision_tower." in n or "multi_modal_projector." in n),
             "bias": sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))}
-
-
-def show_model_counts(name: str) -> dict:
-    """``megamoe-show-model --config name`` in a fresh process: its printed totals, peak RSS and
-    seconds of CPU time (on a machine shared by many jobs the wall time measures the others)."""
-    import json
-    import subprocess
-    import sys
-    import textwrap
-
-    code = textwrap.dedent(f"""
-        import contextlib, io, json, resource
-        def cpu():
-            r = resource.getrusage(resource.RUSAGE_SELF)
-            return r.ru_utime + r.ru_stime
-        t = cpu()
-        from megamoe.commands.show_model import main
-        from megamoe.diagnostics.memory import peak_rss_mib
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            main(["--config", "{name}"])
-        print(json.dumps({{"out": out.getvalue(), "seconds": cpu() - t, "rss_mib": peak_rss_mib()}}))
-    """)
-    run = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    line = next(x for x in result["out"].splitlines() if x.startswith("total parameters:"))
-    total, active = (int(v.replace(",", "")) for v in line.replace("active per token:", ":").split(":")[1:])
-    return dict(result, total=total, active=active)
 
 
 @pytest.mark.parametrize("preset", ["glm5", "minimax_m3"])

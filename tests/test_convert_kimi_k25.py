@@ -15,8 +15,9 @@ import torch
 from tests.conversion_harness import ATOL
 from tests.mixer_utils import randomize
 from tests.numerics import max_abs
+from tests.presets import show_model_counts
 from tests.vlm_harness import (GRAD_REL, check_images, check_lora_steps, check_parallel_images, grad_errors,
-                               meta_budget, prompts)
+                               prompts)
 
 IMAGE_TOKEN = 100
 PATCH = 4
@@ -148,7 +149,7 @@ def test_lora_finetune_lowers_loss_with_frozen_routing(tmp_path):
 
 
 def test_released_size_preset_counts_on_meta():
-    """megamoe/recipes/kimi_k25.yaml: a fresh process builds it on meta in < 30 s and < 2 GiB,
+    """megamoe/recipes/kimi_k25.yaml: megamoe-show-model prints it from a fresh process in < 30 s and < 2 GiB,
     and its counts equal a hand count (the language model as moe_1t's, MoonViT and the merger by
     their formulas); the language model's 32.9B active and the tower's 417M are the release's
     "32B active" and "MoonViT 400M"."""
@@ -156,7 +157,7 @@ def test_released_size_preset_counts_on_meta():
     from megamoe.recipe import load_recipe
     from tests.test_moe import hand_count_moe_1t
 
-    out = meta_budget("kimi_k25")
+    out = show_model_counts("kimi_k25")  # megamoe-show-model --config kimi_k25, fresh process
     recipe = load_recipe("kimi_k25")
     validate_model_parallel(recipe.model, recipe.parallel)
     lm_total, lm_active = hand_count_moe_1t(recipe.model)

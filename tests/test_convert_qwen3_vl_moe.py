@@ -14,8 +14,9 @@ import torch
 from tests.conversion_harness import ATOL
 from tests.mixer_utils import randomize
 from tests.numerics import max_abs
+from tests.presets import show_model_counts
 from tests.vlm_harness import (GRAD_REL, check_images, check_lora_steps, check_parallel_images, grad_errors,
-                               meta_budget, prompts)
+                               prompts)
 
 IMAGE_TOKEN = 100
 TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
@@ -120,7 +121,7 @@ def test_lora_finetune_lowers_loss_with_frozen_routing(tmp_path):
 
 
 def test_released_size_preset_counts_on_meta():
-    """megamoe/recipes/qwen3_vl_moe_235b.yaml: built on meta in a fresh process (< 30 s, < 2 GiB),
+    """megamoe/recipes/qwen3_vl_moe_235b.yaml: megamoe-show-model prints it from a fresh process (< 30 s, < 2 GiB),
     counts equal to a hand count (the tower's from timm on meta, the mergers by their formula); the
     language model's 235.1B total / 22.2B active are the release's "235B / 22B"."""
 
@@ -129,7 +130,7 @@ def test_released_size_preset_counts_on_meta():
 
     from megamoe.recipe import load_recipe
 
-    out = meta_budget("qwen3_vl_moe_235b")
+    out = show_model_counts("qwen3_vl_moe_235b")  # megamoe-show-model --config qwen3_vl_moe_235b, fresh process
     m = load_recipe("qwen3_vl_moe_235b").model
     h, a, e, n = m.hidden_size, m.attention, m.moe, m.parsed_layout().num_layers
     q, kv = a.num_heads * a.head_dim, a.kv_heads() * a.head_dim

@@ -10,8 +10,12 @@ GEMM, under LoRA adapters in the model's dtype.
   and again in the backward), the base stays bitwise; merged and exported with FP8 blocks, the
   tensors LoRA did not touch come back bitwise and transformers reads the export with megamoe's
   logits;
-- TP=2 x EP=2 (two gloo ranks, the checkpoint resharded on load) equals one process: logits and
-  every adapter's gradient, relative error 1e-5.
+- TP=2 x EP=2 (two gloo ranks, the checkpoint resharded on load; and ``from_hf`` of the FP8
+  release under the grid, dequantised and kept) equals one process: logits and every adapter's
+  gradient, relative error 1e-5;
+- tiered experts (``model.moe.expert_store``) read FP8 experts from the converted ``--keep-fp8``
+  checkpoint and from the HF release itself: the dequantised model's loss and gradients, about
+  half of bf16's bytes read.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from safetensors.torch import load_file
 
 from megamoe.convert import export_hf, from_hf, import_hf
 from tests.conversion_harness import ATOL, load_converted
-from tests.test_convert_fp8 import IDS, fp8_checkpoint, tiny
+from tests.test_convert_fp8 import IDS, ds3_release, fp8_checkpoint, tiny  # noqa: F401 (a fixture)
 
 E4M3 = torch.float8_e4m3fn
 STEPS, LOSS_TOL, REL = 8, 1e-5, 1e-5
@@ -106,12 +110,12 @@ def _train(model, steps: int) -> list[float]:
     return losses
 
 
-def test_lora_on_fp8_base_follows_the_dequantised_base(tmp_path):
+def test_lora_on_fp8_base_follows_the_dequantised_base(ds3_release, tmp_path):
     from transformers import AutoModelForCausalLM
     from megamoe.convert import to_hf
     from megamoe.lora import merge
 
-    fp8_dir, quantised = fp8_checkpoint(tiny("deepseek_v3"), tmp_path)
+    fp8_dir, quantised = ds3_release
     exclude = ["experts"]  # the routed experts keep no adapters: their tensors must come back as they were
     fp8 = _lora(from_hf(fp8_dir, keep_fp8=True).train(), exclude=exclude)
     ref = _lora(from_hf(fp8_dir).train(), exclude=exclude)
@@ -137,7 +141,7 @@ def test_lora_on_fp8_base_follows_the_dequantised_base(tmp_path):
 
 # ---- TP=2 x EP=2 on two gloo ranks ------------------------------------------------------------
 
-def fp8_parallel_case(ckpt: str, ids: torch.Tensor) -> dict:
+def fp8_parallel_case(ckpt: str, ids: torch.Tensor, hf_dir: str) -> dict:
     from megamoe.core.config import ParallelConfig
     from megamoe.convert import build_model
     from megamoe.lora import lora_parameters
@@ -152,9 +156,14 @@ def fp8_parallel_case(ckpt: str, ids: torch.Tensor) -> dict:
 
     cfg = config_from_dict(read_meta(ckpt)["model"])
     out = {}
-    for key, groups in (("ref", ParallelGroups()), ("tp2ep2", build_groups(ParallelConfig(tp=2, ep=2)))):
-        model = build_model(cfg, groups)
-        load_checkpoint(ckpt, groups, [model], load_rng=False)
+    grid = build_groups(ParallelConfig(tp=2, ep=2))
+    runs = (("ref", ParallelGroups(), False), ("tp2ep2", grid, False), ("hf", grid, False), ("hf_keep", grid, True))
+    for key, groups, keep in runs:
+        if key.startswith("hf"):  # from_hf under the grid: each rank keeps its shards of the dequantised / kept weights
+            model = from_hf(hf_dir, groups, keep_fp8=keep)
+        else:
+            model = build_model(cfg, groups)
+            load_checkpoint(ckpt, groups, [model], load_rng=False)
         _lora(model.train())
         logits = model.forward_stage(ids)
         vocab_parallel_cross_entropy(logits, shift_labels(ids), groups.tp, cfg.vocab_size).mean().backward()
@@ -162,17 +171,19 @@ def fp8_parallel_case(ckpt: str, ids: torch.Tensor) -> dict:
             sync_grads([model], groups)
         out[key] = {"logits": model.gather_logits(logits).detach(),
                     **{n: gather_full(p, groups, p.grad) for n, p in lora_parameters(model)}}
-    errs = {n: rel_err(out["tp2ep2"][n], want) for n, want in out["ref"].items()}
-    errs["_fp8_experts"] = sum(t.dtype == E4M3 and ".mlp.experts." in n for n, t in model.state_dict().items())
+        if key == "tp2ep2":
+            fp8_experts = sum(t.dtype == E4M3 and ".mlp.experts." in n for n, t in model.state_dict().items())
+    errs = {f"{key}:{n}": rel_err(out[key][n], want) for key in out if key != "ref" for n, want in out["ref"].items()}
+    errs["_fp8_experts"] = fp8_experts
     return errs
 
 
-def test_fp8_base_tp2_ep2_equals_one_process(pool, tmp_path):
-    fp8_dir, _ = fp8_checkpoint(tiny("deepseek_v3"), tmp_path)
+def test_fp8_base_tp2_ep2_equals_one_process(pool, ds3_release, tmp_path):
+    fp8_dir, _ = ds3_release
     ckpt = import_hf(fp8_dir, tmp_path / "mm", keep_fp8=True, progress=False)
     ids = torch.randint(3, 64, (2, 10), generator=torch.Generator().manual_seed(2))
-    for rank, errs in enumerate(pool(2).run(fp8_parallel_case, str(ckpt), ids)):
-        assert errs.pop("_fp8_experts") == 2 and len(errs) > 10
+    for rank, errs in enumerate(pool(2).run(fp8_parallel_case, str(ckpt), ids, str(fp8_dir))):
+        assert errs.pop("_fp8_experts") == 2 and len(errs) > 30
         bad = {k: v for k, v in errs.items() if v > REL}
         assert not bad, (rank, bad)
 
@@ -198,13 +209,15 @@ def test_planner_counts_the_fp8_base():
     assert max(weights) <= 0.55 and [r["params"] for r in rows["fp8"]] == [r["params"] for r in rows["bf16"]]
 
 
-def test_commands_keep_fp8(tmp_path, capsys):
+def test_commands_keep_fp8(pool, ds3_release, tmp_path, capsys):
     """import-hf --keep-fp8 then export-hf --fp8-blocks 128 give the release back bit for bit;
-    megamoe-generate --keep-fp8 on the HF directory decodes the dequantised model's tokens."""
+    megamoe-generate --keep-fp8 on the HF directory decodes the dequantised model's tokens, in
+    one process and at PP=2 and TP=2 (two gloo ranks, rank 0 prints)."""
+    from tests.test_generate_parallel import run_command
     from megamoe.commands.convert import main as convert
     from megamoe.commands.generate import main as generate
 
-    fp8_dir, _ = fp8_checkpoint(tiny("deepseek_v3"), tmp_path)
+    fp8_dir, _ = ds3_release
     convert(["import-hf", str(fp8_dir), str(tmp_path / "mm"), "--keep-fp8"])
     convert(["export-hf", str(tmp_path / "mm"), str(tmp_path / "back"), "--fp8-blocks", "128"])
     release, exported = _files(fp8_dir), _files(tmp_path / "back")
@@ -215,3 +228,72 @@ def test_commands_keep_fp8(tmp_path, capsys):
         generate([str(fp8_dir), "--ids", "5,9,13", "--max-new-tokens", "6", *extra])
         tokens.append(capsys.readouterr().out)
     assert tokens[0] == tokens[1] and tokens[0].strip()
+    for layout in (["--pp", "2"], ["--tp", "2"]):
+        got = pool(2).run(run_command, "generate", [str(fp8_dir), "--ids", "5,9,13", "--max-new-tokens", "6",
+                                                    "--keep-fp8", *layout])
+        assert got == [(0, tokens[0]), (0, "")], layout
+
+
+# ---- FP8 experts in the tiered expert store ----------------------------------------------------
+
+def _wide_deepseek_v3(dtype=torch.float32):
+    """Experts of hidden 256 x 256 (two column blocks): the scales cost what they do at size."""
+    from tests.test_convert_deepseek import randomized
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(num_hidden_layers=2, first_k_dense_replace=1, hidden_size=256, intermediate_size=512,
+                           moe_intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
+                           q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                           v_head_dim=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+                           topk_group=1, vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return randomized(DeepseekV3ForCausalLM(cfg)).to(dtype)
+
+
+def _loss_and_grads(model, ids) -> dict:
+    from megamoe.lora import lora_parameters
+    from megamoe.model.language_model import shift_labels
+
+    loss = model(ids, labels=shift_labels(ids))
+    loss.backward()
+    return {"loss": loss.detach(), **{n: p.grad for n, p in lora_parameters(model)}}
+
+
+def test_expert_store_reads_fp8_experts(tmp_path):
+    """Tiered experts from an FP8 release, both stores: the ``--keep-fp8`` converted checkpoint
+    (e4m3 stacks + row scales) and the HF directory itself (``--experts-in-hf``: per-expert e4m3
+    with 128x128 block scales). Each brings the routed experts in dequantised: the loss and every
+    LoRA gradient (adapters on the experts too) equal the dequantised resident model's (fp32,
+    rel 1e-5), at most 0.55x of the experts' bf16 bytes are read from the files, and an e4m3 store
+    under a model whose fp8_base does not list its experts is one line naming the file."""
+    from megamoe.core.config import ExpertStoreConfig
+    from megamoe.core.errors import CheckpointError
+    from megamoe.expert_store import open_expert_store
+    from megamoe.inference.load import load_model
+    from tests.fp8_utils import quantize_like_release
+    from tests.numerics import rel_err
+
+    _wide_deepseek_v3().save_pretrained(tmp_path / "hf")
+    quantize_like_release(tmp_path / "hf", tmp_path / "fp8")
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(7))
+    want = _loss_and_grads(_lora(from_hf(tmp_path / "fp8").train()), ids)
+    stores = {"converted": import_hf(tmp_path / "fp8", tmp_path / "keep", keep_fp8=True, progress=False),
+              "hf": import_hf(tmp_path / "fp8", tmp_path / "in_hf", experts=False, progress=False)}
+    for kind, ckpt in stores.items():
+        store_cfg = ExpertStoreConfig(budget_mib=2, prefetch=False)  # one expert per call, one cached
+        model = _lora(load_model(ckpt, expert_store=store_cfg).train())
+        got = _loss_and_grads(model, ids)
+        errs = {n: rel_err(got[n], w) for n, w in want.items()}
+        assert max(errs.values()) <= REL, (kind, {n: e for n, e in errs.items() if e > REL})
+        store = model.expert_store
+        layer = next(iter(store.layers.values()))
+        bf16 = store.cache.stats["misses"] * layer.expert_bytes() // 2  # the model runs in fp32
+        ratio = store.disk.read_bytes / bf16
+        print(f"{kind} store: {store.disk.read_bytes} bytes read for {store.cache.stats['misses']} experts, "
+              f"{ratio:.3f}x of bf16")
+        assert store.cache.stats["misses"] >= 4 and ratio <= 0.55
+        if kind == "converted":
+            for m in store.layers.values():
+                m.fp8_block = None  # as if the model's fp8_base did not list them
+            with pytest.raises(CheckpointError, match=r"gate_up_weight is stored as torch.float8_e4m3fn.*fp8_base"):
+                open_expert_store([model], model.groups, ckpt)
+        store.close()

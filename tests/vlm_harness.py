@@ -9,8 +9,7 @@ kimi_k25, qwen3_vl_moe and glm5_next's tower):
   on gloo ranks with the images (``sequence_parallel`` in a layout is a run-time flag), against
   the single-process import (logits, loss and every gathered gradient);
 - ``check_lora_steps``: 50 LoRA steps on the image prompt lower the loss, every router bitwise;
-- ``prompts``: two prompts with images at given placeholder runs; ``meta_budget`` (from
-  tests/presets.py): a preset's counts built on meta in a fresh process.
+- ``prompts``: two prompts with images at given placeholder runs.
 """
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ import torch.nn.functional as F
 
 from tests.conversion_harness import ATOL
 from tests.numerics import max_abs, rel_err
-from tests.presets import meta_budget  # noqa: F401  (the VLM tests import it from here)
 
 GRAD_REL = 1e-5  # as tests/test_moe_hf.py and the parallel tests
 

@@ -16,7 +16,8 @@ The rows of consecutive experts are consecutive in the grouped order, so a call 
 slice of ``idx``/``probs``. How the weights come in (views of the mapped store, or stacks
 copied from a cache) and back for the backward is the store's business
 (``store.run_call``, ``megamoe.expert_store.store``). The store is bound after building
-(``megamoe.expert_store.open_expert_store``).
+(``megamoe.expert_store.open_expert_store``). FP8 experts (``model.fp8_base``) come in
+dequantised to the model's dtype: the layer computes as it would on float weights.
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ class TieredExperts(GroupedExperts):
         self.register_buffer("anchor", torch.empty(0, dtype=ctx.dtype, device=ctx.device), persistent=False)
         self.store_cfg = store
         self.store = None  # bound by megamoe.expert_store.open_expert_store
+        # the stored experts are e4m3 with scales per fp8_block columns (model.fp8_base lists them;
+        # set by megamoe.model.fp8_base.keep_fp8): the store dequantises them when it brings them in
+        self.fp8_block = None
         self.store_name = None
 
     def _apply(self, fn, recurse=True):

@@ -95,7 +95,7 @@ def parser():
                         "when imported with --experts-in-hf)")
     p.add_argument("--keep-fp8", action="store_true",
                    help="an FP8 HF checkpoint's linear and expert weights stay e4m3 with their block scales, "
-                        "dequantised per GEMM (about half the memory of bf16; one process)")
+                        "dequantised per GEMM (about half the memory of bf16; at any layout: each rank keeps its shards)")
     parallel_flags(p)
     return p
 
@@ -165,9 +165,6 @@ def load_for_layout(args):
                                   map=args.expert_map)
     if parallel is None:
         return load_model(args.model_dir, base=args.base, expert_store=store, keep_fp8=args.keep_fp8), None, True
-    if args.keep_fp8:
-        raise ConfigError("--keep-fp8 runs in one process (drop --tp/--pp/--ep/--etp/--cp; a checkpoint imported "
-                          "with import-hf --keep-fp8 loads at any layout)")
     if store is not None:
         raise ConfigError("--expert-budget runs in one process (drop --tp/--pp/--ep/--etp/--cp)")
     if args.compile:  # before loading: compiled decode steps run the whole model in one process
@@ -175,7 +172,7 @@ def load_for_layout(args):
     if args.image and parallel.pp > 1:
         raise ConfigError("--image with --pp > 1: the vision tower sits on the first stage only; use --pp 1")
     groups = inference_groups(parallel)
-    model = load_model(args.model_dir, groups=groups)
+    model = load_model(args.model_dir, groups=groups, keep_fp8=args.keep_fp8)
     return model, StageForward(model, groups), dist.get_rank() == 0
 
 

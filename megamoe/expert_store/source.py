@@ -14,6 +14,12 @@ views of the memory-mapped file that kernels read in place (``ExpertTensors.view
 Under expert-tensor parallelism (etp = q of Q) a rank reads its f-slice: two row ranges of
 gate|up, and the down weight's [h, f] read whole and sliced (one expert at a time).
 
+FP8 experts (an ``import-hf --keep-fp8`` checkpoint, ``megamoe.model.fp8_base``) are stored e4m3
+with their block scales repeated over rows, ``<tensor>_scale`` [E, R, ceil(K / block)] float32:
+an expert's rows are read as e4m3 bytes plus their rows of scales (about half of bf16's bytes)
+and dequantised into the cache's slot in the model's dtype (``read_scaled``), exactly as the
+resident FP8 base dequantises them per GEMM.
+
 ``HostSource`` reads this rank's experts once into host memory (pinned when the cache is on
 a GPU) and serves copies: the ``host`` tier.
 
@@ -33,6 +39,9 @@ import torch
 from megamoe.checkpoint.safetensors_io import DTYPE_OF_CODE
 from megamoe.core.errors import CheckpointError
 from megamoe.expert_store.mapped import MappedFile
+from megamoe.layers.ops.fp8.frozen import dequantize_rows
+
+E4M3 = torch.float8_e4m3fn
 
 _INDEX = "model.safetensors.index.json"
 _PIECE = re.compile(r"^ep(\d+)of(\d+)$")
@@ -80,6 +89,7 @@ class DiskSource:
         self.root, self.prefix = Path(root), prefix
         self._headers: dict[str, tuple[dict, int]] = {}
         self._fds: dict[Path, int] = {}
+        self.read_bytes = 0  # bytes read from the files so far (the copy path)
         self._maps: dict[Path, MappedFile] = {}
         if files is not None:
             self.files = files
@@ -157,6 +167,7 @@ class DiskSource:
             if got <= 0:
                 raise CheckpointError(f"{entry.file}: truncated (the expert store ended mid-tensor)")
             done += got
+        self.read_bytes += done
         if buf is not out:
             out.copy_(buf)
 
@@ -182,23 +193,54 @@ class ExpertTensors:
     f: the full ffn width; etp: (this rank's slice, slices); ``tensors``: the two stacked
     tensors' names in the source (default the converted checkpoint's ``<name>.gate_up_weight``,
     ``<name>.down_weight``); ``order``: the stored expert of each slot (an expert placement
-    applied to a store in logical order, e.g. an HF checkpoint; None: the same)."""
+    applied to a store in logical order, e.g. an HF checkpoint; None: the same); ``fp8_block``:
+    the column block of e4m3 experts' scales (the model's ``fp8_base.block``; None: the model
+    lists no FP8 experts, and e4m3 ones are refused)."""
 
     def __init__(self, source: DiskSource, name: str, num_experts: int, f: int, h: int, etp: tuple[int, int],
-                 tensors: tuple[str, str] | None = None, order: list[int] | None = None):
+                 tensors: tuple[str, str] | None = None, order: list[int] | None = None,
+                 fp8_block: int | None = None):
         self.source, self.name, self.f, self.h, self.order = source, name, f, h, order
-        self.q, self.etp = etp
+        (self.q, self.etp), self.block = etp, fp8_block
         gate_up, down = tensors or (f"{name}.gate_up_weight", f"{name}.down_weight")
         self.gate_up = source.pieces(gate_up, num_experts)
         self.down = source.pieces(down, num_experts)
-        for first, e in self.gate_up:
-            if e.shape[1:] != (2 * f, h):
-                raise CheckpointError(f"{e.file}: {gate_up} has shape {list(e.shape)}, the model "
-                                      f"expects [{num_experts}, {2 * f}, {h}]")
-        for first, e in self.down:
-            if e.shape[1:] != (h, f):
-                raise CheckpointError(f"{e.file}: {down} has shape {list(e.shape)}, the model "
-                                      f"expects [{num_experts}, {h}, {f}]")
+        self.scales = None  # (gate_up's, down's) scale pieces of FP8 experts
+        for tensor, pieces, shape in ((gate_up, self.gate_up, (2 * f, h)), (down, self.down, (h, f))):
+            for first, e in pieces:
+                if e.shape[1:] != shape:
+                    raise CheckpointError(f"{e.file}: {tensor} has shape {list(e.shape)}, the model "
+                                          f"expects [{num_experts}, {shape[0]}, {shape[1]}]")
+        if self.gate_up[0][1].dtype == E4M3 or self.down[0][1].dtype == E4M3:
+            self.scales = tuple(self._scales(t, p, num_experts) for t, p in ((gate_up, self.gate_up), (down, self.down)))
+
+    def _scales(self, tensor: str, pieces, num_experts: int) -> list:
+        """The scale pieces of an e4m3 stack: ``<tensor>_scale`` [E, R, ceil(K / block)], split as the stack."""
+        first_entry = pieces[0][1]
+        if self.block is None or any(e.dtype != E4M3 for _, e in pieces):
+            raise CheckpointError(f"{first_entry.file}: {tensor} is stored as {first_entry.dtype}, which the expert "
+                                  "store reads only for experts the model's fp8_base lists (import-hf --keep-fp8)")
+        scales = self.source.pieces(f"{tensor}_scale", num_experts)
+        cols = -(-first_entry.shape[2] // self.block)
+        for (at, e), (at_s, s) in zip(pieces, scales):
+            if at != at_s or s.shape != (*e.shape[:2], cols):
+                raise CheckpointError(f"{s.file}: {tensor}_scale has shape {list(s.shape)}, expected "
+                                      f"[{e.shape[0]}, {e.shape[1]}, {cols}] (float32 block scales of {tensor})")
+        return scales
+
+    def _read_rows(self, which: int, expert: int, row: int, out: torch.Tensor) -> None:
+        """Rows ``row`` .. of local stack ``which`` (0: gate_up, 1: down) of ``expert`` into
+        ``out`` [rows, K]: read as stored, or e4m3 values and their scales dequantised."""
+        pieces = (self.gate_up, self.down)[which]
+        entry, local = self._find(pieces, expert)
+        offset = local * entry.shape[1] + row  # in rows of the stack
+        if self.scales is None:
+            self.source.read_into(entry, offset * entry.shape[2], out)
+            return
+        scale, _ = self._find(self.scales[which], expert)
+        rows = torch.empty(out.size(0), scale.shape[2], dtype=torch.float32)
+        self.source.read_into(scale, offset * scale.shape[2], rows)
+        read_scaled(self.source, entry, offset * entry.shape[2], rows, self.block, out)
 
     @staticmethod
     def _find(pieces, expert: int) -> tuple[_Entry, int]:
@@ -230,17 +272,25 @@ class ExpertTensors:
         """Global ``expert``'s slices into w1 [2f/etp, h] and w2 [h, f/etp] (contiguous, CPU)."""
         f, h, fl = self.f, self.h, self.f // self.etp
         expert = expert if self.order is None else self.order[expert]
-        entry, local = self._find(self.gate_up, expert)
-        base = local * 2 * f * h
         for part, rows in enumerate((slice(0, fl), slice(fl, 2 * fl))):  # gate, then up
-            self.source.read_into(entry, base + (part * f + self.q * fl) * h, w1[rows])
-        entry, local = self._find(self.down, expert)
+            self._read_rows(0, expert, part * f + self.q * fl, w1[rows])
         if self.etp == 1:
-            self.source.read_into(entry, local * h * f, w2)
+            self._read_rows(1, expert, 0, w2)
         else:  # [h, f] rows are strided in the f-slice: read the expert's whole down weight once
             whole = torch.empty(h, f, dtype=w2.dtype)
-            self.source.read_into(entry, local * h * f, whole)
+            self._read_rows(1, expert, 0, whole)
             w2.copy_(whole[:, self.q * fl:(self.q + 1) * fl])
+
+
+def read_scaled(source: DiskSource, entry: _Entry, offset: int, scale_rows: torch.Tensor, block: int,
+                out: torch.Tensor) -> None:
+    """``out`` [n, K] (float) = e4m3 ``entry``'s n rows of K from element ``offset``, times
+    ``scale_rows`` [n, C] (float32: each row's scale per ``block`` columns). The values are
+    ``dequantize_rows``'s, as the resident FP8 base computes them per GEMM."""
+    n, k = out.shape
+    q = torch.empty(n, k, dtype=E4M3)
+    source.read_into(entry, offset, q)
+    out.copy_(dequantize_rows(q, scale_rows, torch.arange(k) // block, out.dtype))
 
 
 class HostSource:

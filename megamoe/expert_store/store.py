@@ -273,8 +273,8 @@ def open_expert_store(parts, groups: ParallelGroups, path: str | Path | None = N
         disk, readers = hf_expert_sources(root, layers, etp, placement)
     else:
         disk = DiskSource(root)
-        readers = {name: ExpertTensors(disk, name, m.num_experts, m.ffn_hidden_size, m.hidden_size, etp)
-                   for name, m in layers.items()}
+        readers = {name: ExpertTensors(disk, name, m.num_experts, m.ffn_hidden_size, m.hidden_size, etp,
+                                       fp8_block=m.fp8_block) for name, m in layers.items()}
     sources = {}
     for name, m in layers.items():
         tensors = readers[name]

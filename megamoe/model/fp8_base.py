@@ -15,7 +15,9 @@ on this instance, as LoRA's adapters do (``megamoe.lora.adapters``): a linear ro
 ``local_linear`` / ``effective_weight``, a routed-experts role's ``forward`` (the routed
 experts dequantised per call, recomputed in the backward instead of kept). LoRA adapters and
 every other parameter stay in ``params_dtype``; ``thaw`` turns a role back into plain float
-weights (what merging an adapter into it does).
+weights (what merging an adapter into it does). Routed experts in an expert store
+(``model.moe.expert_store``) stay there: the store reads their e4m3 values and scales and brings
+them in dequantised (``role.fp8_block`` tells it the scales' column block).
 """
 from __future__ import annotations
 
@@ -145,9 +147,9 @@ def keep_fp8(model: nn.Module, cfg: Fp8BaseConfig) -> None:
             continue  # another pipeline stage's layer
         if role is None or attr not in role_weights(role):
             raise ConfigError(f"model.fp8_base.tensors: {name} is not the weight of a linear or routed-experts role")
-        if record(getattr(role, attr)).stored:
-            raise ConfigError(f"model.fp8_base: {name} lives in the expert store (model.moe.expert_store), which "
-                              f"reads float weights; disable one of them")
+        if record(getattr(role, attr)).stored:  # the store reads them e4m3 and brings them in dequantised
+            role.fp8_block = cfg.block[1]
+            continue
         _freeze(role, attr, cfg.block[1], model.groups)
         held = role.__dict__.setdefault("fp8_weights", [])
         held.append(attr)
