@@ -38,20 +38,20 @@ def model_for(letter: str, model: dict | None, window: int = 7):
 
 
 def cp_case(letter: str, cp: int, tp: int = 1, sp: bool = False, docs: bool = False, seed: int = 0,
-            model: dict | None = None, tile: int | None = None, window: int = 7) -> dict:
-    """Relative errors of a CP (x TP) mixer against the single-process one, on this rank.
-    ``tile``: ring attention's score tile for this run (default: its own)."""
+            model: dict | None = None, tile: int | None = None, window: int = 7, seq: int = SEQ) -> dict:
+    """Relative errors of a CP (x TP) mixer against the single-process one, on this rank, for
+    ``seq`` tokens. ``tile``: ring attention's score tile for this run (default: its own)."""
     from megamoe.layers.ops.attention import context as context_attention
 
     default_tile = context_attention.TILE
     context_attention.TILE = tile or default_tile
     try:
-        return _cp_case(letter, cp, tp, sp, docs, seed, model, window)
+        return _cp_case(letter, cp, tp, sp, docs, seed, model, window, seq)
     finally:
         context_attention.TILE = default_tile
 
 
-def _cp_case(letter, cp, tp, sp, docs, seed, model, window) -> dict:
+def _cp_case(letter, cp, tp, sp, docs, seed, model, window, seq) -> dict:
     from megamoe.parallel.context import ContextShard
     from megamoe.parallel.groups import build_groups
     from megamoe.model.weights import finalize_grads
@@ -62,11 +62,11 @@ def _cp_case(letter, cp, tp, sp, docs, seed, model, window) -> dict:
     state = {name: p.detach().clone() for name, p in ref.named_parameters()}
     par = build_mixer(letter, cfg, groups, sp=sp, full_state=state)
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(2, SEQ, cfg.hidden_size, generator=gen)
-    g = torch.randn(2, SEQ, cfg.hidden_size, generator=gen)
-    documents = packed_documents(SEQ) if docs else None
-    pos = position_in_document(documents) if docs else torch.arange(SEQ).expand(2, -1)
-    shard = ContextShard(groups.cp, SEQ)
+    x = torch.randn(2, seq, cfg.hidden_size, generator=gen)
+    g = torch.randn(2, seq, cfg.hidden_size, generator=gen)
+    documents = packed_documents(seq) if docs else None
+    pos = position_in_document(documents) if docs else torch.arange(seq).expand(2, -1)
+    shard = ContextShard(groups.cp, seq)
     tp_rank = groups.tp_rank
     local = lambda t: shard.split(t).chunk(tp, dim=1)[tp_rank] if sp else shard.split(t)  # noqa: E731
 
