@@ -15,12 +15,13 @@ from its slot, or, on a miss, after reading it into the least recently used slot
 into ``out1``/``out2`` when no slot is free). ``prefetch`` queues reads into slots on one
 background thread. A slot being copied from or read into is never evicted.
 
-On a GPU the pools live on the device; reads land in a pinned host buffer and are copied on
-a side CUDA stream whose event the current stream waits for before it reads the slot; the
-other way round, a refill of a slot waits on the side stream for the event recorded after the
-last copy out of it (the host releases a slot as soon as that copy is queued, so without the
-wait the refill could overwrite the slot before the queued copy has read it). This path
-cannot run on the CPU machines the tests use (tests/test_gpu.py runs it).
+On a GPU the pools live on the device and ``StreamOrder`` orders the copies: reads land in a
+pinned host buffer and are copied on a side CUDA stream whose event the current stream waits
+for before it reads the slot; the other way round, a refill of a slot waits on the side stream
+for the event recorded after the last copy out of it (the host releases a slot as soon as that
+copy is queued, so without the wait the refill could overwrite the slot before the queued copy
+has read it). tests/test_gpu_path.py checks that order on CPU through stand-in streams;
+tests/test_gpu.py runs it on a GPU.
 """
 from __future__ import annotations
 
@@ -32,11 +33,55 @@ import torch
 from megamoe.expert_store.prefetch import Prefetcher
 
 
+class StreamOrder:
+    """The CUDA side of a cache on ``device``: the side stream that fills slots and the events
+    that order each slot's fill before its copies out and its copies out before its next fill."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.stream = device, torch.cuda.Stream(device)
+        self.filled: dict[int, tuple] = {}  # slot -> (the fill's event, its pinned host buffers)
+        self.read: dict[int, object] = {}  # slot -> the event after the last copy out of it
+
+    def host_buffers(self, shapes: tuple, dtype: torch.dtype) -> tuple:
+        return tuple(torch.empty(s, dtype=dtype, pin_memory=True) for s in shapes)
+
+    def fill(self, slot: int, pool: tuple, host: tuple) -> None:
+        """Copy ``host`` into ``pool[i][slot]`` on the side stream, after any copy out of the slot."""
+        with torch.cuda.stream(self.stream):
+            read = self.read.pop(slot, None)
+            if read is not None:  # a copy out of the slot may still be queued: it goes first
+                self.stream.wait_event(read)
+            for dst, src in zip(pool, host):
+                dst[slot].copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.filled[slot] = (event, host)  # the pinned buffers live until the copy is done
+
+    def before_copy_out(self, slot: int) -> None:
+        done = self.filled.pop(slot, None)
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done[0])
+
+    def after_copy_out(self, slot: int) -> None:
+        """Recorded before the slot is released: its next fill waits for it."""
+        read = torch.cuda.Event()
+        read.record(torch.cuda.current_stream(self.device))
+        self.read[slot] = read
+
+    def synchronize(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def clear(self) -> None:
+        self.filled.clear()
+        self.read.clear()
+
+
 class ExpertCache(Prefetcher):
-    """``load(key, w1, w2)`` fills contiguous CPU tensors of ``shapes`` with an expert's values."""
+    """``load(key, w1, w2)`` fills contiguous CPU tensors of ``shapes`` with an expert's values.
+    ``order``: the copies' ordering on a GPU (default: ``StreamOrder`` on a CUDA ``device``)."""
 
     def __init__(self, capacity: int, device: torch.device, dtype: torch.dtype, shapes: tuple, load: Callable,
-                 prefetch: bool = True):
+                 prefetch: bool = True, order: StreamOrder | None = None):
         self.device, self.dtype, self.shapes, self.load = torch.device(device), dtype, shapes, load
         self.entry_bytes = sum(torch.Size(s).numel() for s in shapes) * dtype.itemsize
         n = max(0, int(capacity) // self.entry_bytes)
@@ -45,11 +90,9 @@ class ExpertCache(Prefetcher):
         self.free = list(range(n))
         self.slots: OrderedDict[Hashable, int] = OrderedDict()
         self.busy: dict[int, int] = {}  # slot -> copies in progress
-        self.events: dict[int, object] = {}  # slot -> the side stream's copy event (GPU)
-        self.reads: dict[int, object] = {}  # slot -> the event after the last copy out of it (GPU)
         self.size = n
-        self.cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.order = order if order is not None or self.device.type != "cuda" else StreamOrder(self.device)
+        self.cuda = self.order is not None
         self.stats = {"hits": 0, "misses": 0, "prefetched": 0, "read_bytes": 0}
         self._start_prefetch(prefetch)
 
@@ -74,17 +117,9 @@ class ExpertCache(Prefetcher):
         if not self.cuda:
             self.load(key, self.pool[0][slot], self.pool[1][slot])
         else:
-            host = tuple(torch.empty(s, dtype=self.dtype, pin_memory=True) for s in self.shapes)
+            host = self.order.host_buffers(self.shapes, self.dtype)
             self.load(key, *host)
-            with torch.cuda.stream(self.stream):
-                read = self.reads.pop(slot, None)
-                if read is not None:  # a copy out of the slot may still be queued: it goes first
-                    self.stream.wait_event(read)
-                for dst, src in zip(self.pool, host):
-                    dst[slot].copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            self.events[slot] = (event, host)  # the pinned buffers live until the copy is done
+            self.order.fill(slot, self.pool, host)
         self.stats["read_bytes"] += self.entry_bytes
 
     def _read_into_slot(self, key: Hashable, hold: bool = False) -> int | None:
@@ -140,15 +175,11 @@ class ExpertCache(Prefetcher):
             self.stats["hits"] += 1
         try:
             if self.cuda:
-                done = self.events.pop(slot, None)
-                if done is not None:
-                    torch.cuda.current_stream(self.device).wait_event(done[0])
+                self.order.before_copy_out(slot)
             out1.copy_(self.pool[0][slot])
             out2.copy_(self.pool[1][slot])
-            if self.cuda:  # recorded before the slot is released: a refill waits for it
-                read = torch.cuda.Event()
-                read.record(torch.cuda.current_stream(self.device))
-                self.reads[slot] = read
+            if self.cuda:  # before the slot is released: a refill waits for this copy
+                self.order.after_copy_out(slot)
         finally:
             with self.lock:
                 self.busy[slot] -= 1
@@ -158,16 +189,16 @@ class ExpertCache(Prefetcher):
         if not self.cuda:
             self.load(key, out1, out2)
             return
-        host = tuple(torch.empty(s, dtype=self.dtype, pin_memory=True) for s in self.shapes)
+        host = self.order.host_buffers(self.shapes, self.dtype)
         self.load(key, *host)
         out1.copy_(host[0], non_blocking=True)
         out2.copy_(host[1], non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()  # the pinned buffers are freed next
+        self.order.synchronize()  # the pinned buffers are freed next
 
     def close(self) -> None:
         self._stop_prefetch()
         with self.lock:
             self.slots.clear()
-            self.events.clear()
-            self.reads.clear()
+            if self.cuda:
+                self.order.clear()
             self.free = list(range(len(self.pool[0])))
