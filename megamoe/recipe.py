@@ -55,6 +55,11 @@ class Recipe:
         self.train.validate()
         if self.lora is not None:
             self.lora.validate()
+        # positions past max_seq_len have no rotary/position entry the model was built for: a longer
+        # sample would run until memory runs out, or train positions inference never sees
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(f"data.seq_len={self.data.seq_len} is invalid: longer than the model's positions, "
+                              f"model.max_seq_len={self.model.max_seq_len}")
         # CP cuts every sequence into 2*cp chunks; under SP each rank's two chunks are cut over TP
         check_cp_length(self.data.seq_len, self.parallel.cp, "data.seq_len")
         if self.parallel.cp > 1 and self.parallel.sequence_parallel and (self.data.seq_len // self.parallel.cp) % self.parallel.tp:

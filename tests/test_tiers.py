@@ -185,8 +185,9 @@ def check_tiered_matches_resident(resident, tiered, store) -> None:
         assert len(store.calls) == recorded
 
 
-@pytest.mark.parametrize("kernel,budget,adapters,tier,mapped", [("loop", 0.004, "per_expert", "disk", True),
-                                                                ("loop", 0.004, "per_expert", "disk", False),
+# 0.006 MiB: one expert (6144 bytes) and no cache, every call reads its expert
+@pytest.mark.parametrize("kernel,budget,adapters,tier,mapped", [("loop", 0.006, "per_expert", "disk", True),
+                                                                ("loop", 0.006, "per_expert", "disk", False),
                                                                 ("reference", 0.05, "shared", "disk", True),
                                                                 ("reference", 0.05, "shared", "disk", False),
                                                                 ("loop", 1.0, "shared", "disk", True),

@@ -4,9 +4,10 @@ A source (path, bytes, PIL image or uint8 array) becomes a float tensor [3, H, W
 with the encoder's pretrained mean/std (timm's data config). Bounds (``ImageBoundsConfig``):
 
 - rejected with a one-line ``ImageError``: unreadable or truncated files, PIL modes outside
-  ``modes``, raw images over ``max_input_pixels`` (checked from the header, before decoding),
-  aspect ratios over ``max_aspect_ratio``, and images whose resized size still breaks the
-  pixel bounds (extreme aspect ratios);
+  ``modes``, raw images outside [``min_input_pixels``, ``max_input_pixels``], aspect ratios over
+  ``max_aspect_ratio`` and animated images (all from the header, before decoding, by
+  ``megamoe.core.images``: training data is checked by the same function), and images whose
+  resized size still breaks the pixel bounds (extreme aspect ratios);
 - ``dynamic`` resize: both sides multiples of ``patch_multiple``, the pixel count within
   [min_pixels, max_pixels], the aspect ratio kept as closely as possible (the same rounding
   as Qwen2-VL's ``smart_resize``, so token counts match the HF processor);
@@ -24,12 +25,10 @@ import numpy as np
 import torch
 
 from megamoe.core.config import ImageBoundsConfig
-from megamoe.core.errors import ConfigError, MegamoeError
+from megamoe.core.errors import ConfigError
+from megamoe.core.images import ImageError, check_header, open_image
 
-
-class ImageError(MegamoeError, ValueError):
-    """An image is unreadable, of a wrong mode or outside the configured bounds."""
-
+__all__ = ["ImageError", "ImagePreprocessor", "fit_size"]
 
 RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}
 
@@ -48,11 +47,6 @@ def fit_size(height: int, width: int, multiple: int, min_pixels: int, max_pixels
         h = math.ceil(height * beta / multiple) * multiple
         w = math.ceil(width * beta / multiple) * multiple
     return h, w
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 class ImagePreprocessor:
@@ -87,52 +81,26 @@ class ImagePreprocessor:
     # ---- checks -------------------------------------------------------------------------
 
     def open(self, source, name: str | None = None):
-        """A decoded RGB PIL image, or a one-line ImageError naming the image."""
-        from PIL import Image, UnidentifiedImageError
+        """A decoded RGB PIL image, or a one-line ImageError naming the image (every bound read
+        from the header before decoding: ``megamoe.core.images``, the check training data shares)."""
+        from PIL import Image
 
         name = name or (str(source) if isinstance(source, (str, Path)) else "<image>")
-        try:
-            if isinstance(source, Image.Image):
-                img = source
-            elif isinstance(source, (str, Path)):
-                img = Image.open(source)
-            elif isinstance(source, (bytes, bytearray)):
-                img = Image.open(io.BytesIO(source))
-            elif isinstance(source, np.ndarray):
-                if source.dtype != np.uint8 or source.ndim not in (2, 3):
-                    raise ImageError(f"image {name}: arrays must be uint8 [H, W] or [H, W, C], got "
-                                     f"{source.dtype} {list(source.shape)}")
-                img = Image.fromarray(source)
-            else:
-                raise ImageError(f"image {name}: unsupported input type {type(source).__name__} "
-                                 "(give a path, bytes, a PIL image or a uint8 array)")
-        except Image.DecompressionBombError as e:
-            raise ImageError(f"image {name}: over {self.path}.max_input_pixels ({_first_line(e)})") from None
-        except (UnidentifiedImageError, OSError) as e:
-            raise ImageError(f"image {name}: unreadable ({_first_line(e)})") from None
-        self.check(img, name)
-        try:
-            img.load()  # decode now: a truncated file fails here, not deep inside the model
-        except (OSError, ValueError) as e:
-            raise ImageError(f"image {name}: unreadable ({_first_line(e)})") from None
-        return img if img.mode == "RGB" else img.convert("RGB")
+        if isinstance(source, (bytes, bytearray)):
+            source = io.BytesIO(source)
+        elif isinstance(source, np.ndarray):
+            if source.dtype != np.uint8 or source.ndim not in (2, 3):
+                raise ImageError(f"image {name}: arrays must be uint8 [H, W] or [H, W, C], got "
+                                 f"{source.dtype} {list(source.shape)}")
+            source = Image.fromarray(source)
+        elif not isinstance(source, (str, Path, Image.Image)):
+            raise ImageError(f"image {name}: unsupported input type {type(source).__name__} "
+                             "(give a path, bytes, a PIL image or a uint8 array)")
+        return open_image(source, self.bounds, name, self.path)
 
     def check(self, img, name: str) -> None:
-        """Mode, raw size and aspect-ratio bounds, from the header only."""
-        b = self.bounds
-        w, h = img.size
-        if img.mode not in b.modes:
-            raise ImageError(f"image {name}: mode {img.mode!r} is not allowed ({self.path}.modes: "
-                             f"{', '.join(b.modes)}); convert it first")
-        if w < 1 or h < 1:
-            raise ImageError(f"image {name}: empty ({w}x{h} px)")
-        if w * h > b.max_input_pixels:
-            raise ImageError(f"image {name}: {w}x{h} = {w * h} px is over {self.path}.max_input_pixels="
-                             f"{b.max_input_pixels}")
-        ratio = max(w, h) / min(w, h)
-        if ratio > b.max_aspect_ratio:
-            raise ImageError(f"image {name}: aspect ratio {ratio:.1f} ({w}x{h} px) is over "
-                             f"{self.path}.max_aspect_ratio={b.max_aspect_ratio}")
+        """Mode, raw size, aspect-ratio and frame bounds, from the header only."""
+        check_header(img, self.bounds, name, self.path)
 
     def target_size(self, height: int, width: int, name: str = "<image>") -> tuple[int, int]:
         """(H, W) the encoder will see for a raw height x width image."""

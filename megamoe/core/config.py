@@ -205,8 +205,10 @@ class ImageBoundsConfig:
     resize ``dynamic``: keep the aspect ratio, sides multiples of ``patch_multiple``, pixel count
     within [min_pixels, max_pixels] (Qwen's smart resize); ``fixed``: squash to the encoder's
     pretrained input size; ``auto``: dynamic when the encoder accepts any size, else fixed.
-    Raw images over ``max_input_pixels`` (checked before decoding), with an aspect ratio over
-    ``max_aspect_ratio`` or in a PIL mode outside ``modes`` are rejected with a one-line error.
+    Raw images outside [``min_input_pixels``, ``max_input_pixels``] (checked from the header,
+    before decoding), with an aspect ratio over ``max_aspect_ratio``, in a PIL mode outside
+    ``modes`` or animated (unless ``animated: first_frame``) are rejected with a one-line error,
+    in training data as in preprocessing (``megamoe.core.images``).
     """
 
     resize: str = "auto"
@@ -215,7 +217,9 @@ class ImageBoundsConfig:
     patch_multiple: Optional[int] = None  # None: encoder patch size x projector merge size
     max_aspect_ratio: float = 200.0
     max_input_pixels: int = 89_478_485  # PIL's decompression-bomb limit
+    min_input_pixels: int = 1
     modes: List[str] = field(default_factory=lambda: ["RGB", "RGBA", "L", "LA", "P"])
+    animated: str = "refuse"  # refuse | first_frame (animated GIF/PNG/WebP)
 
     def validate(self, path: str = "model.vision.bounds") -> None:
         check_choice(f"{path}.resize", self.resize, ("auto", "dynamic", "fixed"))
@@ -229,6 +233,10 @@ class ImageBoundsConfig:
                   f"must hold one patch_multiple^2={self.patch_multiple ** 2} block")
         check(self.max_aspect_ratio >= 1.0, f"{path}.max_aspect_ratio", self.max_aspect_ratio, "must be >= 1")
         check_positive(f"{path}.max_input_pixels", self.max_input_pixels)
+        check_positive(f"{path}.min_input_pixels", self.min_input_pixels)
+        check(self.max_input_pixels >= self.min_input_pixels, f"{path}.max_input_pixels", self.max_input_pixels,
+              f"must be >= min_input_pixels={self.min_input_pixels}")
+        check_choice(f"{path}.animated", self.animated, ("refuse", "first_frame"))
         check(len(self.modes) > 0, f"{path}.modes", self.modes, "list at least one PIL mode, e.g. RGB")
 
 

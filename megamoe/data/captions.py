@@ -2,8 +2,10 @@
 
 Sources:
 - JSONL files, one ``{"image": "path", "caption": "..."}`` per line; relative image paths are
-  relative to the JSONL file. Records and image files are checked when the dataset is built,
-  images are decoded per item; every problem is a ``FILE:LINE`` error.
+  relative to the JSONL file, and every image must lie in its folder (or ``image_root``).
+  Records and image files are checked when the dataset is built, images are opened per item
+  within ``bounds`` (``megamoe.core.images``: size, mode and frames from the header, before
+  decoding, as preprocessing checks them); every problem is a ``FILE:LINE`` error.
 - In-memory or generated pairs (``from_pairs``), e.g. the procedurally drawn shapes of
   ``megamoe.data.shapes`` when it is installed (see ``build_dataset``).
 
@@ -25,7 +27,9 @@ from torch.utils.data import Dataset
 from megamoe.data.records import data_error, iter_jsonl, require_text
 from megamoe.data.samples import Truncations, make_sample
 from megamoe.data.tokenizer import Tokenizer
+from megamoe.core.config import ImageBoundsConfig
 from megamoe.core.errors import DataError
+from megamoe.core.images import ImageError, open_image
 
 ImageTokens = Union[int, Callable[[Any], int]]
 
@@ -38,14 +42,19 @@ class CaptionRecord:
     line: int  # line in the file (or index of the pair)
 
 
-def read_caption_records(path: Path) -> list[CaptionRecord]:
-    """All records of one JSONL file; missing fields and missing image files are errors here."""
+def read_caption_records(path: Path, image_root: Optional[str | Path] = None) -> list[CaptionRecord]:
+    """All records of one JSONL file; missing fields, missing image files and images outside
+    ``image_root`` (default: the JSONL file's folder; symbolic links resolved) are errors here."""
     path = Path(path)
+    root = Path(image_root if image_root is not None else path.parent).resolve()
     records = []
     for line, record in iter_jsonl(path):
         image = require_text(record, "image", path, line)
         caption = require_text(record, "caption", path, line)
         image_path = Path(image) if Path(image).is_absolute() else path.parent / image
+        if not image_path.resolve().is_relative_to(root):
+            raise data_error(path, line, f"field 'image' {image!r} is outside the data folder {root} "
+                                         "(set data.image_root to the folder the images are in)")
         if not image_path.is_file():
             raise data_error(path, line, f"image {image!r} not found (looked at {image_path})")
         records.append(CaptionRecord(image_path, caption, str(path), line))
@@ -54,26 +63,25 @@ def read_caption_records(path: Path) -> list[CaptionRecord]:
     return records
 
 
-def load_image(record: CaptionRecord):
-    """The record's image as an RGB ``PIL.Image``; an undecodable file is a FILE:LINE error."""
-    from PIL import Image, UnidentifiedImageError
-
-    if not isinstance(record.image, Path):
-        return record.image.convert("RGB")
+def load_image(record: CaptionRecord, bounds: Optional[ImageBoundsConfig] = None,
+               bounds_path: str = "model.vision.bounds"):
+    """The record's image as an RGB ``PIL.Image``, checked against ``bounds`` (default
+    ``ImageBoundsConfig()``) from its header before decoding, as preprocessing checks it; an
+    undecodable or out-of-bounds image is a FILE:LINE error."""
     try:
-        with Image.open(record.image) as img:
-            return img.convert("RGB")
-    except (OSError, UnidentifiedImageError, ValueError) as e:
-        raise data_error(record.source, record.line, f"cannot read image {str(record.image)!r} "
-                                                     f"({type(e).__name__}: {e})") from None
+        return open_image(record.image, bounds or ImageBoundsConfig(), str(record.image), bounds_path)
+    except ImageError as e:
+        raise data_error(record.source, record.line, str(e)) from None
 
 
 class ImageCaptionDataset(Dataset):
     """``item -> {"input_ids": LongTensor[s], "labels": LongTensor[s], "image": PIL.Image}``."""
 
     def __init__(self, records: Sequence[CaptionRecord], tokenizer: Tokenizer, seq_len: int,
-                 image_token: str = "<image>", image_tokens: ImageTokens = 1, truncation: str = "right"):
+                 image_token: str = "<image>", image_tokens: ImageTokens = 1, truncation: str = "right",
+                 bounds: Optional[ImageBoundsConfig] = None):
         self.records, self.tokenizer, self.seq_len, self.truncation = list(records), tokenizer, seq_len, truncation
+        self.bounds = bounds or ImageBoundsConfig()
         token_id = tokenizer.token_to_id(image_token)
         if token_id is None:
             raise DataError(f"tokenizer {tokenizer.name} has no token {image_token!r} "
@@ -82,8 +90,9 @@ class ImageCaptionDataset(Dataset):
         self.truncated = Truncations()
 
     @classmethod
-    def from_jsonl(cls, paths: Sequence[str | Path], tokenizer: Tokenizer, seq_len: int, **kwargs):
-        records = [r for p in paths for r in read_caption_records(Path(p))]
+    def from_jsonl(cls, paths: Sequence[str | Path], tokenizer: Tokenizer, seq_len: int,
+                   image_root: Optional[str] = None, **kwargs):
+        records = [r for p in paths for r in read_caption_records(Path(p), image_root)]
         return cls(records, tokenizer, seq_len, **kwargs)
 
     @classmethod
@@ -110,7 +119,7 @@ class ImageCaptionDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict:
         record = self.records[index]
-        image = load_image(record)
+        image = load_image(record, self.bounds)
         n = self.num_image_tokens(image)
         if n >= self.seq_len:  # cutting placeholders would break the image-feature merge
             raise data_error(record.source, record.line, f"image needs {n} placeholder tokens, "

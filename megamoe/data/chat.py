@@ -15,6 +15,8 @@ renders are not prefixes of one another is reported, never guessed around.
 """
 from __future__ import annotations
 
+import re
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Optional
 
@@ -89,15 +91,72 @@ def resolve_template(spec: Optional[str], tokenizer: Tokenizer) -> ChatTemplate:
     return ChatTemplate(path.read_text(encoding="utf-8"), bos, eos, name=str(path))
 
 
-def tokenize_chat(tokenizer: Tokenizer, template: ChatTemplate, messages: list[dict]) -> tuple[list[int], list[bool]]:
+# Private-use characters put around each special-token string typed in a user or tool message
+# before rendering (transformers' ``sanitize_control_tokens`` does the same): the template's own
+# special tokens are unmarked, so the encoder tells the two apart in the rendered text.
+MARK_START, MARK_END = "\ue0f0", "\ue0f1"
+TEXT_ROLES = ("user", "tool")
+
+
+@lru_cache(maxsize=8)
+def _special_patterns(specials: tuple[str, ...]) -> tuple[re.Pattern, re.Pattern]:
+    """(any special-token string, longest first; a marked one or a lone marker)."""
+    any_special = "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) or "(?!)"
+    return re.compile(any_special), re.compile(f"{MARK_START}({any_special}){MARK_END}|[{MARK_START}{MARK_END}]")
+
+
+def mark_special_tokens(messages: list[dict], specials: tuple[str, ...]) -> list[dict]:
+    """The messages with every special-token string in user and tool contents wrapped in markers
+    (markers already in any content are dropped first, so none can be forged)."""
+    pattern, _ = _special_patterns(specials)
+    out = []
+    for m in messages:
+        content = m["content"].replace(MARK_START, "").replace(MARK_END, "")
+        if m["role"] in TEXT_ROLES:
+            content = pattern.sub(f"{MARK_START}\\g<0>{MARK_END}", content)
+        out.append({**m, "content": content})
+    return out
+
+
+def encode_marked(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of rendered text whose marked special-token strings are plain text
+    (``Tokenizer.encode_text``) and the rest, the template's own tokens included, as ``encode``
+    gives them. A lone marker (a template that cut a marked string) is dropped, but still
+    separates the text on either side."""
+    _, marked = _special_patterns(tokenizer.special_tokens())
+    pieces = marked.split(text)  # [text, marked token or None, text, ...]
+    ids = tokenizer.encode(pieces[0]) if pieces[0] else []
+    for i, piece in enumerate(pieces[1:], start=1):
+        if not piece:
+            continue
+        if i % 2 == 0:
+            ids += tokenizer.encode(piece)
+            continue
+        as_text = tokenizer.encode_text(piece)
+        if tokenizer.token_to_id(piece) in as_text:
+            raise DataError(f"special token {piece!r} typed in a user or tool message: tokenizer {tokenizer.name} "
+                            "makes it from plain text too, so it cannot be kept as text")
+        ids += as_text
+    return ids
+
+
+def tokenize_chat(tokenizer: Tokenizer, template: ChatTemplate, messages: list[dict],
+                  split_special_tokens: bool = True) -> tuple[list[int], list[bool]]:
     """Token ids of the rendered conversation and, per token, whether it is trainable.
 
     Each piece is encoded on its own, so a trainable span starts exactly at a token boundary
-    (as when the model generates after the prompt at inference)."""
+    (as when the model generates after the prompt at inference). ``split_special_tokens``: a
+    special-token string typed in a user or tool message (``<|im_start|>`` ...) is encoded as
+    text, so user text cannot fake a turn of the conversation; False makes it a control token."""
+    specials = tokenizer.special_tokens() if split_special_tokens else ()
+    if specials and any(t in m["content"] for m in messages if m["role"] in TEXT_ROLES for t in specials):
+        messages, encode = mark_special_tokens(messages, specials), partial(encode_marked, tokenizer)
+    else:
+        encode = tokenizer.encode
     ids: list[int] = []
     trainable: list[bool] = []
     for text, flag in template.segments(messages):
-        piece = tokenizer.encode(text)
+        piece = encode(text)
         ids += piece
         trainable += [flag] * len(piece)
     return ids, trainable

@@ -29,12 +29,16 @@ class DataConfig:
     chat_template: Optional[str] = None  # sft: None = the tokenizer's, else built-in; "builtin"; or a .jinja path
     truncation: str = "right"  # sft, image_caption: records longer than seq_len are cut (right) or rejected (error)
     pack: bool = False  # sft: several whole conversations per sample, kept apart as documents
+    # sft: special-token strings typed in user and tool messages are encoded as text (HF's
+    # split_special_tokens), so user text cannot fake a turn; false: they become control tokens
+    split_special_tokens: bool = True
     # pretrain: a new document starts after every EOS of a window (positions restart at 0, no mixer
     # looks across); Megatron's --reset-position-ids --reset-attention-mask
     reset_at_eos: bool = False
     eos_mask_loss: bool = False  # pretrain: no loss where the input token is EOS (Megatron's --eod-mask-loss)
     image_token: str = "<image>"  # image_caption: the placeholder token (must exist in the tokenizer)
     image_tokens: int = 1  # image_caption: placeholders per image (the trainer may pass a callable instead)
+    image_root: Optional[str] = None  # image_caption: the folder images must lie in (None: each JSONL's folder)
     generator: Optional[str] = None  # image_caption: "module:function" returning (image, caption) pairs
     generator_samples: int = 0  # image_caption: number of pairs to ask the generator for
 
@@ -64,6 +68,8 @@ class DataConfig:
         check(not self.pack or self.kind == "sft", f"{path}.pack", self.pack, "only for kind=sft" + (
             f" (pretraining windows: {path}.reset_at_eos=true keeps their documents apart)"
             if self.kind == "pretrain" else ""))
+        check(isinstance(self.split_special_tokens, bool), f"{path}.split_special_tokens", self.split_special_tokens,
+              "must be true or false")
         for name in ("reset_at_eos", "eos_mask_loss"):
             value = getattr(self, name)
             check(isinstance(value, bool), f"{path}.{name}", value, "must be true or false")

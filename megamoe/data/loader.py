@@ -29,6 +29,7 @@ from megamoe.data.samples import SEQUENCE_KEYS, collate
 from megamoe.data.sampling import BatchLayout, global_order
 from megamoe.data.sft import PackedSFTDataset, SFTDataset
 from megamoe.data.tokenizer import Tokenizer, load_tokenizer
+from megamoe.core.config import ImageBoundsConfig
 from megamoe.core.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -60,23 +61,25 @@ def load_generator(spec: str):
 
 
 def build_dataset(cfg: DataConfig, tokenizer: Optional[Tokenizer] = None,
-                  image_tokens: Optional[ImageTokens] = None, paths: Optional[Sequence[str]] = None) -> Dataset:
+                  image_tokens: Optional[ImageTokens] = None, paths: Optional[Sequence[str]] = None,
+                  image_bounds: Optional[ImageBoundsConfig] = None) -> Dataset:
     """The dataset ``cfg.kind`` describes over ``paths`` (default ``cfg.paths``): a ``Blend`` when
     they carry weights (Megatron's ``[w1, path1, w2, path2, ...]``, see ``megamoe.data.blend``);
-    ``image_tokens`` overrides ``cfg.image_tokens``."""
+    ``image_tokens`` overrides ``cfg.image_tokens``; images are opened within ``image_bounds``
+    (the model's ``vision.bounds``; default ``ImageBoundsConfig()``)."""
     cfg.validate()
     tokenizer = tokenizer or build_tokenizer(cfg)
     field = "data.paths" if paths is None else "eval.paths"
     names, weights = parse_blend(cfg.paths if paths is None else paths, field)
     if weights is None:
-        return _one_dataset(cfg, tokenizer, image_tokens, names)
-    blend = Blend([_one_dataset(cfg, tokenizer, image_tokens, [name]) for name in names], weights, names)
+        return _one_dataset(cfg, tokenizer, image_tokens, names, image_bounds)
+    blend = Blend([_one_dataset(cfg, tokenizer, image_tokens, [name], image_bounds) for name in names], weights, names)
     log.info("%s: a blend of %s", field, blend.describe())
     return blend
 
 
 def _one_dataset(cfg: DataConfig, tokenizer: Tokenizer, image_tokens: Optional[ImageTokens],
-                 paths: Sequence[str]) -> Dataset:
+                 paths: Sequence[str], image_bounds: Optional[ImageBoundsConfig] = None) -> Dataset:
     if cfg.kind == "synthetic":
         from megamoe.data.synthetic import SyntheticDataset
 
@@ -90,13 +93,13 @@ def _one_dataset(cfg: DataConfig, tokenizer: Tokenizer, image_tokens: Optional[I
     if cfg.kind == "sft":
         template = resolve_template(cfg.chat_template, tokenizer)
         kind = PackedSFTDataset if cfg.pack else SFTDataset
-        return kind(paths, tokenizer, cfg.seq_len, template, cfg.truncation)
+        return kind(paths, tokenizer, cfg.seq_len, template, cfg.truncation, cfg.split_special_tokens)
     kwargs = dict(image_token=cfg.image_token, image_tokens=image_tokens or cfg.image_tokens,
-                  truncation=cfg.truncation)
+                  truncation=cfg.truncation, bounds=image_bounds)
     if cfg.generator is not None:
         pairs = load_generator(cfg.generator)(num_samples=cfg.generator_samples, seed=cfg.seed)
         return ImageCaptionDataset.from_pairs(pairs, tokenizer, cfg.seq_len, name=cfg.generator, **kwargs)
-    return ImageCaptionDataset.from_jsonl(paths, tokenizer, cfg.seq_len, **kwargs)
+    return ImageCaptionDataset.from_jsonl(paths, tokenizer, cfg.seq_len, image_root=cfg.image_root, **kwargs)
 
 
 def holdout(dataset: Dataset, fraction: float) -> tuple[Dataset, Dataset]:
@@ -116,13 +119,14 @@ def holdout(dataset: Dataset, fraction: float) -> tuple[Dataset, Dataset]:
 
 
 def build_datasets(cfg: DataConfig, tokenizer: Optional[Tokenizer] = None, image_tokens: Optional[ImageTokens] = None,
-                   eval_paths: Sequence[str] = (), eval_split: float = 0.0) -> tuple[Dataset, Optional[Dataset]]:
+                   eval_paths: Sequence[str] = (), eval_split: float = 0.0,
+                   image_bounds: Optional[ImageBoundsConfig] = None) -> tuple[Dataset, Optional[Dataset]]:
     """Training and validation datasets: validation from ``eval_paths`` (the same kind, tokenizer
     and seq_len; weights allowed), or the held-out last ``eval_split`` of the training data, or none."""
     tokenizer = tokenizer or build_tokenizer(cfg)
-    train = build_dataset(cfg, tokenizer, image_tokens)
+    train = build_dataset(cfg, tokenizer, image_tokens, image_bounds=image_bounds)
     if eval_paths:
-        return train, build_dataset(cfg, tokenizer, image_tokens, paths=eval_paths)
+        return train, build_dataset(cfg, tokenizer, image_tokens, paths=eval_paths, image_bounds=image_bounds)
     if eval_split > 0:
         train, valid = holdout(train, eval_split)
         log.info("validation: the last %g of the training data held out (%d samples; %d left to train on)",

@@ -2,7 +2,8 @@
 with ``FILE:LINE:``; nothing is skipped silently.
 
 Formats (``.gz`` files are read transparently):
-- ``jsonl``: one JSON object per line; blank lines are not records and are ignored.
+- ``jsonl``: one JSON object per line; blank lines are not records and are ignored. Lines are
+  parsed with ``megamoe.core.json_limits`` (at most 64 levels of nesting, no lone surrogates).
 - ``paragraphs``: plain text, one document per block of lines separated by blank lines.
 - ``lines``: plain text, one document per non-blank line.
 ``auto`` picks ``jsonl`` for ``.jsonl``/``.json`` files and ``paragraphs`` otherwise.
@@ -10,11 +11,11 @@ Formats (``.gz`` files are read transparently):
 from __future__ import annotations
 
 import gzip
-import json
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from megamoe.core.errors import DataError
+from megamoe.core.json_limits import JsonLimitError, loads_bounded
 
 FORMATS = ("auto", "jsonl", "paragraphs", "lines")
 
@@ -65,9 +66,9 @@ def iter_jsonl(path: Path, on_bytes=None) -> Iterator[tuple[int, dict]]:
         if not text.strip():
             continue
         try:
-            record = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise data_error(path, number, f"invalid JSON ({e.msg} at column {e.colno})") from None
+            record = loads_bounded(text)
+        except JsonLimitError as e:  # not JSON, nested too deep, a lone surrogate
+            raise data_error(path, number, str(e)) from None
         if not isinstance(record, dict):
             raise data_error(path, number, f"expected a JSON object, got {type(record).__name__}")
         yield number, record

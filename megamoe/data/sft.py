@@ -2,7 +2,7 @@
 
 One record per line: ``{"messages": [{"role": "user", "content": "..."}, {"role": "assistant",
 "content": "..."}, ...]}`` with roles ``system``, ``user``, ``assistant``, ``tool``, string
-contents and at least one assistant message. All records are checked when the dataset is built
+contents, at least one assistant message, and roles in a trainable order (``check_role_order``). All records are checked when the dataset is built
 (a malformed one is a ``FILE:LINE`` error); rendering and tokenising happen per item.
 
 Each record is rendered with the chat template (``megamoe.data.chat``); labels are -100
@@ -23,6 +23,7 @@ from megamoe.data.chat import ROLES, ChatTemplate, ChatTemplateError, resolve_te
 from megamoe.data.records import data_error, iter_jsonl, require_text
 from megamoe.data.samples import Truncations, make_sample, pack_samples
 from megamoe.data.tokenizer import Tokenizer
+from megamoe.core.errors import DataError
 
 
 def check_messages(record: dict, path: Path, line: int) -> list[dict]:
@@ -40,17 +41,37 @@ def check_messages(record: dict, path: Path, line: int) -> list[dict]:
         if role not in ROLES:
             raise data_error(path, line, f"messages[{i}].role={role!r} is invalid: allowed: {', '.join(ROLES)}")
         out.append({"role": role, "content": require_text(m, "content", path, line, what=f"messages[{i}].")})
+    check_role_order(out, path, line)
     if not any(m["role"] == "assistant" for m in out):
         raise data_error(path, line, "no assistant message: nothing to train on")
     return out
+
+
+def check_role_order(messages: list[dict], path: Path, line: int) -> None:
+    """A conversation a chat model can be trained on: a system message only first, then a user
+    message opens it, and a tool message answers an assistant's call (follows an assistant or
+    another tool message). Templates render any order; a model trained on replies to nothing
+    learns to speak unprompted, so these are refused with the message's index."""
+    roles = [m["role"] for m in messages]
+    for i, role in enumerate(roles):
+        before = roles[i - 1] if i else None
+        if role == "system" and i:
+            raise data_error(path, line, f"messages[{i}].role='system' is invalid: a system message comes first only")
+        if before in (None, "system") and role in ("assistant", "tool"):
+            raise data_error(path, line, f"messages[{i}].role={role!r} is invalid: a conversation opens with a "
+                                         "user message (after an optional system message)")
+        if role == "tool" and before not in ("assistant", "tool"):
+            raise data_error(path, line, f"messages[{i}].role='tool' is invalid: a tool message follows the "
+                                         f"assistant message that called it, not {before!r}")
 
 
 class SFTDataset(Dataset):
     """``item -> {"input_ids": LongTensor[s], "labels": LongTensor[s]}`` for each chat record."""
 
     def __init__(self, paths: Sequence[str | Path], tokenizer: Tokenizer, seq_len: int,
-                 template: Optional[ChatTemplate] = None, truncation: str = "right"):
+                 template: Optional[ChatTemplate] = None, truncation: str = "right", split_special_tokens: bool = True):
         self.tokenizer, self.seq_len, self.truncation = tokenizer, seq_len, truncation
+        self.split_special_tokens = split_special_tokens
         self.template = template or resolve_template(None, tokenizer)
         self.records: list[tuple[Path, int, list[dict]]] = []
         for p in map(Path, paths):
@@ -60,6 +81,7 @@ class SFTDataset(Dataset):
             if len(self.records) == count:
                 raise data_error(p, None, "contains no records")
         self.truncated = Truncations()
+        self.tokenize(0)  # a template that cannot render (or runs past its bounds) is refused before training
 
     def __len__(self) -> int:
         return len(self.records)
@@ -68,8 +90,8 @@ class SFTDataset(Dataset):
         """Unpadded token ids of record ``index`` and whether each token is trainable."""
         path, line, messages = self.records[index]
         try:
-            return tokenize_chat(self.tokenizer, self.template, messages)
-        except ChatTemplateError as e:
+            return tokenize_chat(self.tokenizer, self.template, messages, self.split_special_tokens)
+        except (ChatTemplateError, DataError) as e:
             raise data_error(path, line, str(e)) from None
 
     def __getitem__(self, index: int) -> dict:
@@ -87,8 +109,8 @@ class PackedSFTDataset(SFTDataset):
     truncated by the policy. Padding is one more document of its own (labels -100)."""
 
     def __init__(self, paths: Sequence[str | Path], tokenizer: Tokenizer, seq_len: int,
-                 template: Optional[ChatTemplate] = None, truncation: str = "right"):
-        super().__init__(paths, tokenizer, seq_len, template, truncation)
+                 template: Optional[ChatTemplate] = None, truncation: str = "right", split_special_tokens: bool = True):
+        super().__init__(paths, tokenizer, seq_len, template, truncation, split_special_tokens)
         self.bins: list[list[int]] = []
         used = seq_len
         for i in range(len(self.records)):

@@ -2,6 +2,8 @@
 
 Every tokenizer has ``encode(text) -> list[int]`` (no BOS/EOS added; special-token strings in
 the text such as ``<|im_end|>`` map to their ids where the tokenizer defines them),
+``encode_text(text)`` (the same text with special-token strings kept as text: for what users
+type, as HF's ``split_special_tokens``), ``special_tokens()``,
 ``decode(ids) -> str``, ``token_to_id``, ``bos_id`` (or None), ``eos_id``, ``pad_id`` (the EOS id
 when the tokenizer has no pad token), ``vocab_size`` (number of ids, special tokens included),
 ``chat_template`` (a Jinja string or None) and ``identity()`` (recorded in token files so a
@@ -70,6 +72,27 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
+    def special_tokens(self) -> tuple[str, ...]:
+        """The special-token strings ``encode`` turns into control ids when text holds them."""
+        return ()
+
+    def encode_text(self, text: str) -> list[int]:
+        """``text`` as plain text: special-token strings in it are encoded as the characters they
+        are, never as control ids (HF's ``split_special_tokens``). This default, for tokenizers
+        without such a switch, encodes each special-token string in two pieces (its first
+        character, then the rest, likewise)."""
+        specials = sorted(self.special_tokens(), key=len, reverse=True)
+        if not any(t in text for t in specials):
+            return self.encode(text)
+        pattern = re.compile("(" + "|".join(map(re.escape, specials)) + ")")
+        ids: list[int] = []
+        for i, part in enumerate(pattern.split(text)):
+            if i % 2:  # a special-token string
+                ids += self.encode(part[0]) + self.encode_text(part[1:])
+            elif part:
+                ids += self.encode(part)
+        return ids
+
     def token_string(self, token_id: Optional[int]) -> str:
         """The text of a special token (for chat templates' ``bos_token``/``eos_token``)."""
         return "" if token_id is None else self.decode([token_id])
@@ -107,6 +130,12 @@ class ByteTokenizer(Tokenizer):
             elif part:
                 ids.extend(b + self.OFFSET for b in part.encode("utf-8"))
         return ids
+
+    def special_tokens(self) -> tuple[str, ...]:
+        return self.SPECIALS
+
+    def encode_text(self, text: str) -> list[int]:
+        return [b + self.OFFSET for b in text.encode("utf-8")]
 
     def decode(self, ids: Sequence[int]) -> str:
         out, pending = [], bytearray()
@@ -147,6 +176,21 @@ class SentencePieceTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text, out_type=int)
+
+    def special_tokens(self) -> tuple[str, ...]:
+        """User-defined symbols: the pieces SentencePiece matches in text (control pieces it never does)."""
+        if not hasattr(self, "_user_defined"):
+            try:  # the model's own record of its pieces' types (needs protobuf)
+                from sentencepiece import sentencepiece_model_pb2 as pb
+
+                proto = pb.ModelProto()
+                proto.ParseFromString(self.sp.serialized_model_proto())
+                kinds = [p.type == pb.ModelProto.SentencePiece.USER_DEFINED for p in proto.pieces]
+            except ImportError:  # else: <...> pieces that text encodes to themselves
+                kinds = [(lambda p: len(p) > 2 and p[0] == "<" and p[-1] == ">" and self.sp.encode(p) == [i])(
+                    self.sp.id_to_piece(i)) for i in range(self.vocab_size)]
+            self._user_defined = tuple(self.sp.id_to_piece(i) for i, user in enumerate(kinds) if user)
+        return self._user_defined
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self.sp.encode(list(texts), out_type=int)
@@ -202,6 +246,16 @@ class TokenizerJson(Tokenizer):
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
 
+    def special_tokens(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self.tok.get_added_tokens_decoder().values() if t.special)
+
+    def encode_text(self, text: str) -> list[int]:
+        self.tok.encode_special_tokens = True  # the tokenizers switch behind HF's split_special_tokens
+        try:
+            return self.encode(text)
+        finally:
+            self.tok.encode_special_tokens = False
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
@@ -236,6 +290,14 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
+
+    def special_tokens(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self.tok.added_tokens_decoder.values() if t.special)
+
+    def encode_text(self, text: str) -> list[int]:
+        if not getattr(self.tok, "is_fast", False):
+            return super().encode_text(text)
+        return self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self.tok(list(texts), add_special_tokens=False)["input_ids"]
@@ -302,6 +364,12 @@ class TiktokenTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode(text, allowed_special="all")
+
+    def special_tokens(self) -> tuple[str, ...]:
+        return tuple(self.specials)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.enc.encode(text, allowed_special=set(), disallowed_special=())
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids]  # an id past the tokenizer (padded vocab) decodes to U+FFFD

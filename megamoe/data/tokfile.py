@@ -5,7 +5,7 @@ A token file is a directory::
     corpus.tokens/
       tokens.bin    all documents' tokens back to back (uint16 if vocab_size <= 65536, else uint32)
       docs.npy      int64 [num_documents + 1]: document d is tokens[docs[d]:docs[d+1]]
-      header.json   format, version, dtype, counts, tokenizer identity, sources
+      header.json   format, version, dtype, counts, max_token_id, tokenizer identity (vocab_size), sources
 
 Each document is ``[BOS] + encode(text) + [EOS]`` (BOS only with ``add_bos``). The directory is
 written under a temporary name beside the target and renamed when complete, so a crash or a
@@ -26,6 +26,7 @@ import numpy as np
 from megamoe.data.records import data_error, iter_documents
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.core.errors import DataError
+from megamoe.core.json_limits import JsonLimitError, loads_bounded
 from megamoe.core.files import check_replaceable, has_header, replace_dir, temp_dir_beside
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 FORMAT = "megamoe-tokens"
 VERSION = 1
 HEADER, TOKENS, DOCS = "header.json", "tokens.bin", "docs.npy"
+MAX_HEADER_CHARS = 16 << 20  # a header lists its sources; far below this for any real corpus
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -69,6 +71,7 @@ def write_token_file(inputs: Sequence[str | Path], output: str | Path, tokenizer
 def _write(tmp: Path, inputs: list[Path], tok: Tokenizer, fmt, text_key, add_bos, batch_docs, progress) -> dict:
     dtype = token_dtype(tok.vocab_size)
     lengths: list[int] = []
+    top = 0
     with open(tmp / TOKENS, "wb") as f:
         sources = []
         for path, docs in encoded_documents(inputs, tok, fmt, text_key, add_bos, batch_docs, progress):
@@ -76,6 +79,7 @@ def _write(tmp: Path, inputs: list[Path], tok: Tokenizer, fmt, text_key, add_bos
             for doc in docs:
                 f.write(doc.astype(dtype).tobytes())
                 lengths.append(len(doc))
+                top = max(top, int(doc.max()))
             sources.append({"path": str(path), "documents": len(lengths) - docs0, "tokens": sum(lengths) - tokens0})
         f.flush()
         os.fsync(f.fileno())
@@ -83,7 +87,7 @@ def _write(tmp: Path, inputs: list[Path], tok: Tokenizer, fmt, text_key, add_bos
     np.cumsum(lengths, out=offsets[1:])
     np.save(tmp / DOCS, offsets)
     header = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "num_tokens": int(offsets[-1]),
-              "num_documents": len(lengths), "add_bos": bool(add_bos), "append_eos": True,
+              "num_documents": len(lengths), "max_token_id": top, "add_bos": bool(add_bos), "append_eos": True,
               "tokenizer": tok.identity(), "sources": sources, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     (tmp / HEADER).write_text(json.dumps(header, indent=1) + "\n")
     return header
@@ -146,14 +150,12 @@ class TokenFile:
             hint = " (raw text? tokenise it first with tools/prepare_data.py)" if self.path.is_file() else ""
             raise DataError(f"{self.path}: not a token directory, {HEADER} missing{hint}")
         try:
-            self.header = json.loads(head.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            self.header = loads_bounded(head.read_text(encoding="utf-8"), max_chars=MAX_HEADER_CHARS)
+        except (OSError, UnicodeDecodeError, JsonLimitError) as e:
             raise DataError(f"{head}: unreadable header ({e})") from None
-        if self.header.get("format") != FORMAT or self.header.get("version") != VERSION:
+        if not isinstance(self.header, dict) or self.header.get("format") != FORMAT or self.header.get("version") != VERSION:
             raise DataError(f"{head}: not a {FORMAT} v{VERSION} header")
-        self.dtype = np.dtype(self.header["dtype"])
-        self.num_tokens = int(self.header["num_tokens"])
-        self.num_documents = int(self.header["num_documents"])
+        self._read_header(head)
         size = (self.path / TOKENS).stat().st_size if (self.path / TOKENS).is_file() else -1
         if size != self.num_tokens * self.dtype.itemsize:
             raise DataError(f"{self.path / TOKENS}: {size} bytes, header says {self.num_tokens} tokens "
@@ -163,6 +165,25 @@ class TokenFile:
         if len(self.doc_offsets) != self.num_documents + 1 or int(self.doc_offsets[-1]) != self.num_tokens:
             raise DataError(f"{self.path / DOCS}: does not match header counts")
 
+    def _read_header(self, head: Path) -> None:
+        """dtype, counts and the tokenizer's vocab_size (every id is below it; ``max_token_id``,
+        in headers since it was added, says so before a token is read)."""
+        h = self.header
+        tok = h.get("tokenizer")
+        fields = {"dtype": h.get("dtype"), "num_tokens": h.get("num_tokens"), "num_documents": h.get("num_documents"),
+                  "tokenizer.vocab_size": tok.get("vocab_size") if isinstance(tok, dict) else None}
+        for name, value in fields.items():
+            ok = value in ("uint16", "uint32") if name == "dtype" else isinstance(value, int) and value >= 0
+            if not ok:
+                raise DataError(f"{head}: field {name}={value!r} is invalid")
+        self.dtype = np.dtype(h["dtype"])
+        self.num_tokens, self.num_documents = h["num_tokens"], h["num_documents"]
+        self.vocab_size = tok["vocab_size"]
+        top = h.get("max_token_id", 0)
+        if not isinstance(top, int) or not 0 <= top < self.vocab_size:
+            raise DataError(f"{head}: max_token_id={top!r} is not an id of its tokenizer "
+                            f"(vocab_size={self.vocab_size})")
+
     def document(self, d: int) -> np.ndarray:
         return np.asarray(self.tokens[self.doc_offsets[d]:self.doc_offsets[d + 1]])
 
@@ -170,8 +191,14 @@ class TokenFile:
         return f"{self.path} ({self.dtype.name})"
 
     def read(self, begin: int, count: int) -> np.ndarray:
-        """Tokens ``[begin, begin + count)`` of the stream (int64)."""
-        return np.asarray(self.tokens[begin:begin + count], dtype=np.int64)
+        """Tokens ``[begin, begin + count)`` of the stream (int64); an id at or past the header's
+        vocab_size (a damaged or hand-made tokens.bin) is a one-line error, never an embedding's
+        IndexError."""
+        out = np.asarray(self.tokens[begin:begin + count], dtype=np.int64)
+        if out.size and int(out.max()) >= self.vocab_size:
+            raise DataError(f"{self.path / TOKENS}: token id {int(out.max())} at tokens [{begin}, {begin + count}) "
+                            f"is outside its tokenizer's vocab_size={self.vocab_size}")
+        return out
 
     def doc_start_at_or_after(self, pos: int) -> int:
         """The first document start >= token ``pos`` (``num_tokens`` past the last one)."""

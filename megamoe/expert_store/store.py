@@ -73,6 +73,10 @@ class ExpertStore:
         self.order = list(layers)  # forward order of the tiered layers
         budget = int(cfg.budget_mib * MIB)
         self.expert_bytes = max(m.expert_bytes() for m in layers.values())
+        if budget < self.expert_bytes:  # a kernel call reads at least one expert: the budget would not hold
+            raise ConfigError(f"model.moe.expert_store.budget_mib={cfg.budget_mib:g} (--expert-budget) is invalid: "
+                              f"below one expert's weights ({self.expert_bytes / MIB:.4g} MiB), which a kernel "
+                              "call holds at once")
         # a quarter of the budget for one call (at least one expert)
         self.per_call = max(1, budget // 4 // self.expert_bytes)
         shapes = {m.expert_shapes() for m in layers.values()}

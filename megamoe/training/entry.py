@@ -51,14 +51,17 @@ def run_training(recipe) -> dict:
     """Build tokenizer, dataset and trainer from ``recipe`` and train; returns a summary
     (last metrics and where the logs and checkpoints went) on every rank."""
     from megamoe.data import build_datasets, build_tokenizer, check_vocab
-    from megamoe.training.trainer import Trainer
+    from megamoe.training.trainer import Trainer, meta_tower
 
     tokenizer = build_tokenizer(recipe.data)
     check_vocab(tokenizer, recipe.model.vocab_size)
+    # the data is opened and its records checked before a process group or a weight exists; image
+    # captions need the tower's count of placeholder tokens per image (from the config alone)
+    vision = recipe.model.vision
+    image_tokens = meta_tower(recipe.model).image_tokens if vision is not None else None
+    dataset, valid = build_datasets(recipe.data, tokenizer, image_tokens, recipe.eval.paths, recipe.eval.split,
+                                    image_bounds=vision.bounds if vision is not None else None)
     trainer = Trainer(recipe)
-    # image captions need the tower's count of placeholder tokens per image
-    image_tokens = trainer.image_tokens if recipe.model.vision is not None else None
-    dataset, valid = build_datasets(recipe.data, tokenizer, image_tokens, recipe.eval.paths, recipe.eval.split)
     log_dir = recipe.logging.dir or (str(Path(recipe.checkpoint.dir) / "tb") if recipe.checkpoint.dir else "runs")
     if trainer.rank == 0:
         Path(log_dir).mkdir(parents=True, exist_ok=True)

@@ -54,6 +54,15 @@ def _device(train: TrainConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def meta_tower(model_cfg):
+    """The model's vision tower on the meta device: what an image costs in placeholder tokens
+    (``image_tokens``) depends on the config only, so data can be checked before any weight exists."""
+    from megamoe.vision.tower import VisionTower
+
+    with torch.device("meta"):
+        return VisionTower(model_cfg.vision, model_cfg.hidden_size, device="meta")
+
+
 class Trainer:
     def __init__(self, recipe, dataset=None, groups: ParallelGroups | None = None):
         """``recipe``: a ``megamoe.recipe.Recipe`` (the runtime reads every section of it).
@@ -268,11 +277,7 @@ class Trainer:
         pipeline stage builds the same samples (the last one needs their labels), so a stage
         without the tower asks a meta-device copy: the count depends on the config only."""
         if self.vision is None and getattr(self, "_meta_tower", None) is None:
-            from megamoe.vision.tower import VisionTower
-
-            cfg = self.recipe.model
-            with torch.device("meta"):
-                self._meta_tower = VisionTower(cfg.vision, cfg.hidden_size, device="meta")
+            self._meta_tower = meta_tower(self.recipe.model)
         return (self.vision or self._meta_tower).image_tokens(image)
 
     def _sequence_inputs(self, mb: dict) -> dict:
