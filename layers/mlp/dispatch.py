@@ -19,9 +19,17 @@ The routing weights travel with the rows and are applied inside the expert kerne
 counts may differ between ranks (variable splits); collectives with equal sizes use plain
 all-gather / reduce-scatter.
 
+Host synchronisations: one per layer and forward, whatever the grid. The per-expert counts
+stay on the device through the count exchange (all-to-all over ep, all-gather over etp; the
+allgather dispatcher gathers token and expert counts together) and are read on the host once
+(``ExchangePlan``): the collectives' split sizes and the expert kernels' row counts are python
+ints, and the backward reuses them. ``megamoe.diagnostics.host_sync`` counts them.
+
 Shapes: x [T, h]; weights [T, k] fp32; idx [T, k] global expert ids; keep [T, k] bool|None.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -29,20 +37,25 @@ from megamoe.parallel import comm
 from megamoe.parallel.groups import ParallelGroups, group_rank, group_size
 
 
-def group_pairs(key: torch.Tensor, num_bins: int, all_valid: bool = False) -> tuple[torch.Tensor, list[int]]:
-    """Flat (token, slot) pairs ordered by ``key`` (bin), dropping keys outside [0, num_bins).
-    ``all_valid``: the caller knows every key is a bin (dropless): no masking, three ops.
-
-    key: [T, k] long -> (order [S] indices into the flattened pairs, counts per bin).
-    """
+def sort_pairs(key: torch.Tensor, num_bins: int, all_valid: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat (token, slot) pairs ordered by ``key`` (bin), without reading anything on the host:
+    (order [T*k], counts per bin [num_bins] on the device). Keys outside [0, num_bins) sort last;
+    the valid pairs are ``order[:counts.sum()]``. ``all_valid``: the caller knows every key is a
+    bin (dropless): no masking."""
     flat = key.reshape(-1)
     if all_valid:
-        return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_bins).tolist()
-    valid = (flat >= 0) & (flat < num_bins)
-    sort_key = torch.where(valid, flat, num_bins)
-    counts = torch.bincount(sort_key, minlength=num_bins + 1)[:num_bins]
-    order = torch.argsort(sort_key, stable=True)[: int(counts.sum())]
-    return order, counts.tolist()
+        return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_bins)
+    sort_key = torch.where((flat >= 0) & (flat < num_bins), flat, num_bins)
+    return torch.argsort(sort_key, stable=True), torch.bincount(sort_key, minlength=num_bins + 1)[:num_bins]
+
+
+def group_pairs(key: torch.Tensor, num_bins: int, all_valid: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """``sort_pairs`` with its counts read on the host (one synchronisation) and the dropped
+    pairs cut off. key: [T, k] long -> (order [S] indices into the flattened pairs, counts per bin).
+    """
+    order, counts = sort_pairs(key, num_bins, all_valid)
+    counts = counts.tolist()
+    return order if all_valid else order[:sum(counts)], counts
 
 
 def gather_rows(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
@@ -67,10 +80,6 @@ def reduce_scatter_rows(y: torch.Tensor, sizes: list[int], group) -> torch.Tenso
     mine = sizes[group_rank(group)]
     got = comm.all_to_all(y, [mine] * n, list(sizes), group)
     return got.view(n, mine, *y.shape[1:]).sum(0)
-
-
-def _sizes(n: int, group, device) -> list[int]:
-    return comm.all_gather_tensor(torch.tensor([n], device=device), 0, group).tolist()
 
 
 def _dropped_to(idx: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -114,6 +123,19 @@ def compile_ready(model: torch.nn.Module) -> None:
             m.dispatch.outside_graph = outside
 
 
+@dataclass
+class ExchangePlan:
+    """One layer's token exchange, decided once per forward (host lists are what the collectives
+    and expert kernels take; the backward reuses them, so it reads nothing on the host)."""
+
+    order: torch.Tensor  # [S] this rank's kept (token, slot) pairs, sorted by expert
+    in_splits: list[int]  # rows sent to each ep rank
+    out_splits: list[int]  # rows received from each ep rank
+    etp_sizes: list[int]  # rows each etp rank received (all its ep sources)
+    expert_counts: list[int]  # rows per local expert, over every source and etp rank
+    perm: torch.Tensor  # received rows (etp rank, source, expert) -> expert-major
+
+
 class AllToAllDispatcher:
     outside_graph = None  # the dispatch outside a compiled graph (compile_ready), on one rank
 
@@ -121,34 +143,46 @@ class AllToAllDispatcher:
         self.num_experts, self.ep, self.etp = num_experts, groups.ep, groups.etp
         self.ep_size, self.etp_size = group_size(groups.ep), group_size(groups.etp)
         self.num_local = num_experts // self.ep_size
+        self.etp_rank = group_rank(groups.etp)
 
     def __call__(self, x, weights, idx, keep, experts) -> torch.Tensor:
         if self.ep_size * self.etp_size == 1:
             return dispatch_local(x, weights, idx, keep, experts, self.num_experts, self.outside_graph)
-        ep, n_local = self.ep_size, self.num_local
-        order, counts = group_pairs(_dropped_to(idx, keep), self.num_experts, all_valid=keep is None)
-        token = order // idx.size(1)
+        plan = self.plan(idx, keep)
+        token = plan.order // idx.size(1)
         send_x = x.index_select(0, token)
-        send_p = weights.reshape(-1).index_select(0, order)
-        counts = torch.tensor(counts, device=x.device).view(ep, n_local)
-        in_splits = counts.sum(1).tolist()
-        recv_counts = comm.all_to_all(counts.reshape(-1), [n_local] * ep, [n_local] * ep, self.ep).view(ep, n_local)
-        out_splits = recv_counts.sum(1).tolist()
-        rx = comm.all_to_all(send_x, out_splits, in_splits, self.ep)
-        rp = comm.all_to_all(send_p, out_splits, in_splits, self.ep)
-        sizes = [rx.size(0)]
+        send_p = weights.reshape(-1).index_select(0, plan.order)
+        rx = comm.all_to_all(send_x, plan.out_splits, plan.in_splits, self.ep)
+        rp = comm.all_to_all(send_p, plan.out_splits, plan.in_splits, self.ep)
         if self.etp_size > 1:  # every etp rank computes its f-slice for all the etp group's rows
-            recv_counts = comm.all_gather_tensor(recv_counts, 0, self.etp)  # [etp*ep, n_local]
-            sizes = recv_counts.view(self.etp_size, -1).sum(1).tolist()
-            rx, rp = gather_rows(rx, sizes, self.etp), gather_rows(rp, sizes, self.etp)
-        # received rows are ordered (source, expert); the experts want them expert-major
-        row_expert = torch.arange(n_local, device=x.device).repeat(recv_counts.size(0))
-        row_expert = torch.repeat_interleave(row_expert, recv_counts.reshape(-1))
-        perm = torch.argsort(row_expert, stable=True)
-        y = experts(rx, perm, recv_counts.sum(0).tolist(), rp.index_select(0, perm), rx.size(0))
-        y = reduce_scatter_rows(y, sizes, self.etp)
-        back = comm.all_to_all(y, in_splits, out_splits, self.ep)
+            rx, rp = gather_rows(rx, plan.etp_sizes, self.etp), gather_rows(rp, plan.etp_sizes, self.etp)
+        y = experts(rx, plan.perm, plan.expert_counts, rp.index_select(0, plan.perm), rx.size(0))
+        y = reduce_scatter_rows(y, plan.etp_sizes, self.etp)
+        back = comm.all_to_all(y, plan.in_splits, plan.out_splits, self.ep)
         return x.new_zeros(x.shape).index_add(0, token, back)
+
+    def plan(self, idx: torch.Tensor, keep: torch.Tensor | None) -> ExchangePlan:
+        """Sort this rank's pairs by expert, exchange the per-expert counts over ep (and etp) on
+        the device, then read them on the host once: the layer's only host synchronisation."""
+        ep, n_local, n = self.ep_size, self.num_local, self.num_experts
+        order, counts = sort_pairs(_dropped_to(idx, keep), n, all_valid=keep is None)
+        recv = comm.all_to_all(counts, [n_local] * ep, [n_local] * ep, self.ep)  # [ep * n_local] (source, expert)
+        if self.etp_size > 1:
+            recv = comm.all_gather_tensor(recv, 0, self.etp)  # [etp * ep * n_local] (etp rank, source, expert)
+        host = torch.cat([counts, recv]).tolist()
+        sent, got = host[:n], host[n:]
+        per_source = [sum(got[i:i + n_local]) for i in range(0, len(got), n_local)]
+        # received rows are ordered (etp rank, source, expert); the experts want them expert-major
+        got_dev = recv.reshape(-1)
+        row_expert = torch.arange(n_local, device=idx.device).repeat(got_dev.numel() // n_local)
+        row_expert = torch.repeat_interleave(row_expert, got_dev, output_size=sum(got))
+        return ExchangePlan(
+            order=order if keep is None else order[:sum(sent)],
+            in_splits=[sum(sent[r * n_local:(r + 1) * n_local]) for r in range(ep)],
+            out_splits=per_source[:ep] if self.etp_size == 1 else per_source[self.etp_rank * ep:(self.etp_rank + 1) * ep],
+            etp_sizes=[sum(per_source[q * ep:(q + 1) * ep]) for q in range(self.etp_size)],
+            expert_counts=[sum(got[e::n_local]) for e in range(n_local)],
+            perm=torch.argsort(row_expert, stable=True))
 
 
 class AllGatherDispatcher:
@@ -163,15 +197,25 @@ class AllGatherDispatcher:
     def __call__(self, x, weights, idx, keep, experts) -> torch.Tensor:
         if self.size == 1:
             return dispatch_local(x, weights, idx, keep, experts, self.num_experts, self.outside_graph)
-        sizes = _sizes(x.size(0), self.group, x.device)
+        sizes, counts = self.exchange_counts(idx, keep)
         x_all = gather_rows(x, sizes, self.group)
         w_all = gather_rows(weights, sizes, self.group)
         idx_all = gather_rows(_dropped_to(idx, keep), sizes, self.group)
-        # dropped pairs (-1) and other ranks' experts fall outside [0, num_local)
-        order, counts = group_pairs(idx_all - self.first, self.num_local)
+        # dropped pairs (-1) and other ranks' experts sort last, after the sum(counts) kept ones
+        order, _ = sort_pairs(idx_all - self.first, self.num_local)
+        order = order[:sum(counts)]
         token = order // idx.size(1)
         y = experts(x_all, token, counts, w_all.reshape(-1).index_select(0, order), x_all.size(0))
         return reduce_scatter_rows(y, sizes, self.group)
+
+    def exchange_counts(self, idx: torch.Tensor, keep: torch.Tensor | None) -> tuple[list[int], list[int]]:
+        """(tokens of each rank of the group, rows per local expert over the group's tokens): every
+        rank's token count and per-expert counts gathered on the device and read on the host once."""
+        _, mine = sort_pairs(_dropped_to(idx, keep), self.num_experts)
+        row = torch.cat([mine.new_tensor([idx.size(0)]), mine]).view(1, -1)  # [1, 1 + E]
+        table = comm.all_gather_tensor(row, 0, self.group).tolist()  # [group, 1 + E]
+        local = slice(1 + self.first, 1 + self.first + self.num_local)
+        return [r[0] for r in table], [sum(c) for c in zip(*(r[local] for r in table))]
 
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}

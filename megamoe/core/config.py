@@ -889,11 +889,16 @@ class ParallelConfig:
     ep: int = 1  # expert parallel
     etp: int = 1  # expert tensor parallel
     sequence_parallel: bool = False  # shard activations over TP along the sequence
+    # GPUs per node (None: the launcher's LOCAL_WORLD_SIZE, else one node): TP and ETP must stay
+    # inside a node, EP should (megamoe.parallel.topology)
+    gpus_per_node: Optional[int] = None
 
     def validate(self, world_size: Optional[int] = None, path: str = "parallel") -> None:
         for f in fields(self):
             if f.type is int:
                 check_positive(f"{path}.{f.name}", getattr(self, f.name))
+        if self.gpus_per_node is not None:
+            check_positive(f"{path}.gpus_per_node", self.gpus_per_node)
         if world_size is None:
             return
         mp = self.tp * self.pp * self.cp

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megamoe.core.config import ParallelConfig
 from megamoe.core.errors import ConfigError
+from megamoe.parallel.topology import check_topology
 
 # process group -> its names in the grid ("dp_cp", or "dp+dp_cp" when two fields share one
 # group), for the communication monitor; kept as long as the grid (see _GRIDS, release_groups)
@@ -164,6 +165,7 @@ _GRIDS: dict[tuple, ParallelGroups] = {}
 
 
 def build_groups(parallel: ParallelConfig, timeout_s: float | None = None) -> ParallelGroups:
+
     """Create the grid with megatron-core's ``initialize_model_parallel`` and collect its groups.
 
     Requires torch.distributed to be initialised (see ``init_distributed``). A process can
@@ -173,6 +175,7 @@ def build_groups(parallel: ParallelConfig, timeout_s: float | None = None) -> Pa
         raise ConfigError("parallel: torch.distributed is not initialised (call init_distributed first)")
     world = dist.get_world_size()
     parallel.validate(world)
+    check_topology(parallel, world)  # TP/ETP inside a node (refused otherwise, before any group exists)
     # a layout's groups are built once per process, with the collective timeout first asked for
     key = (id(dist.group.WORLD), world, parallel.tp, parallel.pp, parallel.vpp, parallel.cp, parallel.ep, parallel.etp)
     if key not in _GRIDS:

@@ -23,9 +23,11 @@ from megamoe.data import BatchLayout, TrainData
 from megamoe.core.errors import CheckpointError, ConfigError, DataError, MegamoeError
 from megamoe.core.layout import MOE_LETTERS
 from megamoe.planning.plan import budget
+from megamoe.planning.traffic import describe_ep_span
 from megamoe.parallel import comm
 from megamoe.parallel.cross_entropy import IGNORE_INDEX
 from megamoe.parallel.groups import ParallelGroups, build_groups, init_distributed
+from megamoe.parallel.topology import node_size
 from megamoe.core.config_io import config_to_dict
 from megamoe.checkpoint import dcp as ckpt
 from megamoe.training.config import TrainConfig
@@ -75,6 +77,9 @@ class Trainer:
         init_distributed(timeout_minutes=self.train.collective_timeout_s / 60, device=self.device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.groups = groups or build_groups(recipe.parallel, self.train.collective_timeout_s)
+        span = describe_ep_span(recipe, recipe.parallel, self.world, node_size(recipe.parallel, self.world))
+        if span and self.rank == 0:  # EP may cross nodes (TP/ETP may not: build_groups refused them)
+            log.warning("%s", span)
         self.phase = "setup"  # the part of the step in progress, for CollectiveFailure
         self.dp = self.groups.size("dp")  # CP ranks share a data-parallel rank (and its samples)
         self.n_micro = self.train.micro_batches(self.dp)
