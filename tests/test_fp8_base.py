@@ -297,3 +297,40 @@ def test_expert_store_reads_fp8_experts(tmp_path):
             with pytest.raises(CheckpointError, match=r"gate_up_weight is stored as torch.float8_e4m3fn.*fp8_base"):
                 open_expert_store([model], model.groups, ckpt)
         store.close()
+
+
+def test_finetune_command_on_an_fp8_base(tmp_path):
+    """megamoe-finetune from an ``import-hf --keep-fp8`` checkpoint, resident and with the routed
+    experts in the expert store, follows the run from the dequantised import: the loss at every
+    step (TensorBoard's train/loss) within 1e-5, and the LoRA line counts the same parameters
+    (the FP8 scales are not parameters)."""
+    import contextlib
+    import io
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from megamoe.commands import finetune
+    from tests.test_convert_deepseek import SHAPE, randomized
+
+    cfg = DeepseekV3Config(num_hidden_layers=2, first_k_dense_replace=1, **{**SHAPE, "vocab_size": 264})  # byte ids
+    fp8_dir, _ = fp8_checkpoint(randomized(DeepseekV3ForCausalLM(cfg)), tmp_path)
+    keep = import_hf(fp8_dir, tmp_path / "keep", keep_fp8=True, progress=False)
+    plain = import_hf(fp8_dir, tmp_path / "plain", progress=False)
+    tiered = ["model.moe.expert_store.budget_mib=0.05", "model.moe.expert_store.prefetch=false"]
+    runs = {}
+    for name, ckpt, extra in (("dequantised", plain, []), ("fp8", keep, []), ("fp8 tiered", keep, tiered)):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            finetune.main(["--config", "tiny_moe_lora", f"checkpoint.load={ckpt}", "data.kind=synthetic",
+                           "data.seq_len=16", "train.steps=4", "train.micro_batch_size=2", "train.global_batch_size=2",
+                           f"checkpoint.dir={tmp_path / name.replace(' ', '_')}", "logging.progress=false",
+                           "logging.interval=1", *extra])
+        acc = EventAccumulator(str(tmp_path / name.replace(" ", "_") / "tb"), size_guidance={"scalars": 0})
+        acc.Reload()
+        lora_line = next(x for x in out.getvalue().splitlines() if x.startswith("LoRA:"))
+        runs[name] = (lora_line, [e.value for e in acc.Scalars("train/loss")])
+    want_line, want = runs.pop("dequantised")
+    assert len(want) == 4
+    for name, (line, losses) in runs.items():
+        assert line == want_line and max(abs(a - b) for a, b in zip(losses, want)) <= LOSS_TOL, name

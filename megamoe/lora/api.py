@@ -18,6 +18,7 @@ from megamoe.lora.adapters import adapter_of, attach, has_lora, is_adaptable, is
 from megamoe.lora.config import LoRAConfig
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.sharding import full_shape, gather_full, shard_full
+from megamoe.model.fp8_base import scale_names
 from megamoe.model.weights import initialize
 
 
@@ -111,11 +112,15 @@ def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def trainable_count(parts: list[nn.Module], groups: ParallelGroups | None = None) -> tuple[int, int]:
     """(trainable, total) parameters of the full model whose pieces ``parts`` hold on this rank
-    (counted as full tensors; sum over pipeline stages yourself)."""
+    (counted as full tensors, a frozen FP8 weight's scales not: ``megamoe.model.fp8_base``; sum
+    over pipeline stages yourself)."""
     groups = groups or ParallelGroups()
     trainable = total = 0
     for part in parts:
-        for _, p in part.named_parameters():
+        scales = scale_names(part)
+        for name, p in part.named_parameters():
+            if name in scales:
+                continue
             n = math.prod(full_shape(p, groups))
             total += n
             trainable += n if p.requires_grad else 0

@@ -55,6 +55,11 @@ def fp8_candidates(model: nn.Module) -> set[str]:
             if not (name == "vision" or name.startswith("vision."))}
 
 
+def scale_names(model: nn.Module) -> set[str]:
+    """Names of the FP8 weights' scale parameters: bytes, not parameters of the model (counts skip them)."""
+    return {f"{n}_scale" for n, p in model.named_parameters() if p.dtype == E4M3}
+
+
 def is_fp8(module: nn.Module) -> bool:
     return bool(module.__dict__.get("fp8_weights"))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from megamoe.core.config import ModelConfig
+from megamoe.model.fp8_base import scale_names
 from megamoe.model.params import ParamBudget, count_parameters, format_budget, human
 
 
@@ -122,7 +123,7 @@ def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, 
     model = model if model is not None else planned_model(cfg, lora)
     rows = [dict(layers=ids, params=0.0, weights=0.0, grads=0.0, optim=0.0, activations=0.0, stored=0.0)
             for ids in stages]
-    fp8_scales = {f"{n}_scale" for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    fp8_scales = scale_names(model)
     for name, p in model.named_parameters():
         rules = sharding(p)
         local = math.prod(p.shape) / math.prod(g.get(r.group, 1) for r in rules)

@@ -65,7 +65,7 @@ def expert_load_figure(load: dict[int, "np.ndarray"], step: int, ep: int = 1, pl
     cells = np.repeat(np.repeat(colours(shares, vmax), ch, axis=0), cw, axis=1)
     img.paste(Image.fromarray(cells), (left, top))
     title = f"expert load at step {step}: share of each layer's routed tokens"
-    d.text((left, 8), title, fill="black", font=font)
+    d.text((left, 3), title, fill="black", font=font)  # above the colour bar's label, which it may reach over
     xlabel = "expert (slot)" if order else "expert"
     _axes(d, font, layers, n_experts, left, top, cw, ch, ep, xlabel)
     for r in range(n_layers):  # each layer's hottest expert outlined
@@ -111,13 +111,14 @@ def _colour_bar(d, font, x, top, h, vmax: float, even: float) -> None:
     for i, rgb in enumerate(ramp):
         d.line([x, top + i, x + 12, top + i], fill=tuple(int(v) for v in rgb))
     d.rectangle([x, top, x + 12, top + h], outline="black")
+    at_even = top + h * (1 - even / vmax) if 0 < even <= vmax else None
     for frac in (0.0, 0.5, 1.0):
         y = top + h * (1 - frac)
-        d.text((x + 16, y), f"{100 * vmax * frac:.1f}%", fill="black", font=font, anchor="lm")
-    if 0 < even <= vmax:
-        y = top + h * (1 - even / vmax)
-        d.line([x - 3, y, x + 15, y], fill="black", width=2)
-        d.text((x + 16, y + 12), "even", fill="black", font=font, anchor="lm")
+        if at_even is None or abs(y - at_even) >= 12:  # the even share's label takes its place
+            d.text((x + 16, y), f"{100 * vmax * frac:.1f}%", fill="black", font=font, anchor="lm")
+    if at_even is not None:
+        d.line([x - 3, at_even, x + 15, at_even], fill="black", width=2)
+        d.text((x + 16, at_even), f"{100 * even:.1f}% even", fill="black", font=font, anchor="lm")
     d.text((x - 4, top - 22), "share", fill="black", font=font)
 
 
