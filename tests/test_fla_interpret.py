@@ -101,6 +101,32 @@ def test_decode_delta_rule(t, kda):
     _check(got, want, NAMES)
 
 
+@pytest.mark.parametrize("role", ["gdn", "kda", "lightning"])
+def test_decode_in_bf16(role):
+    """A decode step at bf16 (generation's dtype) against the fp32 recurrence: the dtypes the
+    backend hands fla (bf16 q, k, v and beta, fp32 decays and state) run, within bf16's rounding
+    (measured 2e-3 to 6e-3). The chunked kernels cannot run at bf16 here: the interpreter keeps
+    bf16 as raw 16-bit integers and its ``tl.dot`` and arithmetic act on the bit patterns (the
+    fused-recurrent kernels cast to fp32 first); tests/test_gpu.py runs them at bf16."""
+    half = torch.bfloat16
+    if role == "lightning":
+        mine, ref = _ops("lightning")
+        gen = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(1, 3, 2, 16, generator=gen) * 0.3 for _ in range(3))
+        h0, slope = torch.randn(1, 2, 16, 16, generator=gen) * 0.3, torch.tensor([0.5, 0.05])
+        got = mine.recurrent(q.to(half), k.to(half), v.to(half), slope, h0)
+        want = ref.recurrent(q, k, v, slope, h0)
+    else:
+        mine, ref = _ops("delta_rule")
+        q, k, v, g, beta, h0 = _delta_inputs(3, role == "kda", seed=1)
+        scale = None if role == "kda" else 1.0
+        got = mine.recurrent(q.to(half), k.to(half), v.to(half), g, beta.to(half), scale=scale, initial_state=h0)
+        want = ref.recurrent(q, k, v, g, beta, scale=scale, initial_state=h0)
+    assert got[0].dtype == half and got[1].dtype == torch.float32
+    errs = [rel_err(a.float(), b) for a, b in zip(got, want)]
+    assert max(errs) <= 1e-2, errs
+
+
 def test_decode_continues_the_chunked_state():
     """A prefill through the chunked op, then a decode step from its state: the recurrence's."""
     mine, ref = _ops("delta_rule")
