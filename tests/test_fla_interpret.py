@@ -127,6 +127,27 @@ def test_decode_in_bf16(role):
     assert max(errs) <= 1e-2, errs
 
 
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_bf16_chunked_calls_at_the_contract_tests_widths_take_compiled_dot_shapes(kda):
+    """The chunked ops at bf16 and the head widths of tests/test_gpu.py's contract model (keys 8,
+    values 12: below the 16 a compiled bf16 ``tl.dot`` needs), forward and backward: every
+    ``tl.dot`` meets the compiled kernels' shape rule (tools/triton_site checks it) and the
+    outputs have the shapes and dtypes the backend promises. Values are not compared: the
+    interpreter computes bf16 on raw bit patterns (test_decode_in_bf16)."""
+    mine, _ = _ops("delta_rule")
+    gen = torch.Generator().manual_seed(4)
+    hk, hv, dk, dv, t = 2, 2 if kda else 4, 8, 12, 11
+    q, k = (F.normalize(torch.randn(1, t, hk, dk, generator=gen), dim=-1).bfloat16() for _ in range(2))
+    v, beta = torch.randn(1, t, hv, dv, generator=gen).bfloat16(), torch.rand(1, t, hv, generator=gen).bfloat16()
+    g = -torch.rand((1, t, hv, dk) if kda else (1, t, hv), generator=gen)
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
+    o, state = mine.chunked(*leaves, scale=None if kda else 1.0)
+    grads = torch.autograd.grad(o.float().sum() + state.sum(), leaves)
+    assert o.shape == (1, t, hv, dv) and o.dtype == torch.bfloat16
+    assert state.shape == (1, hv, dk, dv) and state.dtype == torch.float32
+    assert [x.shape for x in grads] == [x.shape for x in leaves]
+
+
 def test_decode_continues_the_chunked_state():
     """A prefill through the chunked op, then a decode step from its state: the recurrence's."""
     mine, ref = _ops("delta_rule")

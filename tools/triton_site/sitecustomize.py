@@ -12,7 +12,10 @@ cold autotune of every fla kernel in every process of the check would take minut
 compiled Triton's loops do, instead of the Python ints the interpreter gives: fla's chunked
 kernels call ``i_t.to(tl.int64)`` on their loop variable (``chunk_fwd_kernel_h``,
 ``chunk_gated_delta_rule_fwd_kernel_h_blockdim64`` and their backwards), which stops the
-interpreter with "'int' object has no attribute 'to'" otherwise.
+interpreter with "'int' object has no attribute 'to'" otherwise; and each ``tl.dot`` checks its
+operands against the shapes a compiled kernel takes on an H100 (the installed Triton's NVIDIA
+backend's ``min_dot_size``: K >= 16 for 16-bit operands, 8 for fp32), which numpy alone would
+multiply at any shape.
 """
 import builtins
 import os
@@ -60,9 +63,29 @@ def _tensor_loop_variables() -> None:
     interpreter.GridExecutor.__call__ = run_with_tensor_range
 
 
+def _compiled_dot_shapes() -> None:
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import min_dot_size
+    from triton.runtime import interpreter
+
+    rule = min_dot_size(GPUTarget("cuda", 90, 32))
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot_checked(self, a, b, d, *args, **kwargs):
+        m, n, k = rule(a.dtype, b.dtype)
+        (rows, inner), cols = a.data.shape[-2:], b.data.shape[-1]
+        if rows < m or inner < k or cols < n:
+            raise AssertionError(f"tl.dot of {a.dtype} [{rows}, {inner}] x [{inner}, {cols}]: a compiled kernel "
+                                 f"needs M >= {m}, N >= {n} and K >= {k}")
+        return dot(self, a, b, d, *args, **kwargs)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot_checked
+
+
 if triton is not None:
     _LIMIT = int(os.environ.get("MEGAMOE_AUTOTUNE_CONFIGS", "0") or 0)
     if _LIMIT > 0:
         _limit_autotune(_LIMIT)
     if os.environ.get("TRITON_INTERPRET") == "1":
         _tensor_loop_variables()
+        _compiled_dot_shapes()
