@@ -148,6 +148,17 @@ def test_bf16_chunked_calls_at_the_contract_tests_widths_take_compiled_dot_shape
     assert [x.shape for x in grads] == [x.shape for x in leaves]
 
 
+def test_bf16_lightning_at_the_contract_tests_width_takes_compiled_dot_shapes():
+    """Lightning's chunked forward at bf16 and head width 8, as above (its backward stops in the
+    interpreter, which has no bf16 scalar constants: ``InterpreterBuilder.get_bf16``)."""
+    mine, _ = _ops("lightning")
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 11, 4, 8, generator=gen).bfloat16() for _ in range(3))
+    o, state = mine.chunked(q, k, v, torch.tensor([0.5, 0.2, 0.05, 0.01]))
+    assert o.shape == (1, 11, 4, 8) and o.dtype == torch.bfloat16
+    assert state.shape == (1, 4, 8, 8) and state.dtype == torch.float32
+
+
 def test_decode_continues_the_chunked_state():
     """A prefill through the chunked op, then a decode step from its state: the recurrence's."""
     mine, ref = _ops("delta_rule")
