@@ -159,6 +159,23 @@ def test_training_images_are_refused_as_preprocessing_refuses_them(tmp_path, rec
     assert first[4]["image"].getpixel((0, 0)) == (255, 0, 0)  # asked for: the first frame
 
 
+def test_a_data_loader_worker_raises_the_same_one_line(tmp_path):
+    """With data.num_workers > 0 torch re-raises a worker's error with the worker's traceback as
+    its message; the trainer's data gives the one line back."""
+    from PIL import Image
+
+    from megamoe.core.errors import DataError
+    from megamoe.data import ByteTokenizer, DataConfig, build_train_data
+
+    Image.new("CMYK", (8, 8)).save(tmp_path / "c.jpg")
+    caps = jsonl(tmp_path / "caps.jsonl", {"image": "c.jpg", "caption": "x"})
+    cfg = DataConfig(kind="image_caption", paths=[str(caps)], seq_len=16, num_workers=1)
+    with pytest.raises(DataError) as e:
+        build_train_data(cfg, global_batch_size=1, micro_batch_size=1, tokenizer=ByteTokenizer())(0)
+    assert str(e.value).startswith(f"{caps}:1: image {tmp_path / 'c.jpg'}: mode 'CMYK' is not allowed")
+    assert "\n" not in str(e.value) and "Traceback" not in str(e.value)
+
+
 def test_image_root_widens_the_data_folder(tmp_path):
     from megamoe.core.errors import DataError
     from megamoe.data.captions import read_caption_records
@@ -241,6 +258,27 @@ def test_sft_dataset_takes_split_special_tokens_from_the_recipe(tmp_path):
         cfg = DataConfig(kind="sft", paths=[str(path)], seq_len=64, split_special_tokens=split)
         counts.append(build_dataset(cfg, ByteTokenizer())[0]["input_ids"].tolist().count(4))
     assert counts == [2, 3]
+
+
+def test_special_tokens_in_pretraining_text_and_captions_are_text(tmp_path, capsys):
+    """'</s>' typed in a document does not end it (prepare-data; --parse-special-tokens: the old
+    way), '<image>' typed in a caption is no placeholder."""
+    from PIL import Image
+
+    from megamoe.commands.cli import run_main
+    from megamoe.data import ByteTokenizer, ImageCaptionDataset, TokenFile
+
+    text = jsonl(tmp_path / "doc.jsonl", {"text": "one</s>two"})
+    eos = []
+    for extra in ([], ["--parse-special-tokens"]):
+        out = tmp_path / f"t{len(extra)}"
+        run_main(prepare_data.main, [str(text), "--tokenizer", "byte", "--no-progress", "--output", str(out), *extra])
+        eos.append(TokenFile(out).document(0).tolist().count(ByteTokenizer().eos_id))
+    assert eos == [1, 2]
+    ds = ImageCaptionDataset.from_pairs([(Image.new("RGB", (8, 8)), "a <image> cat")], ByteTokenizer(), 32,
+                                        image_tokens=4)
+    assert ds[0]["input_ids"].tolist().count(3) == 4
+    capsys.readouterr()
 
 
 # ---- token ids past the vocabulary -----------------------------------------------------------

@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--input-format", default="auto", choices=FORMATS, help="how the input files hold documents")
     p.add_argument("--text-key", default="text", help="JSONL field holding the document text")
     p.add_argument("--add-bos", action="store_true", help="start every document with the BOS token")
+    p.add_argument("--parse-special-tokens", action="store_true",
+                   help="special-token strings in the text (<|endoftext|> ...) become control tokens; by default "
+                        "they are encoded as the text they are, so a document cannot end or split itself")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--show", metavar="PATH", help="print a token directory's header (or an indexed dataset's "
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         return write_megatron(args, tokenizer)
     header = write_token_file(args.inputs, args.output, tokenizer, fmt=args.input_format,
                               text_key=args.text_key, add_bos=args.add_bos, overwrite=args.overwrite,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, split_special_tokens=not args.parse_special_tokens)
     print(f"wrote {args.output}: {header['num_documents']} documents, {header['num_tokens']} tokens "
           f"({header['dtype']}, tokenizer {header['tokenizer']['name']})")
 
@@ -75,7 +78,8 @@ def write_megatron(args, tokenizer) -> None:
     if missing:  # before any output or progress bar
         raise DataError(f"{missing[0]}: file not found")
     docs = encoded_documents([Path(p) for p in args.inputs], tokenizer, args.input_format, args.text_key,
-                             args.add_bos, progress=not args.no_progress)
+                             args.add_bos, progress=not args.no_progress,
+                             split_special_tokens=not args.parse_special_tokens)
     out = write_indexed_dataset(docs, args.output, tokenizer.vocab_size, overwrite=args.overwrite)
     print(f"wrote {args.output}.bin + {args.output}.idx: {out['num_documents']} documents, {out['num_tokens']} "
           f"tokens ({out['dtype']}, tokenizer {tokenizer.name}; train with data.paths=[{args.output}] "

@@ -124,7 +124,8 @@ class ImageCaptionDataset(Dataset):
         if n >= self.seq_len:  # cutting placeholders would break the image-feature merge
             raise data_error(record.source, record.line, f"image needs {n} placeholder tokens, "
                                                          f"no room for a caption in seq_len={self.seq_len}")
-        caption = self.tokenizer.encode(record.caption) + [self.tokenizer.eos_id]
+        # a caption that types "<image>" or "</s>" is text: placeholders and EOS come from here only
+        caption = self.tokenizer.encode_text(record.caption) + [self.tokenizer.eos_id]
         ids = [self.image_token_id] * n + caption
         trainable = [False] * n + [True] * len(caption)
         sample = make_sample(ids, trainable, self.seq_len, self.tokenizer.pad_id, self.truncation,

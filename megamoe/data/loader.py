@@ -30,7 +30,7 @@ from megamoe.data.sampling import BatchLayout, global_order
 from megamoe.data.sft import PackedSFTDataset, SFTDataset
 from megamoe.data.tokenizer import Tokenizer, load_tokenizer
 from megamoe.core.config import ImageBoundsConfig
-from megamoe.core.errors import ConfigError, DataError
+from megamoe.core.errors import ConfigError, DataError, MegamoeError
 
 log = logging.getLogger(__name__)
 
@@ -193,9 +193,23 @@ class TrainData:
         return self
 
     def __next__(self) -> list[dict]:
-        batches = [next(self._it) for _ in range(self.layout.num_micro_batches)]
+        try:
+            batches = [next(self._it) for _ in range(self.layout.num_micro_batches)]
+        except MegamoeError as e:
+            raise from_worker(e) from None
         self.consumed_samples += self.layout.global_batch_size
         return batches
+
+
+def from_worker(e: MegamoeError) -> MegamoeError:
+    """A bad-input error raised in a DataLoader worker as its one line: torch re-raises it in the
+    main process with the worker's whole traceback as the message, whose last line is
+    ``module.Class: message``."""
+    lines = str(e).rstrip().splitlines()
+    prefix = f"{type(e).__module__}.{type(e).__qualname__}: "
+    if len(lines) > 1 and "DataLoader worker" in lines[0] and lines[-1].startswith(prefix):
+        return type(e)(lines[-1][len(prefix):])
+    return e
 
 
 def build_train_data(cfg: DataConfig, *, global_batch_size: int, micro_batch_size: int, dp_rank: int = 0,

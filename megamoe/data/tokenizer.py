@@ -93,6 +93,9 @@ class Tokenizer:
                 ids += self.encode(part)
         return ids
 
+    def encode_text_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode_text(t) for t in texts]
+
     def token_string(self, token_id: Optional[int]) -> str:
         """The text of a special token (for chat templates' ``bos_token``/``eos_token``)."""
         return "" if token_id is None else self.decode([token_id])
@@ -250,9 +253,12 @@ class TokenizerJson(Tokenizer):
         return tuple(t.content for t in self.tok.get_added_tokens_decoder().values() if t.special)
 
     def encode_text(self, text: str) -> list[int]:
+        return self.encode_text_batch([text])[0]
+
+    def encode_text_batch(self, texts: Sequence[str]) -> list[list[int]]:
         self.tok.encode_special_tokens = True  # the tokenizers switch behind HF's split_special_tokens
         try:
-            return self.encode(text)
+            return self.encode_batch(texts)
         finally:
             self.tok.encode_special_tokens = False
 
@@ -295,9 +301,12 @@ class HFTokenizer(Tokenizer):
         return tuple(t.content for t in self.tok.added_tokens_decoder.values() if t.special)
 
     def encode_text(self, text: str) -> list[int]:
+        return self.encode_text_batch([text])[0]
+
+    def encode_text_batch(self, texts: Sequence[str]) -> list[list[int]]:
         if not getattr(self.tok, "is_fast", False):
-            return super().encode_text(text)
-        return self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            return [super(HFTokenizer, self).encode_text(t) for t in texts]
+        return self.tok(list(texts), add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self.tok(list(texts), add_special_tokens=False)["input_ids"]

@@ -43,7 +43,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def write_token_file(inputs: Sequence[str | Path], output: str | Path, tokenizer: Tokenizer, *,
                      fmt: str = "auto", text_key: str = "text", add_bos: bool = False,
-                     overwrite: bool = False, batch_docs: int = 512, progress: bool = True) -> dict:
+                     overwrite: bool = False, batch_docs: int = 512, progress: bool = True,
+                     split_special_tokens: bool = True) -> dict:
     """Tokenise ``inputs`` (text or JSONL files, see ``records``) into the token directory ``output``.
 
     Returns the header. Raises ``DataError`` (``FILE:LINE: ...``) on the first malformed record,
@@ -58,7 +59,9 @@ def write_token_file(inputs: Sequence[str | Path], output: str | Path, tokenizer
         raise DataError(f"{missing[0]}: file not found")
     tmp = temp_dir_beside(out)
     try:
-        header = _write(tmp, [Path(p) for p in inputs], tokenizer, fmt, text_key, add_bos, batch_docs, progress)
+        docs = encoded_documents([Path(p) for p in inputs], tokenizer, fmt, text_key, add_bos, batch_docs, progress,
+                                 split_special_tokens)
+        header = _write(tmp, tokenizer, docs, add_bos)
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -68,13 +71,13 @@ def write_token_file(inputs: Sequence[str | Path], output: str | Path, tokenizer
     return header
 
 
-def _write(tmp: Path, inputs: list[Path], tok: Tokenizer, fmt, text_key, add_bos, batch_docs, progress) -> dict:
+def _write(tmp: Path, tok: Tokenizer, documents, add_bos: bool) -> dict:
     dtype = token_dtype(tok.vocab_size)
     lengths: list[int] = []
     top = 0
     with open(tmp / TOKENS, "wb") as f:
         sources = []
-        for path, docs in encoded_documents(inputs, tok, fmt, text_key, add_bos, batch_docs, progress):
+        for path, docs in documents:
             docs0, tokens0 = len(lengths), sum(lengths)
             for doc in docs:
                 f.write(doc.astype(dtype).tobytes())
@@ -94,36 +97,39 @@ def _write(tmp: Path, inputs: list[Path], tok: Tokenizer, fmt, text_key, add_bos
 
 
 def encoded_documents(inputs: Sequence[Path], tok: Tokenizer, fmt: str = "auto", text_key: str = "text",
-                      add_bos: bool = False, batch_docs: int = 512, progress: bool = True):
+                      add_bos: bool = False, batch_docs: int = 512, progress: bool = True,
+                      split_special_tokens: bool = True):
     """``(path, documents)`` per input file, ``documents`` an iterator of int64 arrays
     ``[BOS] + encode(text) + [EOS]`` (what both output formats store). A malformed record, an
-    id outside the vocabulary or a file without documents is a ``FILE:LINE`` ``DataError``."""
+    id outside the vocabulary or a file without documents is a ``FILE:LINE`` ``DataError``.
+    ``split_special_tokens``: special-token strings in the text (``<|endoftext|>`` in a web page)
+    are text, so a document cannot end or split itself; False makes them control tokens."""
     if add_bos and tok.bos_id is None:
         raise DataError(f"tokenizer {tok.name} has no BOS token; add_bos is not possible")
     prefix = [tok.bos_id] if add_bos else []  # (checked before the first output byte)
     with _progress_bar(sum(Path(p).stat().st_size for p in inputs if Path(p).is_file()), progress) as bar:
         for path in inputs:
-            yield path, _file_documents(Path(path), tok, prefix, fmt, text_key, batch_docs, bar)
+            yield path, _file_documents(Path(path), tok, prefix, fmt, text_key, batch_docs, bar, split_special_tokens)
 
 
-def _file_documents(path: Path, tok: Tokenizer, prefix: list, fmt, text_key, batch_docs: int, bar):
+def _file_documents(path: Path, tok: Tokenizer, prefix: list, fmt, text_key, batch_docs: int, bar, split: bool):
     count, batch = 0, []
     for line, text in iter_documents(path, fmt, text_key, on_bytes=bar.update):
         batch.append((line, text))
         if len(batch) >= batch_docs:
             count += len(batch)
-            yield from _encode(batch, tok, prefix, path)
+            yield from _encode(batch, tok, prefix, path, split)
     count += len(batch)
-    yield from _encode(batch, tok, prefix, path)
+    yield from _encode(batch, tok, prefix, path, split)
     if count == 0:
         raise data_error(path, None, "contains no documents")
 
 
-def _encode(batch: list, tok: Tokenizer, prefix: list, path: Path):
+def _encode(batch: list, tok: Tokenizer, prefix: list, path: Path, split: bool = True):
     """Encode a batch of (line, text) documents, each ending with EOS."""
     if not batch:
         return
-    encoded = tok.encode_batch([text for _, text in batch])
+    encoded = (tok.encode_text_batch if split else tok.encode_batch)([text for _, text in batch])
     for (line, _), ids in zip(batch, encoded):
         if not ids:
             raise data_error(path, line, "document encodes to no tokens")
