@@ -21,7 +21,7 @@ from megamoe.convert.table import Entry, check_plan, expand
 from megamoe.core.errors import CheckpointError, ConfigError
 from megamoe.core.files import AtomicDir, check_replaceable, is_checkpoint_dir
 from megamoe.lora.adapters import adapter_of, has_lora
-from megamoe.model.build import build_model
+from megamoe.model.build import build_model, stage_cut
 from megamoe.core.config_io import config_from_dict, config_to_dict
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.checkpoint.pieces import GROUPS
@@ -103,41 +103,60 @@ def _checked_plan(ck: HFCheckpoint, family: Family, cfg: ModelConfig, meta_tenso
     return entries
 
 
+class HFWeights:
+    """An HF directory opened for megamoe: its headers (``ck``), family, megamoe config (``cfg``)
+    and mapping entries, checked on the headers before a byte is read. ``fill(tensors, groups)``
+    reads the HF tensors behind the given megamoe tensors one at a time, each sliced to this
+    rank's shard and dropped before the next: ``from_hf`` fills a whole model (or stage) with it,
+    the streamed comparison (``megamoe.diagnostics.streamed``) one layer at a time.
+    ``keep_fp8``: an FP8 checkpoint's weights stay e4m3 (``cfg.fp8_base`` set)."""
+
+    def __init__(self, hf_dir: str | Path, *, placement: dict | None = None, keep_fp8: bool = False):
+        self.path = Path(hf_dir)
+        self.ck, self.family, self.cfg = open_hf(hf_dir)
+        _set_placement(self.cfg, placement)
+        self.entries, self.produce_fp8 = _plan(self.ck, self.family, self.cfg, keep_fp8)
+
+    def fill(self, tensors: dict[str, torch.Tensor], groups: ParallelGroups, progress: bool = False) -> None:
+        """Copy into each of ``tensors`` (megamoe name -> this rank's tensor) its HF values."""
+        entries = [e for e in self.entries if e.mm in tensors]
+        for e in tqdm(entries, desc="load HF", disable=not progress, unit="tensor"):
+            for name in (e.mm, f"{e.mm}_scale") if f"{e.mm}_scale" in tensors else (e.mm,):
+                full = self.produce_fp8(name)
+                full = e.to_mm([self.ck.tensor(n) for n in e.hf]) if full is None else full
+                full = to_slots(name, full, _placement(self.cfg))
+                dest = tensors[name]
+                with torch.no_grad():
+                    dest.copy_(shard_full(full.to(dest.dtype), dest, groups))
+
+    def origin(self) -> dict:
+        """What ``model.hf_origin`` records: the family, its config and where the weights are."""
+        origin = {"model_type": self.family.model_type, "config": self.ck.config, "path": str(self.path.resolve())}
+        if self.ck.scales:
+            origin["fp8"] = fp8_record(self.ck)
+        return origin
+
+
 def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequence_parallel: bool = False,
             device=None, progress: bool = False, fp8: str | None = None, placement: dict | None = None,
             pipeline: tuple[int, int] = (0, 1), keep_fp8: bool = False):
     """A megamoe model holding an HF checkpoint's weights (this rank's shards under ``groups``);
     ``fp8``: the backend's FP8 recipe (as ``train.fp8``); ``placement``: {layer: expert order}
     laid out over the EP slots (``megamoe.core.placement``; recorded in ``model.moe.placement``).
-    ``pipeline`` (stage, stages): build and load only that pipeline stage's layers (cut by
-    ``Layout.stages(stages, balanced=True)``; the first holds the embedding, the last the output
-    layer); tensors of other stages are never read. Each tensor is read, sliced to this rank's
-    shard and dropped before the next, so the whole model is never in one process.
+    ``pipeline`` (stage, stages): build and load only that pipeline stage's layers (``stage_cut``);
+    tensors of other stages are never read. Each tensor is read, sliced to this rank's shard and
+    dropped before the next, so the whole model is never in one process.
 
     ``model(input_ids)`` returns logits [b, t, V]. The HF origin is kept on ``model.hf_origin``
     so ``to_hf`` can write the same family back. ``keep_fp8``: an FP8 checkpoint's weights stay
     e4m3 with their block scales (``model.fp8_base``, ``megamoe.model.fp8_base``).
     """
-    ck, family, cfg = open_hf(hf_dir)
-    _set_placement(cfg, placement)
+    weights = HFWeights(hf_dir, placement=placement, keep_fp8=keep_fp8)
     groups = groups or ParallelGroups()
-    entries, produce_fp8 = _plan(ck, family, cfg, keep_fp8)
-    stage, stages = pipeline
-    cut = {} if stages == 1 else dict(layer_ids=cfg.parsed_layout().stages(stages, balanced=True)[stage],
-                                      pre_process=stage == 0, post_process=stage == stages - 1)
-    model = build_model(cfg, groups, sequence_parallel=sequence_parallel, device=device, fp8=fp8, **cut)
-    tensors = model_tensors(model)
-    entries = [e for e in entries if e.mm in tensors]  # this pipeline stage's only
-    for e in tqdm(entries, desc="load HF", disable=not progress, unit="tensor"):
-        for name in (e.mm, f"{e.mm}_scale") if f"{e.mm}_scale" in tensors else (e.mm,):
-            full = produce_fp8(name)
-            full = to_slots(name, e.to_mm([ck.tensor(n) for n in e.hf]) if full is None else full, _placement(cfg))
-            dest = tensors[name]
-            with torch.no_grad():
-                dest.copy_(shard_full(full.to(dest.dtype), dest, groups))
-    model.hf_origin = {"model_type": family.model_type, "config": ck.config, "path": str(Path(hf_dir).resolve())}
-    if ck.scales:
-        model.hf_origin["fp8"] = fp8_record(ck)
+    model = build_model(weights.cfg, groups, sequence_parallel=sequence_parallel, device=device, fp8=fp8,
+                        **stage_cut(weights.cfg, pipeline))
+    weights.fill(model_tensors(model), groups, progress)  # this pipeline stage's tensors only
+    model.hf_origin = weights.origin()
     return model.eval()
 
 

@@ -12,7 +12,7 @@ from megamoe.checkpoint.open import Checkpoint, open_checkpoint
 from megamoe.core.config import ExpertStoreConfig
 from megamoe.core.config_io import config_from_dict
 from megamoe.core.errors import CheckpointError, ConfigError
-from megamoe.model.build import build_model
+from megamoe.model.build import build_model, stage_cut
 from megamoe.parallel.groups import ParallelGroups
 
 
@@ -59,15 +59,6 @@ def load_model(path: str | Path, *, merge: bool = True, base: str | Path | None 
     if hf:
         model.hf_origin = hf
     return model.eval()
-
-
-def stage_cut(config, stage: tuple[int, int]) -> dict:
-    """``build_model``'s arguments for pipeline stage ``stage`` = (index, stages)."""
-    index, stages = stage
-    if stages == 1:
-        return {}
-    return dict(layer_ids=config.parsed_layout().stages(stages, balanced=True)[index], pre_process=index == 0,
-                post_process=index == stages - 1)
 
 
 def load_lora(model, ck: Checkpoint, base: str | Path | None, merge: bool) -> Checkpoint:
