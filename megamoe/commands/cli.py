@@ -14,7 +14,7 @@ import sys
 from typing import Callable, Sequence
 
 from megamoe.core.config import ParallelConfig
-from megamoe.core.errors import MegamoeError
+from megamoe.core.errors import ConfigError, MegamoeError
 
 DEBUG_HELP = "show the full traceback of an error (also MEGAMOE_DEBUG=1)"
 BASE_HELP = "for a LoRA checkpoint: its base weights, instead of the folder its meta.json records"
@@ -109,3 +109,16 @@ def parallel_from_args(args) -> ParallelConfig | None:
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and (args.tp, args.pp, args.ep, args.etp, args.cp) == (1,) * 5:
         return None
     return parallel
+
+
+def streamed_groups(args):
+    """The process groups of the layout the flags ask for, for a layer-streamed comparison (None
+    in one process); context parallelism is refused (the comparison runs whole sequences)."""
+    from megamoe.inference.distributed import inference_groups
+
+    parallel = parallel_from_args(args)
+    if parallel is None:
+        return None
+    if parallel.cp > 1:
+        raise ConfigError("--cp: the streamed comparison runs whole sequences; use --tp/--pp/--ep")
+    return inference_groups(parallel)

@@ -65,17 +65,25 @@ def cast(model, dtype: torch.dtype):
 
 def compare(reference: Capture, candidate: Capture, layout) -> list[LayerRow]:
     """One row per layer (``layout``: the model's parsed layout, for the mixer and MLP letters)."""
-    rows = []
-    for i, (r, c) in enumerate(zip(reference.hidden, candidate.hidden)):
-        r, c = r.flatten(), c.flatten()
-        rel = ((c - r).norm() / r.norm().clamp(min=1e-30)).item()
-        cos = torch.nn.functional.cosine_similarity(r, c, dim=0).item()
-        agree = None
-        if i in reference.routes and i in candidate.routes:
-            agree = (reference.routes[i] == candidate.routes[i]).all(dim=-1).float().mean().item()
-        kind = layout.layers[i]
-        rows.append(LayerRow(i, kind.mixer, kind.mlp, rel, cos, agree))
-    return rows
+    return [layer_row(i, layout.layers[i], r, c, reference.routes.get(i), candidate.routes.get(i))
+            for i, (r, c) in enumerate(zip(reference.hidden, candidate.hidden))]
+
+
+def agreement(r: torch.Tensor | None, c: torch.Tensor | None) -> float | None:
+    """Fraction of tokens whose sorted top-k expert ids [T, k] are the same (None without both)."""
+    if r is None or c is None:
+        return None
+    return (r == c).all(dim=-1).float().mean().item()
+
+
+def layer_row(i: int, kind, reference: torch.Tensor, candidate: torch.Tensor, reference_routes=None,
+              candidate_routes=None) -> LayerRow:
+    """Layer ``i`` (``kind``: its ``LayerKind``): relative error and cosine of ``candidate``
+    against ``reference`` (any equal shapes, compared in fp64), the routing agreement."""
+    r, c = reference.double().flatten(), candidate.double().flatten()
+    rel = ((c - r).norm() / r.norm().clamp(min=1e-30)).item()
+    cos = torch.nn.functional.cosine_similarity(r, c, dim=0).item()
+    return LayerRow(i, kind.mixer, kind.mlp, rel, cos, agreement(reference_routes, candidate_routes))
 
 
 def first_past(rows: list[LayerRow], tol: float) -> LayerRow | None:
