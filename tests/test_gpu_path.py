@@ -56,20 +56,23 @@ class StageRecording(LocalBackend):
 
 def test_a_stage_forward_runs_its_layers_inside_the_backends_stage_context():
     """The te backend's FP8 autocast is opened once per stage forward, with the stage's groups
-    (it was opened by each GEMM, reducing amax over the world group)."""
-    from megamoe.core.config import MoEConfig
-    from megamoe.model.language_model import LanguageModel
+    (it was opened by each GEMM, reducing amax over the world group); the last stage's MTP depth
+    runs inside it too (it opened one per GEMM)."""
+    from megamoe.core.config import MoEConfig, MTPConfig
+    from megamoe.model.language_model import LanguageModel, shift_labels
+    from megamoe.model.mtp import MTPTargets
     from tests.mixer_utils import tiny_model
 
     register_backend("stage_recording", StageRecording)
     try:
-        model = LanguageModel(tiny_model("AeGe", backend="stage_recording",
+        model = LanguageModel(tiny_model("AeGe", backend="stage_recording", mtp=MTPConfig(num_layers=1, layout="Ae"),
                                          moe=MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=16)))
     finally:
         backends._REGISTRY.pop("stage_recording")
-    model(torch.randint(0, 61, (1, 5))).sum().backward()
+    ids = torch.randint(0, 61, (1, 5))
+    model.forward_stage(ids, mtp=MTPTargets(ids, shift_labels(ids), [0.1])).sum().backward()
     backend = model.ctx.backend
-    assert backend.opened == [model.groups] and backend.inside == [1, 1]
+    assert backend.opened == [model.groups] and backend.inside == [1, 1, 1]
 
 
 def _amax_ranks(parallel):

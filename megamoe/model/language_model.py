@@ -369,11 +369,12 @@ class LanguageModel(nn.Module):
             hidden = self.embed(split_for_cp(shard, ids))
         info = ForwardInfo(positions=split_for_cp(shard, positions, dim=-1), cache=cache, cp=shard, documents=documents,
                            token_ids=split_for_cp(shard, token_ids))
-        with self.ctx.backend.stage_context(self.groups):  # te: one FP8 autocast per stage forward
+        # te: one FP8 autocast per stage forward, the last stage's MTP depths inside it too
+        with self.ctx.backend.stage_context(self.groups):
             hidden = self.run_layers(hidden, info)
-        if cache is not None:  # every pipeline stage keeps its own cache
-            cache.advance(positions.size(-1))
-        return self.head(hidden, info, mtp) if self.post_process else hidden
+            if cache is not None:  # every pipeline stage keeps its own cache
+                cache.advance(positions.size(-1))
+            return self.head(hidden, info, mtp) if self.post_process else hidden
 
 
 def shift_labels(input_ids: torch.Tensor) -> torch.Tensor:
