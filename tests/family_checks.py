@@ -82,7 +82,7 @@ def parallel_grads_case(hf_dir: str, parallel: dict | None, ids: torch.Tensor, s
     model.eval()
     with torch.no_grad():
         logits = model(ids)
-    shard = model.context_shard(ids.size(1))
+    shard = model.sequence_shard(ids.size(1))
     if shard is not None:
         logits = shard.gather(logits, 1)
     grads = {n: gather_full(p, groups, p.grad) for n, p in model.named_parameters() if p.grad is not None}

@@ -128,7 +128,7 @@ def test_the_gpu_backends_build_every_layer_kind_anywhere(registry, name, store)
     from megamoe.core.config import ExpertStoreConfig, MoEConfig
     from megamoe.layers.backends.cuda import CudaBackend
     from megamoe.layers.backends.te import TEBackend
-    from megamoe.layers.mlp.stored_experts import TieredExperts
+    from megamoe.layers.mlp.stored_experts import StoredExperts
     from megamoe.model.language_model import LanguageModel
 
     registry(f"{name}_probe", {"cuda": CudaBackend, "te": TEBackend}[name])
@@ -137,4 +137,4 @@ def test_the_gpu_backends_build_every_layer_kind_anywhere(registry, name, store)
                      moe=MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=16, expert_store=expert_store))
     model = LanguageModel(cfg)
     experts = [m.experts for m in model.modules() if hasattr(m, "experts")]
-    assert len(experts) == 2 and all(isinstance(e, TieredExperts) == store for e in experts)
+    assert len(experts) == 2 and all(isinstance(e, StoredExperts) == store for e in experts)

@@ -328,7 +328,7 @@ def test_documents_with_decode_cache_is_one_line():
 
 def test_lightning_ops_reset_at_document_starts():
     """The chunked and recurrent Lightning ops with ``resets`` equal each document run alone (float64)."""
-    from megamoe.layers.mixers.lightning import lightning_chunked, lightning_recurrent
+    from megamoe.layers.ops.lightning import lightning_chunked, lightning_recurrent
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 23, 3, 4, generator=gen, dtype=torch.float64) for _ in range(3))

@@ -57,7 +57,7 @@ def model_case(parallel: dict | None, sp: bool = False) -> dict:
     model.eval()
     with torch.no_grad():
         logits = model(ids)
-    shard = model.context_shard(SEQ)
+    shard = model.sequence_shard(SEQ)
     if shard is not None:
         logits = shard.gather(logits, 1)
     grads = {n: gather_full(p, groups, p.grad) for n, p in model.named_parameters() if p.grad is not None}
@@ -361,7 +361,7 @@ def multimodal_case(parallel: dict, sp: bool, straddle: bool = False) -> tuple[d
     model.vision.register_forward_pre_hook(lambda mod, args: encoded.append(len(args[0])))
     labels = shift_labels(ids)
     with torch.no_grad():
-        logits = model.context_shard(ids.size(1)).gather(model(ids, images), 1)
+        logits = model.sequence_shard(ids.size(1)).gather(model(ids, images), 1)
         errs = {"logits": rel_err(logits, ref(ids, images))}
     loss, ref_loss = model(ids, images, labels=labels), ref(ids, images, labels=labels)
     errs["loss"] = rel_err(loss, ref_loss)

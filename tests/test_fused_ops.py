@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megamoe.layers.ops.conv import causal_conv, l2norm
+from megamoe.layers.ops.conv import causal_conv
+from megamoe.layers.ops.l2norm import l2norm
 from megamoe.layers.norm import RMSNorm
 
 TOL = 1e-12

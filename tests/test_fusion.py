@@ -129,7 +129,7 @@ def test_causal_conv(modes, t):
 @needs_compiler
 @pytest.mark.parametrize("heads_first", [True, False])
 def test_l2norm(modes, heads_first):
-    from megamoe.layers.ops.conv import _l2norm_fused, l2norm
+    from megamoe.layers.ops.l2norm import _l2norm_fused, l2norm
 
     x = randn(2, 7, 3, 16)
     fused, eager = modes(lambda fuse: fwd_bwd(lambda x: l2norm(x, scale=0.25, heads_first=heads_first, fuse=fuse),

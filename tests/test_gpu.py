@@ -125,7 +125,7 @@ def test_fla_delta_rule_matches_the_float64_recurrence(dtype, t, rep, strong, pe
 
 @pytest.mark.parametrize("t", [1, 77])
 def test_fla_lightning_matches_the_float64_recurrence(t):
-    from megamoe.layers.mixers.lightning import lightning_recurrent
+    from megamoe.layers.ops.lightning import lightning_recurrent
 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, t, 4, 64, generator=g) * 0.3 for _ in range(3))

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megamoe.layers.mixers.lightning import (lightning_chunked, lightning_naive, lightning_recurrent,
-                                             lightning_slopes)
+from megamoe.layers.ops.lightning import lightning_chunked, lightning_naive, lightning_recurrent
+from megamoe.layers.mixers.lightning import lightning_slopes
 from tests.mixer_utils import (build_mixer, decode_steps, full_forward, load_from_hf, randomize,
                                tiny_model)
 from tests.numerics import max_abs, rel_err

@@ -56,7 +56,7 @@ def reference_ops(mixer) -> None:
     delta rule, torch's conv1d for the fused causal conv + SiLU, the L2 norm formula."""
     import torch.nn.functional as F
 
-    from megamoe.layers.ops.conv import l2norm_reference
+    from megamoe.layers.ops.l2norm import l2norm_reference
     from megamoe.layers.ops.delta_rule.naive import naive_delta_rule
 
     class Naive:

@@ -144,7 +144,7 @@ def packed_case(batch: dict, seed: int, cp: int) -> dict:
     loss = comm.reduce_from(model.loss_sum(out, labels), groups.cp)
     loss.backward()
     sync_grads([model], groups)
-    shard = model.context_shard(ids.size(1))
+    shard = model.sequence_shard(ids.size(1))
     gather = (lambda t: shard.gather(t, 1)) if shard is not None else (lambda t: t)
     with torch.no_grad():
         plain = gather(model.forward_stage(ids))

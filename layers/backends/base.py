@@ -20,7 +20,7 @@ from megamoe.layers.ops.attention.tiles import MATH
 from megamoe.layers.mixers.dsa import sparse_latent_attention
 from megamoe.layers.mlp.experts import GroupedExperts, reference_kernel
 from megamoe.layers.ops.fp8.frozen import dequantize_rows, frozen_linear
-from megamoe.layers.mlp.stored_experts import TieredExperts
+from megamoe.layers.mlp.stored_experts import StoredExperts
 from megamoe.layers.mixers.mla import latent_attention
 from megamoe.layers.mlp.dense import GLU
 from megamoe.layers.ops.compressed_attention import chunk_compressed_attention
@@ -114,13 +114,13 @@ class BaseBackend:
 
     def experts_module(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, kernel: str,
                        active_fraction: float, glu: GLU, store=None, cls=GroupedExperts):
-        """``cls`` (the backend's experts class) with resident weights, or ``TieredExperts`` when
+        """``cls`` (the backend's experts class) with resident weights, or ``StoredExperts`` when
         ``store`` (``ExpertStoreConfig``) is enabled: the weights then stay in the expert store
         and come in when routed to (``megamoe.expert_store``)."""
         kw = dict(kernel=kernel, active_fraction=active_fraction, glu=glu, fusion=self.fusion,
                   auto_kernel=self.auto_expert_kernel)
         if store is not None and store.enabled:
-            return TieredExperts(ctx, num_experts, ffn_hidden_size, store=store, **kw)
+            return StoredExperts(ctx, num_experts, ffn_hidden_size, store=store, **kw)
         return cls(ctx, num_experts, ffn_hidden_size, **kw)
 
     # ---- frozen FP8 weights (megamoe.model.fp8_base) -----------------------------------------------

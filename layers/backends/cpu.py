@@ -18,10 +18,11 @@ from megamoe.layers.mlp.dense import SWIGLU, GLU
 from megamoe.layers.spec import BuildContext
 from megamoe.layers.backends.base import BaseBackend
 from megamoe.layers.backends.local import _norm
-from megamoe.layers.mixers.lightning import lightning_chunked, lightning_recurrent
+from megamoe.layers.ops.lightning import lightning_chunked, lightning_recurrent
 from megamoe.layers.ops.delta_rule.chunk import chunk_delta_rule
 from megamoe.layers.ops.attention.tiles import FUSED
-from megamoe.layers.ops.conv import causal_conv, l2norm
+from megamoe.layers.ops.conv import causal_conv
+from megamoe.layers.ops.l2norm import l2norm
 from megamoe.layers.ops.delta_rule.naive import recurrent_delta_rule
 from megamoe.layers.norm import HandwrittenRMSNorm
 from megamoe.layers.mlp.shared_expert import SharedExpert

@@ -10,8 +10,9 @@ from __future__ import annotations
 from megamoe.layers.ops.fusion import EAGER, Fusion
 from megamoe.layers.spec import BuildContext
 from megamoe.layers.backends.base import BaseBackend
-from megamoe.layers.mixers.lightning import lightning_recurrent
-from megamoe.layers.ops.conv import causal_conv_reference, l2norm_reference
+from megamoe.layers.ops.lightning import lightning_recurrent
+from megamoe.layers.ops.conv import causal_conv_reference
+from megamoe.layers.ops.l2norm import l2norm_reference
 from megamoe.layers.ops.delta_rule.naive import recurrent_delta_rule
 from megamoe.layers.norm import RMSNorm, rms_norm_reference
 from megamoe.layers.mlp.dense import SWIGLU, GLU

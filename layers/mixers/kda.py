@@ -32,8 +32,8 @@ from megamoe.layers.cache.decode import zero_pads
 from megamoe.core.config import KDAConfig
 from megamoe.layers.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
 from megamoe.layers.ops.sequence_view import SequenceView
-from megamoe.layers.ops.conv import (conv_and_state, conv_param, head_param, log_uniform_init,
-                                     run_delta_rule)
+from megamoe.layers.mixers.linear_common import (conv_and_state, conv_param, head_param, log_uniform_init,
+                                              run_delta_rule)
 
 
 def dt_bias_init(draw) -> torch.Tensor:

@@ -37,7 +37,7 @@ from megamoe.layers.spec import BuildContext
 STORED = ("gate_up_weight", "down_weight")
 
 
-class TieredExperts(GroupedExperts):
+class StoredExperts(GroupedExperts):
     def __init__(self, ctx: BuildContext, num_experts: int, ffn_hidden_size: int, *, store: ExpertStoreConfig,
                  kernel: str = "auto", active_fraction: float = 1.0, glu: GLU = SWIGLU,
                  fusion: Fusion = EAGER, auto_kernel=reference_kernel):

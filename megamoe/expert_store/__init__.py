@@ -10,7 +10,7 @@ both use), ``megamoe.expert_store.source`` (bounded reads of expert slices from 
 checkpoint), ``megamoe.expert_store.hf`` (the same from the HF directory a model was imported from)
 and docs/memory.md.
 """
-from megamoe.expert_store.store import ExpertStore, open_expert_store, tiered_layers
+from megamoe.expert_store.store import ExpertStore, open_expert_store, stored_layers
 from megamoe.expert_store.write import save_converted
 
-__all__ = ["ExpertStore", "open_expert_store", "save_converted", "tiered_layers"]
+__all__ = ["ExpertStore", "open_expert_store", "save_converted", "stored_layers"]

@@ -227,14 +227,14 @@ class ExpertStore:
             self.disk.close()
 
 
-def tiered_layers(parts) -> dict[str, nn.Module]:
+def stored_layers(parts) -> dict[str, nn.Module]:
     """The tiered experts modules of ``parts`` (model chunks) by full name, in model order."""
-    from megamoe.layers.mlp.stored_experts import TieredExperts
+    from megamoe.layers.mlp.stored_experts import StoredExperts
 
     out = {}
     for part in parts:
         for name, m in part.named_modules():
-            if isinstance(m, TieredExperts):
+            if isinstance(m, StoredExperts):
                 out.setdefault(name, m)
     return out
 
@@ -260,7 +260,7 @@ def open_expert_store(parts, groups: ParallelGroups, path: str | Path | None = N
     from (``megamoe.expert_store.hf``; ``placement``: the model's ``moe.placement``, applied to its
     logical expert order). None when no layer is tiered. Checks every tensor the layers will
     read (one-line ``CheckpointError`` naming the file) before returning."""
-    layers = tiered_layers(parts if isinstance(parts, (list, tuple)) else [parts])
+    layers = stored_layers(parts if isinstance(parts, (list, tuple)) else [parts])
     if not layers:
         return None
     first = next(iter(layers.values()))

@@ -64,7 +64,7 @@ class StageForward:
     def __call__(self, ids: torch.Tensor, cache=None, last_only: bool = True, **kw) -> torch.Tensor:
         m, last = self.model, len(self.stages) - 1
         b, s = ids.shape[:2]
-        shard = m.context_shard(s, cache)  # CP: this forward runs on the local chunks (a prefill)
+        shard = m.sequence_shard(s, cache)  # CP: this forward runs on the local chunks (a prefill)
         x = ids
         if self.stage > 0:
             local = s if shard is None else shard.local_len

@@ -294,7 +294,7 @@ class LanguageModel(nn.Module):
         full = comm.gather_from(local_logits, -1, self.groups.tp)
         return full[..., : self.config.vocab_size]
 
-    def context_shard(self, seq_len: int, cache=None) -> ContextShard | None:
+    def sequence_shard(self, seq_len: int, cache=None) -> ContextShard | None:
         """This rank's share of a sequence of ``seq_len`` tokens under CP; None without CP. With a
         decode cache CP applies to its first forward only (the prefill: every mixer leaves the
         whole sequence's state in the cache); the decode steps after it run without CP, the same
@@ -309,7 +309,7 @@ class LanguageModel(nn.Module):
     def loss_sum(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum of the token losses of this rank's tokens: labels [b, S] (full sequence, cut here to
         the local CP chunks) against vocab-parallel logits [b, s, V_pad/tp]."""
-        labels = split_for_cp(self.context_shard(labels.size(1)), labels)
+        labels = split_for_cp(self.sequence_shard(labels.size(1)), labels)
         return vocab_parallel_cross_entropy(local_logits, labels, self.groups.tp, self.config.vocab_size).sum()
 
     def loss(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -362,7 +362,7 @@ class LanguageModel(nn.Module):
         the last stage's multi-token-prediction targets in training (``megamoe.model.mtp``)."""
         ids, hidden = (x, None) if self.pre_process else (None, x)
         token_ids = ids if ids is not None else token_ids
-        shard = self.context_shard(self.full_length(ids, hidden, cache), cache)
+        shard = self.sequence_shard(self.full_length(ids, hidden, cache), cache)
         if positions is None:
             positions = self.default_positions(ids, hidden, cache)
         if self.pre_process:

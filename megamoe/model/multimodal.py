@@ -226,7 +226,7 @@ class MultimodalModel(LanguageModel):
         """One pipeline stage (see ``LanguageModel.forward_stage``); the first stage also takes
         the batch's ``images``. Placeholders without images are an error, never ignored."""
         ids, hidden = (x, None) if self.pre_process else (None, x)
-        shard = self.context_shard(self.full_length(ids, hidden, cache), cache)
+        shard = self.sequence_shard(self.full_length(ids, hidden, cache), cache)
         deepstack = None
         if self.pre_process:
             hidden, positions, deepstack = self.embed_multimodal(x, images, positions, cache, shard)
