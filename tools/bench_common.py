@@ -2,11 +2,14 @@
 
 ``QWEN3_NEXT_PEER`` is the ``transformers`` Qwen3-Next the training-step and decoding
 benchmarks compare against (docs/performance.md, "Peer configurations"); ``matmul_rate`` is
-the fp32 GEMM rate every CPU benchmark prints beside its ratios (machines differ about 2x).
+the fp32 GEMM rate every CPU benchmark prints beside its ratios (machines differ about 2x);
+``alternating`` times contenders in turns and ``report_medians`` prints what it measured.
 """
 from __future__ import annotations
 
+import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -29,3 +32,26 @@ def matmul_rate(n: int = 1024, seconds: float = 0.5) -> float:
         a @ a
         count += 1
     return 2 * n ** 3 * count / (time.perf_counter() - start) / 1e9
+
+
+def alternating(contenders: dict, run: Callable, runs: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds of ``run(contender)`` per contender name: ``warmup`` untimed rounds, then ``runs``
+    rounds in which the contenders take turns, so a change of load hits every one alike."""
+    for _ in range(warmup):
+        for c in contenders.values():
+            run(c)
+    times = {name: [] for name in contenders}
+    for _ in range(runs):
+        for name, c in contenders.items():
+            start = time.perf_counter()
+            run(c)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def report_medians(times: dict[str, list[float]], what: str, width: int = 10) -> dict[str, float]:
+    """Prints each contender's median and fastest run of ``what``; returns the medians."""
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    for name, t in med.items():
+        print(f"{name:<{width}} {what} median {t * 1e3:8.1f} ms  (min {min(times[name]) * 1e3:.1f})")
+    return med

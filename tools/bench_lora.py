@@ -8,16 +8,14 @@ forward + backward computes the input and adapter gradients. Median of alternati
 
     python tools/bench_lora.py                 # last line: lora_speedup_vs_peft=X
 """
-import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_moe import hf_block, megamoe_layer, step  # noqa: E402  (the same MoE peer and weights)
+from bench_common import alternating, matmul_rate, report_medians  # noqa: E402
+from bench_moe import hf_block, megamoe_layer, peer_arguments, step  # noqa: E402  (the same MoE peer and weights)
 
 
 def contenders(args):
@@ -46,16 +44,8 @@ def contenders(args):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--ffn", type=int, default=256)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=8)
+    p = peer_arguments(__doc__)
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--runs", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -67,18 +57,9 @@ def main() -> None:
     outs = {name: step(m, x, g) for name, m in models.items()}
     err = ((outs["megamoe"] - outs["peft"]).norm() / outs["peft"].norm()).item()
     print(f"same weights, adapters and inputs: output relative difference {err:.2e}")
-    for _ in range(args.warmup - 1):
-        for m in models.values():
-            step(m, x, g)
-    times = {name: [] for name in models}
-    for _ in range(args.runs):  # alternate, so load changes hit both alike
-        for name, m in models.items():
-            t = time.perf_counter()
-            step(m, x, g)
-            times[name].append(time.perf_counter() - t)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
-    for name, t in med.items():
-        print(f"{name:<10} LoRA forward+backward median {t * 1e3:8.1f} ms  (min {min(times[name]) * 1e3:.1f})")
+    times = alternating(models, lambda m: step(m, x, g), args.runs, args.warmup - 1)
+    med = report_medians(times, "LoRA forward+backward")
+    print(f"machine: fp32 matmul {matmul_rate():.0f} GFLOP/s on {torch.get_num_threads()} threads (after the run)")
     print(f"lora_speedup_vs_peft={med['peft'] / med['megamoe']:.2f}")
 
 

@@ -5,15 +5,15 @@ chunk functions of transformers (qwen3_next's ``torch_chunk_gated_delta_rule``, 
 
     python tools/bench_mixers.py                      # T=2048, H=4, D=64, batch 1
     python tools/bench_mixers.py --t 512 --runs 3
-    git show REV:layers/linear_attention/chunk_delta.py > /tmp/op_before.py
+    git show REV:layers/ops/delta_rule/chunk.py > /tmp/op_before.py  # before the move: layers/linear_attention/chunk_delta.py
     python tools/bench_mixers.py --baseline-op /tmp/op_before.py   # this tree's op against REV's
 
 Each case is warmed up once, then megamoe and the peer alternate for ``--runs`` rounds; the
 medians are compared. Outputs and input gradients are checked against each other first.
 The last line is ``gdn_speedup_vs_hf=X kda_speedup_vs_hf=Y`` (peer time / megamoe time).
 ``--baseline-op`` times ``chunk_delta_rule`` from another file in the same rounds (it imports
-the rest of megamoe from this tree, so the GDN case compares chunk_delta.py only, not
-chunk_gated.py) and adds a line ``gdn_time_vs_baseline=.. gdn_cpu_vs_baseline=..
+the rest of megamoe from this tree, so the GDN case compares delta_rule/chunk.py only, not
+delta_rule/chunk_gated.py) and adds a line ``gdn_time_vs_baseline=.. gdn_cpu_vs_baseline=..
 kda_time_vs_baseline=.. kda_cpu_vs_baseline=..``: megamoe's wall time (and process CPU time)
 over the baseline's, the median of the rounds' ratios (on a loaded machine the CPU time of a
 1-thread run, ``--threads 1``, is the steadier figure).
@@ -61,7 +61,7 @@ def fwd_bwd(fn, inputs, grad_out):
 
 
 def load_op(path: str):
-    """``chunk_delta_rule`` from a copy of chunk_delta.py (e.g. an earlier commit's)."""
+    """``chunk_delta_rule`` from a copy of delta_rule/chunk.py (e.g. an earlier commit's)."""
     spec = importlib.util.spec_from_file_location("baseline_chunk_delta", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -90,7 +90,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--baseline-op", metavar="FILE",
-                   help="a chunk_delta.py (e.g. git show REV:layers/linear_attention/chunk_delta.py) "
+                   help="a copy of layers/ops/delta_rule/chunk.py (e.g. git show REV:layers/ops/delta_rule/chunk.py) "
                         "whose chunk_delta_rule is timed in the same rounds")
     args = p.parse_args()
     base = load_op(args.baseline_op) if args.baseline_op else None

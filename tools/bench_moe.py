@@ -9,10 +9,9 @@ weights and inputs, 2 threads; median of several alternating runs after warm-up.
     python tools/bench_moe.py --kernels        # also megamoe's other expert kernels
 """
 import argparse
-import statistics
-import time
 
 import torch
+from bench_common import alternating, matmul_rate, report_medians
 
 from megamoe.core.config import ModelConfig, MoEConfig
 
@@ -56,16 +55,17 @@ def step(module, x, g):
     return y.detach()
 
 
+def peer_arguments(doc: str) -> argparse.ArgumentParser:
+    """The peer MoE block's shape and the timing options (tools/bench_lora.py times the same)."""
+    p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    for name, default in (("tokens", 4096), ("hidden", 256), ("ffn", 256), ("experts", 64), ("top-k", 8),
+                          ("runs", 7), ("warmup", 2), ("threads", 2)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    return p
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--ffn", type=int, default=256)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--runs", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2)
+    p = peer_arguments(__doc__)
     p.add_argument("--kernels", action="store_true", help="also time megamoe's grouped_mm and reference kernels")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -83,18 +83,9 @@ def main() -> None:
     err = ((outs["megamoe"] - outs["hf"]).norm() / outs["hf"].norm()).item()
     print(f"same weights and inputs: output relative difference {err:.2e}; "
           f"megamoe kernel: {contenders['megamoe'].experts.resolved_kernel()}")
-    for _ in range(args.warmup - 1):
-        for m in contenders.values():
-            step(m, x, g)
-    times = {name: [] for name in contenders}
-    for _ in range(args.runs):  # alternate, so load changes hit every contender alike
-        for name, m in contenders.items():
-            t = time.perf_counter()
-            step(m, x, g)
-            times[name].append(time.perf_counter() - t)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
-    for name, t in med.items():
-        print(f"{name:<22} forward+backward median {t * 1e3:8.1f} ms  (min {min(times[name]) * 1e3:.1f})")
+    times = alternating(contenders, lambda m: step(m, x, g), args.runs, args.warmup - 1)
+    med = report_medians(times, "forward+backward", width=22)
+    print(f"machine: fp32 matmul {matmul_rate():.0f} GFLOP/s on {torch.get_num_threads()} threads (after the run)")
     print(f"moe_speedup_vs_hf={med['hf'] / med['megamoe']:.2f}")
 
 
