@@ -79,6 +79,27 @@ def full_forward(mixer, x: torch.Tensor) -> torch.Tensor:
 
 # ---- TP = 2 versus TP = 1, one mixer, run on every rank of a gloo pool ------------------------
 
+def check_sparse_equals_dense(letter: str, cfg: ModelConfig, x: torch.Tensor, rel: float,
+                              abs_floor: float = 0.0) -> None:
+    """``letter``'s mixer against itself on its dense-mask reference (``dense_reference``), the
+    same weights: forward, input gradient and every parameter gradient within ``rel`` (or
+    ``abs_floor`` absolute); the indexer gets no gradient (its output is a selection)."""
+    sparse, dense = build_mixer(letter, cfg), build_mixer(letter, cfg)
+    dense.dense_reference = True
+    xs, xd = (x.clone().requires_grad_(True) for _ in range(2))
+    ys, yd = full_forward(sparse, xs), full_forward(dense, xd)
+    assert rel_err(ys, yd) <= rel
+    g = torch.randn(ys.shape, generator=torch.Generator().manual_seed(1))
+    (ys * g).sum().backward()
+    (yd * g).sum().backward()
+    assert rel_err(xs.grad, xd.grad) <= rel
+    for (name, a), b in zip(sparse.named_parameters(), dense.parameters()):
+        if name.startswith("indexer."):
+            assert a.grad is None and b.grad is None, name
+        else:
+            assert rel_err(a.grad, b.grad) <= rel or (a.grad - b.grad).abs().max().item() <= abs_floor, name
+
+
 def mixer_tp_case(letter: str, sp: bool, seed: int = 0, mla: dict | None = None,
                   model: dict | None = None) -> dict:
     """Outputs, input gradients and every parameter gradient of a TP=2 mixer against TP=1.

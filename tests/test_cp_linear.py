@@ -16,7 +16,7 @@ from megamoe.layers.cache.decode import InferenceCache
 from megamoe.core.errors import ConfigError
 from megamoe.diagnostics.memory import saved_tensor_bytes
 from megamoe.layers.spec import ForwardInfo
-from tests.mixer_utils import build_mixer, tiny_model
+from tests.mixer_utils import build_mixer, param_grad_errors, tiny_model
 from tests.numerics import rel_err
 
 REL = 1e-5
@@ -74,10 +74,8 @@ def _reference(letter: str, seq_len: int, packed: bool, backend: str = "auto"):
 
 def cp_case(letter: str, cp: int, tp: int, seq_len: int, packed: bool, backend: str = "auto") -> dict:
     from megamoe.core.config import ParallelConfig
-    from megamoe.parallel import comm
     from megamoe.parallel.context import ContextShard
     from megamoe.parallel.groups import build_groups
-    from megamoe.parallel.sharding import gather_full
     from megamoe.model.weights import finalize_grads
 
     cfg, ref, x, dy, docs, xr, yr = _reference(letter, seq_len, packed, backend)
@@ -93,11 +91,7 @@ def cp_case(letter: str, cp: int, tp: int, seq_len: int, packed: bool, backend: 
     (yp * local(dy)).sum().backward()
     finalize_grads(par, groups)
     errs = {"out": rel_err(yp, local(yr)), "grad x": rel_err(xp.grad, local(xr.grad))}
-    ref_params = dict(ref.named_parameters())
-    for name, p in par.named_parameters():
-        comm.all_reduce_tensor(p.grad, groups.cp)  # each CP rank saw its tokens only
-        errs[f"grad {name}"] = rel_err(gather_full(p, groups, p.grad), ref_params[name].grad)
-    return errs
+    return param_grad_errors(ref, par, groups, errs, cp_group=groups.cp)  # each CP rank saw its tokens only
 
 
 def _check(results: list[dict], what: str) -> None:

@@ -350,8 +350,8 @@ def multimodal_case(parallel: dict, sp: bool, straddle: bool = False) -> tuple[d
     forward (only those with a token in its chunks) and its CP rank."""
     from megamoe.model.language_model import shift_labels
     from megamoe.parallel.groups import build_groups
-    from megamoe.parallel.sharding import gather_full
     from megamoe.training.grads import sync_grads
+    from tests.mixer_utils import param_grad_errors
     from tests.test_multimodal import batch, build, tiny_mm
 
     groups = build_groups(ParallelConfig(**parallel))
@@ -368,10 +368,7 @@ def multimodal_case(parallel: dict, sp: bool, straddle: bool = False) -> tuple[d
     loss.backward()
     ref_loss.backward()
     sync_grads([model], groups)
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        errs[f"grad {name}"] = rel_err(gather_full(p, groups, p.grad), ref_params[name].grad)
-    return errs, encoded[0], groups.rank("cp")
+    return param_grad_errors(ref, model, groups, errs), encoded[0], groups.rank("cp")
 
 
 GDN = GDNConfig(num_key_heads=2, num_value_heads=2, key_head_dim=8, value_head_dim=8, chunk_size=8)

@@ -12,8 +12,8 @@ import torch
 from megamoe.core.config import DSAConfig, YarnConfig
 from megamoe.layers.rotary import apply_rotary, cached_yarn_cos_sin
 from megamoe.layers.spec import ForwardInfo
-from tests.mixer_utils import (HF_SHAPE, MLA_NAMES, YARN, build_mixer, causal_additive_mask, decode_steps,
-                               full_forward, load_from_hf, randomize, tiny_model)
+from tests.mixer_utils import (HF_SHAPE, MLA_NAMES, YARN, build_mixer, causal_additive_mask, check_sparse_equals_dense,
+                               decode_steps, full_forward, load_from_hf, randomize, tiny_model)
 from tests.numerics import max_abs, rel_err
 
 REL = 1e-5
@@ -40,20 +40,7 @@ def x_of(seed: int, t: int = 12) -> torch.Tensor:
 def test_sparse_equals_dense_mask_reference(letter, t):
     """Forward, input gradient and every parameter gradient (fp32), at lengths below, at and
     above the top-k, the key pool and 64."""
-    sparse, dense = build_mixer(letter, model(letter)), build_mixer(letter, model(letter))
-    dense.dense_reference = True
-    xs, xd = (x_of(0, t).requires_grad_(True) for _ in range(2))
-    ys, yd = full_forward(sparse, xs), full_forward(dense, xd)
-    assert rel_err(ys, yd) <= REL
-    g = torch.randn(ys.shape, generator=torch.Generator().manual_seed(1))
-    (ys * g).sum().backward()
-    (yd * g).sum().backward()
-    assert rel_err(xs.grad, xd.grad) <= REL
-    for (name, a), b in zip(sparse.named_parameters(), dense.parameters()):
-        if name.startswith("indexer."):
-            assert a.grad is None and b.grad is None, name  # selection only: no gradient
-        else:
-            assert rel_err(a.grad, b.grad) <= REL, name
+    check_sparse_equals_dense(letter, model(letter), x_of(0, t), REL)
 
 
 def indexer_inputs(mixer, x):

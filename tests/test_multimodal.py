@@ -195,8 +195,8 @@ def split_case(sp: bool, num_images: int, seed: int = 0, vision_parallel: dict |
     from megamoe.core.config import ParallelConfig
     from megamoe.model.language_model import shift_labels
     from megamoe.parallel.groups import build_groups
-    from megamoe.parallel.sharding import gather_full
     from megamoe.model.weights import finalize_grads
+    from tests.mixer_utils import param_grad_errors
 
     groups = build_groups(ParallelConfig(tp=2, sequence_parallel=sp))
     cfg = tiny_mm(vision=dict(parallel=C.VisionParallelConfig(**(vision_parallel or dict(mode="split")))))
@@ -214,10 +214,7 @@ def split_case(sp: bool, num_images: int, seed: int = 0, vision_parallel: dict |
     loss.backward()
     ref_loss.backward()
     finalize_grads(model, groups)
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        errs[f"grad {name}"] = rel_err(gather_full(p, groups, p.grad), ref_params[name].grad)
-    return errs
+    return param_grad_errors(ref, model, groups, errs)
 
 
 @pytest.mark.parametrize("sp,num_images", [(False, 3), (True, 1)], ids=["tp2-3images", "tp2-sp-1image"])

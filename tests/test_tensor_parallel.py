@@ -39,8 +39,8 @@ def tp_parity_case(cfg: ModelConfig, tp: int, sp: bool, seed: int = 0, floor: bo
     ``floor`` also each gradient's fp32 noise floor (``fp32_noise_floor``)."""
     from megamoe.model.language_model import LanguageModel, shift_labels
     from megamoe.parallel.groups import ParallelGroups, build_groups
-    from megamoe.parallel.sharding import gather_full
     from megamoe.model.weights import finalize_grads, initialize
+    from tests.mixer_utils import param_grad_errors
 
     groups = build_groups(ParallelConfig(tp=tp, sequence_parallel=sp))
     ref = LanguageModel(cfg)
@@ -56,12 +56,7 @@ def tp_parity_case(cfg: ModelConfig, tp: int, sp: bool, seed: int = 0, floor: bo
     loss.backward()
     ref_loss.backward()
     finalize_grads(model, groups)
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        if ref_params[name].grad is None:  # e.g. the DSA indexer: selection only, no gradient
-            errs[f"no grad {name}"] = 0.0 if p.grad is None else 1.0
-            continue
-        errs[f"grad {name}"] = rel_err(gather_full(p, groups, p.grad), ref_params[name].grad)
+    param_grad_errors(ref, model, groups, errs)
     if floor:
         errs.update(fp32_noise_floor(ref, ids, labels))
     return errs
