@@ -34,15 +34,41 @@ def indexer_rules(prefix: str, letters: str = "D") -> list[Rule]:
             for ours, theirs in INDEXER.items()]
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
-    letters = mlp_letters(hf, dense_default=3)
-    types = hf.get("layer_types") or ["indexed_attention"] * len(letters)
-    if set(types) != {"indexed_attention"} or len(types) != len(letters):
-        raise CheckpointError(f"config.json: layer_types={types} is not supported for deepseek_v32 "
+def check_indexed(hf: dict, n: int, family: str) -> None:
+    """Every one of the ``n`` layers MLA + DSA (``indexed_attention``), with a query latent (the
+    indexer reads it): what deepseek_v32 and glm_moe_dsa checkpoints are."""
+    types = hf.get("layer_types") or ["indexed_attention"] * n
+    if set(types) != {"indexed_attention"} or len(types) != n:
+        raise CheckpointError(f"config.json: layer_types={types} is not supported for {family} "
                               f"(every layer is 'indexed_attention')")
     if hf.get("q_lora_rank") is None:
-        raise CheckpointError("config.json: q_lora_rank must be set for deepseek_v32 (the indexer reads the "
+        raise CheckpointError(f"config.json: q_lora_rank must be set for {family} (the indexer reads the "
                               "query latent)")
+
+
+def indexed_to_hf(cfg: ModelConfig, out: dict, **per_layer) -> dict:
+    """``out`` with the indexer's keys, every layer ``indexed_attention`` (``per_layer``: further
+    per-layer lists), the MLP types and the MTP layers."""
+    idx, n = cfg.mla.indexer, len(cfg.parsed_layout().layers)
+    out.update(index_n_heads=idx.num_heads, index_head_dim=idx.head_dim, index_topk=idx.topk,
+               layer_types=["indexed_attention"] * n, **per_layer)
+    mlp_types_to_hf(cfg, out)
+    mtp_to_hf(cfg, out, NEXTN_KEY, MTP_TYPES, "D")
+    return out
+
+
+def indexed_rules(cfg: ModelConfig, mixers: str, indexed: str = "D") -> list[Rule]:
+    """The table of an MLA + DSA model whose ``mixers`` letters are MLA layers, the ``indexed``
+    ones with their own indexer; DeepSeek's MLPs; MTP layers."""
+    layer = "model.layers.{L}"
+    return nextn_table([*embedding_rules(cfg), *norm_rules(layer, mixers),
+                        *mla_rules(f"{layer}.self_attn", mixers, cfg), *indexer_rules(f"{layer}.self_attn", indexed),
+                        *dense_mlp_rules(f"{layer}.mlp"), *deepseek_moe_rules(f"{layer}.mlp")], cfg)
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    letters = mlp_letters(hf, dense_default=3)
+    check_indexed(hf, len(letters), "deepseek_v32")
     mla = mla_from_hf(hf, rope="interleaved", indexer=indexer_from_hf(hf))
     cfg = base_model_config(hf, "".join("D" + m for m in letters), 2.5, mla=mla)
     cfg.mtp = mtp_from_hf(hf, NEXTN_KEY, MTP_TYPES, "D", cfg.moe is not None)
@@ -56,18 +82,11 @@ def config_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
     idx = cfg.mla.indexer
     expressible(idx.kpool == 1, "deepseek_v32", "mla.indexer.kpool", idx.kpool, "no pooled keys")
     mla_to_hf(cfg, out, "deepseek_v32", rope="interleaved")
-    out.update(index_n_heads=idx.num_heads, index_head_dim=idx.head_dim, index_topk=idx.topk,
-               layer_types=["indexed_attention"] * len(kinds))
-    mlp_types_to_hf(cfg, out)
-    mtp_to_hf(cfg, out, NEXTN_KEY, MTP_TYPES, "D")
-    return out
+    return indexed_to_hf(cfg, out)
 
 
 def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
-    layer = "model.layers.{L}"
-    return nextn_table([*embedding_rules(cfg), *norm_rules(layer, "D"), *mla_rules(f"{layer}.self_attn", "D", cfg),
-                        *indexer_rules(f"{layer}.self_attn"), *dense_mlp_rules(f"{layer}.mlp"),
-                        *deepseek_moe_rules(f"{layer}.mlp")], cfg)
+    return indexed_rules(cfg, "D")
 
 
 DEEPSEEK_V32 = register(Family("deepseek_v32", "DeepseekV32ForCausalLM", config_from_hf, config_to_hf, rules,

@@ -17,12 +17,12 @@ the way transformers reads them. The multi-token-prediction layers the hub check
 from __future__ import annotations
 
 from megamoe.core.config import ModelConfig
-from megamoe.convert.families.common import dense_mlp_rules, embedding_rules, norm_rules
-from megamoe.convert.families.deepseek_v3 import (base_model_config, base_to_hf, deepseek_moe_rules, expressible,
-                                                  mla_from_hf, mla_rules, mla_to_hf, mlp_letters, mlp_types_to_hf)
-from megamoe.convert.families.deepseek_v32 import MTP_TYPES, indexer_from_hf, indexer_rules
+from megamoe.convert.families.deepseek_v3 import (base_model_config, base_to_hf, expressible, mla_from_hf, mla_to_hf,
+                                                  mlp_letters)
+from megamoe.convert.families.deepseek_v32 import (MTP_TYPES, check_indexed, indexed_rules, indexed_to_hf,
+                                                   indexer_from_hf)
 from megamoe.convert.family import WITH_FP8, Family, hf_get, register
-from megamoe.convert.mtp import NEXTN_KEY, mtp_from_hf, mtp_to_hf, nextn_table
+from megamoe.convert.mtp import NEXTN_KEY, mtp_from_hf
 from megamoe.convert.table import Rule
 from megamoe.core.errors import CheckpointError
 
@@ -52,13 +52,7 @@ def indexer_types(hf: dict) -> list[str]:
 
 def config_from_hf(hf: dict) -> ModelConfig:
     mlps = mlp_letters(hf, dense_default=3)
-    types = hf.get("layer_types") or ["indexed_attention"] * len(mlps)
-    if set(types) != {"indexed_attention"} or len(types) != len(mlps):
-        raise CheckpointError(f"config.json: layer_types={types} is not supported for glm_moe_dsa "
-                              f"(every layer is 'indexed_attention')")
-    if hf.get("q_lora_rank") is None:
-        raise CheckpointError("config.json: q_lora_rank must be set for glm_moe_dsa (the indexer reads the "
-                              "query latent)")
+    check_indexed(hf, len(mlps), "glm_moe_dsa")
     indexer = indexer_from_hf(hf)
     indexer.rope = "interleaved"
     mla = mla_from_hf(hf, rope="interleaved", indexer=indexer)
@@ -78,19 +72,11 @@ def config_to_hf(cfg: ModelConfig, original: dict | None) -> dict:
     mla_to_hf(cfg, out, "glm_moe_dsa", rope="interleaved")
     for key in ("index_topk_pattern", "index_topk_freq", "index_skip_topk_offset"):
         out.pop(key, None)  # indexer_types below says it all
-    out.update(index_n_heads=idx.num_heads, index_head_dim=idx.head_dim, index_topk=idx.topk,
-               layer_types=["indexed_attention"] * len(kinds),
-               indexer_types=["full" if k.mixer == "D" else "shared" for k in kinds])
-    mlp_types_to_hf(cfg, out)
-    mtp_to_hf(cfg, out, NEXTN_KEY, MTP_TYPES, "D")
-    return out
+    return indexed_to_hf(cfg, out, indexer_types=["full" if k.mixer == "D" else "shared" for k in kinds])
 
 
 def rules(cfg: ModelConfig, hf: dict) -> list[Rule]:
-    layer = "model.layers.{L}"
-    return nextn_table([*embedding_rules(cfg), *norm_rules(layer, "DR"), *mla_rules(f"{layer}.self_attn", "DR", cfg),
-                        *indexer_rules(f"{layer}.self_attn", "D"), *dense_mlp_rules(f"{layer}.mlp"),
-                        *deepseek_moe_rules(f"{layer}.mlp")], cfg)
+    return indexed_rules(cfg, "DR")
 
 
 GLM_MOE_DSA = register(Family("glm_moe_dsa", "GlmMoeDsaForCausalLM", config_from_hf, config_to_hf, rules,
