@@ -132,7 +132,7 @@ def test_tiered_experts_at_ep2_match_one_process(pool, tmp_path):
 
 # ---- the layer and the store directly -------------------------------------------------------
 
-def _tiered_pair(tmp_path, budget_mib: float, kernel: str = "auto", expert_adapters: str = "per_expert",
+def stored_pair(tmp_path, budget_mib: float, kernel: str = "auto", expert_adapters: str = "per_expert",
                  tier: str = "disk", mapped: bool = True, device: str = "cpu"):
     """(resident model, tiered model, its open store) on ``device``, same weights and adapters."""
     from megamoe.lora import LoRAConfig, apply_lora
@@ -159,7 +159,7 @@ def _tiered_pair(tmp_path, budget_mib: float, kernel: str = "auto", expert_adapt
     return models[0], models[1], open_expert_store([models[1]], models[1].groups)
 
 
-def check_tiered_matches_resident(resident, tiered, store) -> None:
+def check_stored_matches_resident(resident, tiered, store) -> None:
     """Outputs and every adapter gradient of a forward+backward on both models agree (1e-6
     relative), experts came from the store, and the tiered model holds no expert weight."""
     device = next(p for p in resident.parameters()).device
@@ -200,9 +200,9 @@ def test_tiered_layer_forward_and_backward_match_resident(tmp_path, kernel, budg
     experts (the frozen kernel's backward then makes no weight gradient: with mapped views
     that would be a whole layer's experts per call): outputs and every adapter gradient as
     with resident experts."""
-    resident, tiered, store = _tiered_pair(tmp_path, budget, kernel, adapters, tier, mapped)
+    resident, tiered, store = stored_pair(tmp_path, budget, kernel, adapters, tier, mapped)
     assert store.mapped == mapped
-    check_tiered_matches_resident(resident, tiered, store)
+    check_stored_matches_resident(resident, tiered, store)
     store.close()
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megamoe.core.errors import CheckpointError
-from tests.test_tiers import finetune
+from tests.test_expert_store import finetune
 
 STEPS = 3
 

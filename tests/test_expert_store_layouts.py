@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_tiers import experts_bytes, finetune, moe_heavy_config, write_store
+from tests.test_expert_store import experts_bytes, finetune, moe_heavy_config, write_store
 
 STEPS = 3
 

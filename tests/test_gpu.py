@@ -157,14 +157,14 @@ def test_grouped_gemm_experts_match_the_reference():
 
 @pytest.mark.parametrize("tier", ["disk", "host"])
 def test_tiered_experts_on_cuda_match_resident(tmp_path, tier):
-    """The expert store's GPU side, which no CPU run reaches (tests/test_tiers.py runs the rest):
+    """The expert store's GPU side, which no CPU run reaches (tests/test_expert_store.py runs the rest):
     cache slots on the device, reads through pinned host buffers copied on a side stream (the
     prefetch thread's too), the host tier pinned; fp32, the CPU test's tolerance."""
-    from tests.test_tiers import _tiered_pair, check_tiered_matches_resident
+    from tests.test_expert_store import stored_pair, check_stored_matches_resident
 
-    resident, tiered, store = _tiered_pair(tmp_path, 0.05, "auto", "per_expert", tier, device="cuda")
+    resident, tiered, store = stored_pair(tmp_path, 0.05, "auto", "per_expert", tier, device="cuda")
     assert not store.mapped and store.cache.cuda
-    check_tiered_matches_resident(resident, tiered, store)
+    check_stored_matches_resident(resident, tiered, store)
     store.close()
 
 

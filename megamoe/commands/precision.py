@@ -48,12 +48,12 @@ def parser():
 
 
 def dtypes_of(text: str) -> list[str]:
-    from megamoe.diagnostics.precision import DTYPES
+    from megamoe.core.dtypes import SHORT
 
     names = [t.strip() for t in text.split(",") if t.strip()]
     for name in names:
-        if name not in DTYPES:
-            raise ConfigError(f"--dtypes {text}: {name!r} is not one of {', '.join(DTYPES)}")
+        if name not in SHORT:
+            raise ConfigError(f"--dtypes {text}: {name!r} is not one of {', '.join(SHORT)}")
     if not names:
         raise ConfigError("--dtypes: give at least one dtype")
     return names
@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     if parallel_from_args(args) is not None:
         raise ConfigError("--tp/--pp/--ep: the report at a layout reads the model layer by layer: add --streamed")
     from megamoe.inference.load import load_model
-    from megamoe.diagnostics.precision import DTYPES, capture, cast, compare, plot, table
+    from megamoe.core.dtypes import SHORT
+    from megamoe.diagnostics.precision import capture, cast, compare, plot, table
 
     model = load_model(args.model_dir).float()
     layout = model.config.parsed_layout()
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     fp32 = capture(model, ids)
     series = {}
     for name in names:
-        rows = compare(fp32, capture(cast(model, DTYPES[name]), ids) if name != "fp32" else fp32, layout)
+        rows = compare(fp32, capture(cast(model, SHORT[name]), ids) if name != "fp32" else fp32, layout)
         series[f"{name} vs fp32"] = rows
     if args.reference == "hf":
         ours, theirs = hf_comparison(model, args.model_dir, ids, fp32)

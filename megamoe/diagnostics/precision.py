@@ -17,8 +17,6 @@ from pathlib import Path
 
 import torch
 
-from megamoe.core.dtypes import SHORT as DTYPES  # what --dtypes names
-
 
 @dataclass
 class Capture:
