@@ -176,17 +176,11 @@ def test_pp2_training_equals_dp2_with_hyper_connections(pool, tmp_path):
     import dataclasses
 
     from megamoe.core.config import ParallelConfig
-    from tests.test_trainer_parity import run_recipe, tiny_recipe
+    from tests.test_trainer_parity import check_pp2_equals_dp2, tiny_recipe
 
     recipe = tiny_recipe(ParallelConfig(), steps=4)
     recipe.model = dataclasses.replace(recipe.model, hyper_connections=HyperConnectionConfig(streams=2))
-    curves = {}
-    for name, parallel in (("dp2", ParallelConfig()), ("pp2", ParallelConfig(pp=2))):
-        losses = pool(2).run(run_recipe, dataclasses.replace(recipe, parallel=parallel), str(tmp_path / name))
-        assert losses[0] == losses[1]
-        curves[name] = losses[0]
-    assert len(curves["pp2"]) == 4
-    assert max(abs(a - b) for a, b in zip(curves["pp2"], curves["dp2"])) <= 1e-5
+    check_pp2_equals_dp2(pool, recipe, tmp_path)
 
 
 # ---- clamped SwiGLU ---------------------------------------------------------------------------

@@ -193,15 +193,9 @@ def test_model_parallel_equals_one_process(pool, parallel):
 
 def test_pp2_training_equals_dp2(pool, tmp_path):
     """The second stage's hash-routed layer reads the token ids the pipeline hands every stage."""
-    from tests.test_trainer_parity import run_recipe, tiny_recipe
+    from tests.test_trainer_parity import check_pp2_equals_dp2, tiny_recipe
 
     recipe = tiny_recipe(ParallelConfig(), steps=3)
     recipe.model = tiny_v4("WhCe|HhWe")
     recipe.data = dataclasses.replace(recipe.data, seq_len=24)
-    curves = {}
-    for name, parallel in (("dp2", ParallelConfig()), ("pp2", ParallelConfig(pp=2))):
-        losses = pool(2).run(run_recipe, dataclasses.replace(recipe, parallel=parallel), str(tmp_path / name))
-        assert losses[0] == losses[1]
-        curves[name] = losses[0]
-    assert len(curves["pp2"]) == 3
-    assert max(abs(a - b) for a, b in zip(curves["pp2"], curves["dp2"])) <= 1e-5
+    check_pp2_equals_dp2(pool, recipe, tmp_path)

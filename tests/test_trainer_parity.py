@@ -46,6 +46,18 @@ def run_recipe(recipe: TrainRecipe, log_dir: str) -> list[float]:
     return [h["loss"] for h in history]
 
 
+def check_pp2_equals_dp2(pool, recipe: TrainRecipe, tmp_path) -> None:
+    """``recipe`` at PP=2 follows its loss curve at DP=2 (two gloo ranks each, which agree), all
+    ``recipe.train.steps`` steps, within ``TOL``."""
+    curves = {}
+    for name, parallel in (("dp2", ParallelConfig()), ("pp2", ParallelConfig(pp=2))):
+        losses = pool(2).run(run_recipe, dataclasses.replace(recipe, parallel=parallel), str(tmp_path / name))
+        assert losses[0] == losses[1]
+        curves[name] = losses[0]
+    assert len(curves["pp2"]) == recipe.train.steps
+    assert max(abs(a - b) for a, b in zip(curves["pp2"], curves["dp2"])) <= TOL
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The single-process loss curve, computed in a 1-process pool."""
