@@ -72,9 +72,11 @@ LAYERS = Path(__file__).resolve().parents[1] / "layers"
 LAYER_FILES = [p for p in LAYERS.rglob("*.py")
                if "backends" not in p.parts
                # op libraries the backends pick kernels from (probes of torch's grouped GEMM, FP8,
-               # fla; the fusion policy's compiler probe, which the backend instance owns)
+               # fla, the fused attention tiles' devices; the fusion policy's compiler probe, which
+               # the backend instance owns)
                and p.relative_to(LAYERS).as_posix() not in ("ops/grouped_gemm.py", "ops/fp8/linear.py",
-                                                           "ops/fp8/experts.py", "ops/conv.py", "ops/fusion.py")]
+                                                           "ops/fp8/experts.py", "ops/fusion.py",
+                                                           "ops/attention/tiles.py")]
 FORBIDDEN = re.compile(r"__class__|\btype\([^)]*\)\s+is\b|Backend\b|[\"'](local|cpu|te|cuda)[\"']|\.device\.type|"
                        r"\.is_cuda|torch\.cuda")
 
