@@ -328,7 +328,7 @@ def test_json_limits():
 
 def test_expert_budget_below_one_expert_is_refused(tmp_path, capsys):
     from megamoe.commands import generate
-    from tests.test_tiers import moe_heavy_config, write_store
+    from tests.test_expert_store import moe_heavy_config, write_store
 
     store = write_store(moe_heavy_config(hidden=32, experts=8, ffn=16), tmp_path / "store")
     before = snapshot(tmp_path)
