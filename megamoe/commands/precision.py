@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from megamoe.commands.cli import number_in, parallel_flags, parallel_from_args, run_main, streamed_groups, tool_parser
+from megamoe.core.dtypes import SHORT
 from megamoe.core.errors import ConfigError
 
 
@@ -48,8 +49,6 @@ def parser():
 
 
 def dtypes_of(text: str) -> list[str]:
-    from megamoe.core.dtypes import SHORT
-
     names = [t.strip() for t in text.split(",") if t.strip()]
     for name in names:
         if name not in SHORT:
@@ -83,14 +82,14 @@ def streamed(args, names: list[str]) -> None:
     """The layer-streamed report: each dtype on --backend/--fp8 against the reference."""
     from pathlib import Path
 
-    from megamoe.diagnostics.precision import DTYPES, plot
+    from megamoe.diagnostics.precision import plot
     from megamoe.diagnostics.validate import streamed_reports
 
     if not (Path(args.model_dir) / "config.json").is_file():
         raise ConfigError(f"--streamed: {args.model_dir} is not an HF folder (no config.json)")
     what = (args.backend or "megamoe") + (f" fp8={args.fp8}" if args.fp8 else "")
     against = "transformers" if args.reference == "hf" else f"local {args.reference_dtype}"
-    candidates = {f"{name} {what} vs {against}": dict(backend=args.backend, dtype=DTYPES[name], fp8=args.fp8)
+    candidates = {f"{name} {what} vs {against}": dict(backend=args.backend, dtype=SHORT[name], fp8=args.fp8)
                   for name in names}
     reports = streamed_reports(args.model_dir, candidates, groups=streamed_groups(args),
                                reference=args.reference or "local", reference_dtype=REFERENCE_DTYPES[args.reference_dtype],
@@ -114,7 +113,6 @@ def main(argv: list[str] | None = None) -> None:
     if parallel_from_args(args) is not None:
         raise ConfigError("--tp/--pp/--ep: the report at a layout reads the model layer by layer: add --streamed")
     from megamoe.inference.load import load_model
-    from megamoe.core.dtypes import SHORT
     from megamoe.diagnostics.precision import capture, cast, compare, plot, table
 
     model = load_model(args.model_dir).float()
