@@ -222,8 +222,8 @@ class ExpertTensors:
                                   "store reads only for experts the model's fp8_base lists (import-hf --keep-fp8)")
         scales = self.source.pieces(f"{tensor}_scale", num_experts)
         cols = -(-first_entry.shape[2] // self.block)
-        for (at, e), (at_s, s) in zip(pieces, scales):
-            if at != at_s or s.shape != (*e.shape[:2], cols):
+        for (at, e), (at_s, s) in zip(pieces, scales, strict=False):
+            if len(scales) != len(pieces) or at != at_s or s.shape != (*e.shape[:2], cols):
                 raise CheckpointError(f"{s.file}: {tensor}_scale has shape {list(s.shape)}, expected "
                                       f"[{e.shape[0]}, {e.shape[1]}, {cols}] (float32 block scales of {tensor})")
         return scales
