@@ -83,11 +83,10 @@ def gpu_mem_rows(*overrides: str) -> tuple[str, list[tuple[str, float]]]:
 def test_gpu_mem_lists_fitting_layouts_for_the_1t_preset_lora_and_full_training():
     lora_head, lora = gpu_mem_rows("lora.rank=16", "lora.targets=[experts]")
     full_head, full = gpu_mem_rows()
-    assert lora_head.startswith("layouts of 256 ranks that fit 141 GiB per device (LoRA")
-    assert full_head.startswith("layouts of 256 ranks that fit 141 GiB per device (full training")
+    assert lora_head.startswith("layouts of 256 ranks (32 nodes of 8) that fit 141 GiB per device (LoRA")
+    assert full_head.startswith("layouts of 256 ranks (32 nodes of 8) that fit 141 GiB per device (full training")
     for rows in (lora, full):
-        assert rows and all(gib <= 141 for _, gib in rows)
-        assert [gib for _, gib in rows] == sorted(gib for _, gib in rows)
+        assert rows and all(gib <= 141 for _, gib in rows)  # (ranked by step time: tests/test_step_time.py)
     # LoRA drops the frozen weights' gradients and optimizer states: the same layout needs less
     best = dict(full)
     assert all(gib < best[layout] for layout, gib in lora if layout in best) and set(best) & {k for k, _ in lora}

@@ -2,7 +2,7 @@
 per-stage memory per rank; or place experts over EP ranks from their measured load.
 
     megamoe-plan --config moe_1t --world-size 1024 parallel.tp=8 parallel.pp=4 parallel.ep=64
-    megamoe-plan --config hybrid_vl_1t --world-size 1024 --gpu-mem 141GiB [lora.rank=16 ...]
+    megamoe-plan --config hybrid_vl_1t --world-size 1024 --gpu-mem 141GiB [--nodes 128] [lora.rank=16 ...]
     megamoe-plan --config moe_1t --world-size 1024 --long-context parallel.tp=8 parallel.ep=64
     megamoe-plan experts --load LOAD.json --ep 8 [--out PLACEMENT.json]
     megamoe-plan experts --calibrate HF_DIR --text FILE --ep 8 [--seq-len 512] [--tokenizer SPEC] [--save-load LOAD.json]
@@ -16,6 +16,7 @@ import sys
 
 from megamoe.commands.cli import number_in, recipe_parser, run_main, tool_parser
 from megamoe.planning.plan import describe, fitting_layouts, long_context_plan, memory_plan, recipe_options
+from megamoe.planning.step_time import Hardware, describe_time, rank_layouts
 from megamoe.recipe import load_train_recipe
 
 
@@ -84,6 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--world-size", type=number_in(int, 1), default=1, help="number of ranks (GPUs) of the run")
     p.add_argument("--gpu-mem", type=_bytes, help="list the layouts whose every rank fits this much device memory "
                    "(e.g. 141GiB, 80GB)")
+    p.add_argument("--nodes", type=number_in(int, 1), help="with --gpu-mem: nodes the ranks are spread over "
+                   "(default: 8 GPUs per node); the layouts are ranked by estimated step time")
+    p.add_argument("--gpu-tflops", type=number_in(float, 1e-6), default=Hardware.tflops,
+                   help="with --gpu-mem: achieved GEMM TFLOP/s per GPU for the step-time estimate (default %(default)s)")
+    p.add_argument("--intra-gbps", type=number_in(float, 1e-6), default=Hardware.intra_gbps,
+                   help="with --gpu-mem: per-GPU bandwidth inside a node, GB/s (default %(default)s)")
+    p.add_argument("--inter-gbps", type=number_in(float, 1e-6), default=Hardware.inter_gbps,
+                   help="with --gpu-mem: per-GPU bandwidth between nodes, GB/s (default %(default)s)")
     p.add_argument("--long-context", action="store_true", help="also print the busiest rank's memory at 128K-1M "
                    "tokens per sequence for every context-parallel size (parallel.cp) the world allows")
     args = p.parse_args(argv)
@@ -92,18 +101,31 @@ def main(argv: list[str] | None = None) -> None:
     if args.long_context:
         print(long_context_plan(recipe.model, recipe.parallel, args.world_size, **recipe_options(recipe)))
     if args.gpu_mem:
-        what = "LoRA" if recipe.lora is not None else "full training"
-        fits = fitting_layouts(recipe, args.world_size, args.gpu_mem)
-        print(f"layouts of {args.world_size} ranks that fit {args.gpu_mem / 2 ** 30:.0f} GiB per device ({what}, "
-              f"micro-batch {recipe.train.micro_batch_size} x {recipe.data.seq_len} tokens):")
-        for degrees, worst in fits:
-            print("  " + " ".join(f"parallel.{k}={v}" for k, v in degrees.items()) + f"   busiest rank {worst / 2 ** 30:.1f} GiB")
-        if not fits:
-            print("  none (try more ranks, train.optimizer_offload=true, train.recompute=[layer] or LoRA)")
-        return
+        return _ranked_layouts(recipe, args)
     recipe.validate_plan(args.world_size)  # what the trainer would refuse, before printing anything
     print(memory_plan(recipe.model, recipe.parallel, args.world_size, recipe.train.micro_batch_size,
                       recipe.data.seq_len, **recipe_options(recipe, recipe.parallel, args.world_size)))
+
+
+def _ranked_layouts(recipe, args) -> None:
+    from megamoe.core.errors import ConfigError
+
+    world = args.world_size
+    nodes = args.nodes or (world // 8 if world % 8 == 0 else 1)
+    if world % nodes:
+        raise ConfigError(f"--nodes={nodes} is invalid: must divide --world-size {world}")
+    hw = Hardware(args.gpu_tflops, args.intra_gbps, args.inter_gbps)
+    what = "LoRA" if recipe.lora is not None else "full training"
+    ranked = rank_layouts(recipe, world, fitting_layouts(recipe, world, args.gpu_mem, most=10 ** 6), world // nodes, hw)
+    print(f"layouts of {world} ranks ({nodes} nodes of {world // nodes}) that fit {args.gpu_mem / 2 ** 30:.0f} GiB per "
+          f"device ({what}, micro-batch {recipe.train.micro_batch_size} x {recipe.data.seq_len} tokens, global batch "
+          f"{recipe.train.global_batch_size}), fastest first by estimated step time ({hw.tflops:g} TFLOP/s, "
+          f"{hw.intra_gbps:g} GB/s in a node, {hw.inter_gbps:g} GB/s between nodes, no overlap):")
+    for degrees, worst, t in ranked:
+        print("  " + " ".join(f"parallel.{k}={v}" for k, v in degrees.items())
+              + f"   busiest rank {worst / 2 ** 30:.1f} GiB   {describe_time(t)}")
+    if not ranked:
+        print("  none (try more ranks, train.optimizer_offload=true, train.recompute=[layer] or LoRA)")
 
 
 def _bytes(text: str) -> float:
