@@ -114,3 +114,56 @@ def test_int8_kv_logits_within_tolerance(family, kv_dtype):
     sparse = any(letter in cfg.parsed_layout().compact() for letter in "DRIB")
     assert max(rel_err(g, w) for g, w in zip(got, want)) <= (INT8_REL_SPARSE if sparse else INT8_REL)
     assert int8.kv_bytes() <= 0.3 * fp32.kv_bytes()
+
+
+# ---- a quantised cache read one tile at a time ---------------------------------------------------
+
+
+def split(x: torch.Tensor, cuts: list[int]) -> list[torch.Tensor]:
+    return list(torch.split(x, cuts, dim=1))
+
+
+def test_tiled_attention_equals_the_core_forward_and_backward():
+    """Online softmax over uneven key tiles (GQA, padded keys masked, a sliding window) gives
+    ``CoreAttention``'s output and gradients on all the keys at once; MLA's latent form likewise
+    gives ``latent_attention``'s."""
+    from megamoe.layers.mixers.mla import latent_attention
+    from megamoe.layers.ops.attention.core import CoreAttention, causal_mask
+    from megamoe.layers.ops.attention.tiled import tiled_attention, tiled_latent_attention_decode
+
+    g = torch.Generator().manual_seed(0)
+    b, t, tk, cuts = 2, 3, 37, [5, 16, 1, 15]
+    q = torch.randn(b, t, 4, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(b, tk, 2, 8, generator=g, requires_grad=True) for _ in range(2))
+    mask = causal_mask(t, tk, 20).expand(b, t, tk).clone()
+    mask[0, :, :6] = False  # row 0's left padding
+    want = CoreAttention(0.3)(q, k, v, mask=mask.unsqueeze(1))
+    got = tiled_attention(q, zip(split(k, cuts), split(v, cuts), mask.split(cuts, -1)), 0.3)
+    w = torch.randn(want.shape, generator=g)
+    grads = [torch.autograd.grad((o * w).sum(), (q, k, v)) for o in (want, got)]
+    assert rel_err(got, want) < 1e-6 and all(rel_err(a, c) < 1e-5 for a, c in zip(*grads))
+
+    q_lat, q_rope = torch.randn(b, t, 4, 6, generator=g), torch.randn(b, t, 4, 2, generator=g)
+    c, kr = torch.randn(b, tk, 6, generator=g, requires_grad=True), torch.randn(b, tk, 2, generator=g)
+    want = latent_attention(q_lat, q_rope, c, kr, 0.5, mask)
+    got = tiled_latent_attention_decode(q_lat, q_rope, zip(split(c, cuts), split(kr, cuts), mask.split(cuts, -1)), 0.5)
+    grads = [torch.autograd.grad((o * w[..., :1]).sum(), c) for o in (want, got)]
+    assert rel_err(got, want) < 1e-6 and rel_err(grads[1][0], grads[0][0]) < 1e-5
+
+
+def test_small_tiles_and_chunks_read_what_the_defaults_read(monkeypatch, every_mixer):
+    """With 4-step tiles and 2-block pool chunks (many of each at these lengths) the fp32 paged
+    cache is still bitwise the contiguous one and the int8 cache's logits equal the default
+    tiling's to fp32 rounding."""
+    from megamoe.layers.cache import blocks, paged
+
+    ps = prompts()
+    pad = left_pad(ps)[1]
+    want = decode_logits(every_mixer, ps, InferenceCache(len(ps), pad=pad))
+    int8 = decode_logits(every_mixer, ps, PagedCache(len(ps), pad=pad, block_size=4, kv_dtype="int8"), feed=want)
+    monkeypatch.setattr(paged, "TILE_TOKENS", 4)
+    monkeypatch.setattr(blocks, "CHUNK_BLOCKS", 2)
+    fp32 = decode_logits(every_mixer, ps, PagedCache(len(ps), pad=pad, block_size=4))
+    assert torch.equal(fp32, want)
+    small = decode_logits(every_mixer, ps, PagedCache(len(ps), pad=pad, block_size=4, kv_dtype="int8"), feed=want)
+    assert rel_err(small, int8) < 1e-5 and rel_err(small, want) < INT8_REL

@@ -2,6 +2,7 @@
 """Batched decoding: megamoe against transformers' ``generate`` on the same weights (CPU, fp32).
 
     python tools/bench_generate.py [--new 32] [--lengths 32,64,96,128] [--rounds 3] [--no-compile]
+    python tools/bench_generate.py --kv-peak     # only decode_kv_peak_ratio_int8
 
 The peer is the training benchmark's Qwen3-Next (``CONFIG``, docs/performance.md "Peer
 configurations"; random weights), saved once and loaded by both sides (megamoe through
@@ -19,7 +20,9 @@ compiled side's (the eager side's without compile); the eager ratio is printed a
 KV memory: megamoe's int8 paged cache (block 16; one more run) against transformers' cache
 after the same generation, attention keys and values only (both keep the linear layers'
 conv and recurrent states alike). transformers keeps padded slots too; the paged cache does
-not. Last line: ``decode_speedup_vs_hf=X kv_mem_ratio_int8=Y``.
+not. Peak decode memory (``decode_kv_peak``, also alone with ``--kv-peak``): the int8 paged cache
+over a bf16 contiguous cache at 16K tokens of context, live tensor bytes of a few decode steps.
+Last line: ``decode_speedup_vs_hf=X kv_mem_ratio_int8=Y decode_kv_peak_ratio_int8=Z``.
 
 ``--v4-cache``: instead, DeepSeek-V4's compressed decode cache (docs/inference.md), measured: a
 model with V4-Flash's attention shapes (key head 512, indexer keys 128, rates 4 and 128, window
@@ -98,6 +101,42 @@ def v4_cache_bytes() -> None:
     print("v4_cache_bytes_per_token " + " ".join(f"{k}={v:.2f}" for k, v in per.items()) + f" full={full}")
 
 
+def decode_kv_peak(tokens: int = 16384, steps: int = 4) -> float:
+    """Peak decode memory of the int8 paged cache over the bf16 contiguous cache (the measurement
+    ``--kv-peak`` prints): a bf16 model of softmax attention (GQA) and MLA layers (``AdMd``, small
+    hidden size, so keys dominate) prefills ``tokens`` in 1024-token chunks, then decodes ``steps``
+    tokens; per cache, the peak live tensor bytes of those steps (the cache itself and everything
+    the steps allocate; the weights, alike on both sides, left out)."""
+    from megamoe.core.config import AttentionConfig, MLAConfig, MLPConfig, ModelConfig
+    from megamoe.diagnostics.memory import LiveTensorBytes
+    from megamoe.layers.cache.decode import InferenceCache
+    from megamoe.layers.cache.paged import PagedCache
+    from megamoe.model.build import build_model
+    from megamoe.model.weights import initialize
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, layout="AdMd", params_dtype="bfloat16", max_seq_len=2 * tokens,
+                      attention=AttentionConfig(num_heads=8, num_kv_heads=2, head_dim=128),
+                      mla=MLAConfig(num_heads=4, kv_lora_rank=256, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                                    v_head_dim=32), mlp=MLPConfig(ffn_hidden_size=256))
+    model = build_model(cfg).eval()
+    initialize(model, model.groups, 0)
+    ids = torch.randint(0, 256, (1, tokens + steps), generator=torch.Generator().manual_seed(0))
+    peaks = {}
+    for name, cache in (("bf16 contiguous", InferenceCache(1)), ("int8 paged", PagedCache(1, kv_dtype="int8"))):
+        with torch.no_grad():
+            for a in range(0, tokens, 1024):
+                model(ids[:, a:a + 1024], cache=cache)
+            tracker = LiveTensorBytes()
+            tracker.add(cache.tensors())
+            with tracker:
+                for i in range(steps):
+                    model(ids[:, tokens + i:tokens + i + 1], cache=cache)
+        peaks[name] = tracker.peak
+        print(f"{name}: peak decode memory {tracker.peak / 2**20:.1f} MiB at {tokens} tokens of context "
+              f"(cache {sum(t.numel() * t.element_size() for t in cache.tensors()) / 2**20:.1f} MiB)")
+    return peaks["int8 paged"] / peaks["bf16 contiguous"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--new", type=int, default=32, help="tokens generated per prompt")
@@ -107,10 +146,15 @@ def main() -> None:
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="time megamoe's eager decode steps only (no compiled side)")
     p.add_argument("--v4-cache", action="store_true", help="measure DeepSeek-V4's compressed cache instead")
+    p.add_argument("--kv-peak", action="store_true",
+                   help="measure only the int8 paged / bf16 contiguous peak decode memory at 16K tokens")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.v4_cache:
         v4_cache_bytes()
+        return
+    if args.kv_peak:
+        print(f"decode_kv_peak_ratio_int8={decode_kv_peak():.3f}")
         return
     from transformers import AutoModelForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -166,7 +210,9 @@ def main() -> None:
         int8_bytes, hf_bytes = caches[0].kv_bytes(), hf_kv_bytes(hf_side(hf, prompts, args.new)[1])
         print(f"KV bytes: megamoe int8 paged {int8_bytes}, transformers {hf_bytes}")
     ours = med["compiled" if args.compile else "megamoe"]
-    print(f"decode_speedup_vs_hf={med['hf'] / ours:.2f} kv_mem_ratio_int8={int8_bytes / hf_bytes:.3f}")
+    peak = decode_kv_peak()
+    print(f"decode_speedup_vs_hf={med['hf'] / ours:.2f} kv_mem_ratio_int8={int8_bytes / hf_bytes:.3f} "
+          f"decode_kv_peak_ratio_int8={peak:.3f}")
 
 
 if __name__ == "__main__":

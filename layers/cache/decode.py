@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from megamoe.layers.ops.attention.core import causal_mask
+
 
 class LayerState(dict):
     """One mixer's decode state. Fixed-size states are plain items ("conv", "recurrent");
@@ -35,6 +37,24 @@ class LayerState(dict):
             x = torch.cat([self[name], x], dim=1)
         self[name] = x
         return x
+
+    def attend_kv(self, cache: "InferenceCache", q, k, v, core, window: int = 0) -> torch.Tensor:
+        """Decoding softmax attention: keys and values k, v [b, t, hk, d] appended as "k", "v",
+        then q [b, t, hq, d] attends over every key kept (``core``, padded keys masked; ``window``:
+        a sliding window) -> [b, t, hq, dv]."""
+        k, v = self.append_time("k", k), self.append_time("v", v)
+        mask = cache.attention_mask(q.size(1), k.size(1), window, q.device)
+        return core(q, k, v) if mask is None else core(q, k, v, mask=mask.unsqueeze(1))
+
+    def attend_latent(self, cache: "InferenceCache", q_lat, q_rope, c, k_rope, core, scale: float) -> torch.Tensor:
+        """Decoding MLA attention in the absorbed form: latents c [b, t, r] and k_rope [b, t, dr]
+        appended as "c", "k_rope", then ``core(q_lat, q_rope, c, k_rope, scale, mask)`` over all
+        of them -> [b, t, H, r]."""
+        c, k_rope = self.append_time("c", c), self.append_time("k_rope", k_rope)
+        mask = cache.attention_mask(q_lat.size(1), c.size(1), device=q_lat.device)
+        if mask is None:
+            mask = causal_mask(q_lat.size(1), c.size(1), device=q_lat.device)
+        return core(q_lat, q_rope, c, k_rope, scale, mask)
 
     def append_entries(self, name: str, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append each row's ``valid`` [b, n] entries of ``x`` [b, n, ...] after the row's own (an
@@ -57,6 +77,10 @@ class LayerState(dict):
             if isinstance(value, torch.Tensor):
                 self[key] = value.index_select(0, index)
 
+    def tensors(self):
+        """Every tensor this state holds (memory accounting)."""
+        return [v for v in self.values() if isinstance(v, torch.Tensor)]
+
 
 class InferenceCache:
     """``pad``: [b] left-padding slots per row (None: every row starts at time 0)."""
@@ -68,6 +92,10 @@ class InferenceCache:
         self.max_pad = 0 if self.pad is None else int(self.pad.max())  # time steps past it are all real
         self._layers: dict = {}
         self._mask = None  # (key, mask) of the last attention_mask
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds, over all layers (memory accounting)."""
+        return [t for state in self._layers.values() for t in state.tensors()]
 
     def layer(self, layer_number) -> LayerState:
         return self._layers.setdefault(layer_number, self.new_state(layer_number))

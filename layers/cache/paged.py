@@ -15,137 +15,25 @@ are bitwise those of the contiguous cache (tests/test_paged_cache.py).
 ``kv_dtype="int8"``: values are stored as int8 with one fp32 scale per block and head (per
 block and leading feature dims, i.e. per head for [h, d] keys, one per block for a latent
 [r]); scale = amax / 127 over the block's tokens. ``kv_dtype="fp8"``: the same with
-float8 e4m3 values (scale = amax / 448; torch casts to it on CPU too). A block still filling is re-quantised when
-tokens arrive (its scale can only grow), so every stored value stays within half a step of
-the latest scale.
+float8 e4m3 values (scale = amax / 448; torch casts to it on CPU too); ``blocks.BlockStore``.
+Softmax attention (A, S) and MLA's latents (M) read a quantised cache ``TILE_TOKENS`` steps at
+a time (``attend_kv``/``attend_latent``: online softmax over the tiles), so decode memory grows
+with the quantised bytes; other readers (DSA's selected-key attention and indexer keys, the
+block-sparse layers, DeepSeek-V4's compressed entries) still get the dequantised whole through
+``append_time``.
 """
 from __future__ import annotations
 
 import torch
 
-from megamoe.layers.cache.decode import InferenceCache, LayerState
 from megamoe.core.errors import ConfigError
+from megamoe.layers.cache.blocks import BlockStore
+from megamoe.layers.cache.decode import InferenceCache, LayerState
+from megamoe.layers.ops.attention.core import causal_mask
+from megamoe.layers.ops.attention.tiled import tiled_attention, tiled_latent_attention_decode
 
 KV_DTYPES = ("fp32", "int8", "fp8")  # fp32: the values' own dtype; fp8: e4m3
-STORAGE = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}  # stored dtype, largest value
-
-
-class BlockStore:
-    """One time-axis tensor of one layer for every sequence of the batch.
-
-    Block 0 is a zero block never handed out: table entries of freed blocks and padded slots
-    read from it."""
-
-    def __init__(self, rows: int, block_size: int, feature: tuple[int, ...], dtype: torch.dtype, device,
-                 quantized: str | None):
-        if not (len(feature) > 0 and min(feature) > 0):
-            quantized = None  # an empty feature (no RoPE part) stays as it is
-        self.block, self.feature, self.dtype, self.quantized = block_size, feature, dtype, quantized
-        stored = STORAGE[quantized][0] if quantized else dtype
-        self.pool = torch.zeros(1, block_size, *feature, dtype=stored, device=device)
-        self.scale = torch.zeros(1, *feature[:-1], dtype=torch.float32, device=device) if quantized else None
-        self.free: list[int] = []
-        self.tables: list[list[int]] = [[] for _ in range(rows)]  # block ids per sequence, 0 = freed
-        self.lengths = [0] * rows  # tokens stored per sequence
-
-    # ---- blocks ---------------------------------------------------------------------------
-
-    def blocks_in_use(self) -> int:
-        return sum(1 for table in self.tables for b in table if b)
-
-    def bytes_in_use(self) -> int:
-        per_block = self.pool[0].numel() * self.pool.element_size()
-        if self.quantized:
-            per_block += self.scale[0].numel() * self.scale.element_size()
-        return self.blocks_in_use() * per_block
-
-    def take(self) -> int:
-        if not self.free:  # grow the pool by as many blocks as it has (at least 4)
-            n = self.pool.size(0)
-            grow = max(4, n)
-            self.pool = torch.cat([self.pool, self.pool.new_zeros(grow, *self.pool.shape[1:])])
-            if self.quantized:
-                self.scale = torch.cat([self.scale, self.scale.new_zeros(grow, *self.scale.shape[1:])])
-            self.free = list(range(n + grow - 1, n - 1, -1))
-        return self.free.pop()
-
-    def release(self, block: int) -> None:
-        if block:
-            self.pool[block].zero_()
-            if self.quantized:
-                self.scale[block].zero_()
-            self.free.append(block)
-
-    def select_rows(self, index: list[int]) -> None:
-        kept = set(index)
-        for row, table in enumerate(self.tables):
-            if row not in kept:
-                for block in table:
-                    self.release(block)
-        self.tables = [self.tables[i] for i in index]
-        self.lengths = [self.lengths[i] for i in index]
-
-    def drop_before(self, row: int, position: int) -> None:
-        """Free the blocks of ``row`` holding only positions < ``position``."""
-        table = self.tables[row]
-        for i in range(min(len(table), max(0, position) // self.block)):
-            self.release(table[i])
-            table[i] = 0
-
-    # ---- values ---------------------------------------------------------------------------
-
-    def append(self, x: torch.Tensor, valid: torch.Tensor) -> None:
-        """x [b, t, *feature]; valid [b, t] bool (left padding False): the real tokens follow
-        each sequence's stored ones."""
-        rows, cols = valid.nonzero(as_tuple=True)
-        if rows.numel() == 0:
-            return
-        slots = []
-        for r in rows.tolist():  # one position per new token, blocks taken as sequences grow
-            pos = self.lengths[r]
-            if pos % self.block == 0:
-                self.tables[r].append(self.take())
-            slots.append((self.tables[r][pos // self.block], pos % self.block))
-            self.lengths[r] = pos + 1
-        block_ids = torch.tensor([b for b, _ in slots], device=x.device)
-        offsets = torch.tensor([o for _, o in slots], device=x.device)
-        values = x[rows, cols].detach()
-        if not self.quantized:
-            self.pool[block_ids, offsets] = values.to(self.pool.dtype)
-            return
-        touched, local = torch.unique(block_ids, return_inverse=True)
-        buf = self.dequantize(touched)  # [n, B, *feature] fp32
-        buf[local, offsets] = values.float()
-        self.pool[touched], self.scale[touched] = quantize(buf, self.quantized)
-
-    def dequantize(self, blocks: torch.Tensor) -> torch.Tensor:
-        return self.pool[blocks].float() * self.scale[blocks].unsqueeze(1).unsqueeze(-1)
-
-    def read(self, start: int, end: int, pad: torch.Tensor) -> torch.Tensor:
-        """Time steps [start, end) of the batch's common time axis -> [b, end - start, *feature];
-        row r's step t is its position t - pad[r] (zeros where that is < 0 or freed)."""
-        b = len(self.tables)
-        pos = torch.arange(start, end)[None, :] - pad.cpu()[:, None]  # [b, T]
-        width = max([len(t) for t in self.tables] + [1])
-        table = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.long).view(b, width)
-        blocks = table.gather(1, (pos.clamp(min=0) // self.block).clamp(max=width - 1))
-        blocks = torch.where(pos >= 0, blocks, 0).to(self.pool.device)
-        offsets = (pos.clamp(min=0) % self.block).to(self.pool.device)
-        if not self.quantized:
-            return self.pool[blocks, offsets]
-        values = self.pool[blocks, offsets].float() * self.scale[blocks].unsqueeze(-1)
-        return values.to(self.dtype)
-
-
-def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [n, B, *feature] fp32 -> ``kind`` ("int8" | "fp8") values and scales [n, *feature[:-1]]
-    (one per block and leading feature dims: per head for [h, d]); symmetric, amax / largest."""
-    stored, largest = STORAGE[kind]
-    amax = x.abs().amax(dim=(1, -1))
-    scale = torch.where(amax > 0, amax / largest, torch.ones_like(amax))
-    y = (x / scale.unsqueeze(1).unsqueeze(-1)).clamp(-largest, largest)
-    q = (torch.round(y) if kind == "int8" else y).to(stored)
-    return q, torch.where(amax > 0, scale, torch.zeros_like(scale))
+TILE_TOKENS = 512  # time steps a quantised cache dequantises at once when attention reads it
 
 
 class PagedLayerState(LayerState):
@@ -174,6 +62,37 @@ class PagedLayerState(LayerState):
         start = 0 if self.keep is None else max(0, c.seen - self.keep)
         return store.read(start, c.seen + t, c.pad_or_zeros())
 
+    def attend_kv(self, cache, q, k, v, core, window: int = 0) -> torch.Tensor:
+        """``LayerState.attend_kv``; a quantised cache dequantises one tile of keys and values at a
+        time (``tiled_attention``, online softmax), never the whole history."""
+        if cache.kv_dtype == "fp32":
+            return super().attend_kv(cache, q, k, v, core, window)
+        return tiled_attention(q, self.tiles({"k": k, "v": v}, q.size(1), window), core.scale)
+
+    def attend_latent(self, cache, q_lat, q_rope, c, k_rope, core, scale: float) -> torch.Tensor:
+        """``LayerState.attend_latent``; quantised: one tile of latents at a time."""
+        if cache.kv_dtype == "fp32":
+            return super().attend_latent(cache, q_lat, q_rope, c, k_rope, core, scale)
+        return tiled_latent_attention_decode(q_lat, q_rope, self.tiles({"c": c, "k_rope": k_rope}, q_lat.size(1)),
+                                             scale)
+
+    def tiles(self, new: dict[str, torch.Tensor], t_q: int, window: int = 0):
+        """Append ``new`` (name -> [b, t_q, ...]), then yield the kept time axis ``TILE_TOKENS`` steps
+        at a time: (each name's steps [b, n, ...] dequantised, mask [b or 1, t_q, n])."""
+        c = self.cache
+        for name, x in new.items():
+            valid = c.valid(t_q, x.device)
+            self.store(name, x).append(x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+                                       if valid is None else valid)
+        device = next(iter(new.values())).device
+        start, end = (0 if self.keep is None else max(0, c.seen - self.keep)), c.seen + t_q
+        mask = c.attention_mask(t_q, end - start, window, device)
+        mask = causal_mask(t_q, end - start, window, device)[None] if mask is None else mask
+        pad = c.pad_or_zeros()
+        for a in range(start, end, TILE_TOKENS):
+            e = min(end, a + TILE_TOKENS)
+            yield (*(self.stores[name].read(a, e, pad) for name in new), mask[..., a - start:e - start])
+
     def append_entries(self, name: str, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``LayerState.append_entries`` in blocks: each row's entries follow its stored ones (their
         own axis), read back right-padded with zeros, as the contiguous cache gives them."""
@@ -196,6 +115,9 @@ class PagedLayerState(LayerState):
         super().select_rows(index)
         for store in self.stores.values():
             store.select_rows(index.tolist())
+
+    def tensors(self):
+        return super().tensors() + [t for s in self.stores.values() for t in s.chunks + s.scales]
 
     def __getitem__(self, key):  # a stored time-axis tensor reads as the contiguous cache holds it
         if key in self.stores:

@@ -95,21 +95,17 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
         cp = context_shard(info)  # with a cache: a prefill under CP
         q, k, v, gate = self.project(x, info)
-        mask = None
-        if cp is not None and info.cache is not None:  # prefill under CP: the cache gets every rank's keys
+        if cp is None and info.cache is not None:  # decoding: attend over everything cached so far
             state = info.cache.layer(self.layer_number)
-            append_kv(state, cp.gather(k), cp.gather(v))
-            if self.window:
-                trim_kv(state, self.window - 1)
-        elif info.cache is not None:  # decoding: attend over everything cached so far
-            state = info.cache.layer(self.layer_number)
-            k, v = append_kv(state, k, v)
-            mask = info.cache.attention_mask(q.size(1), k.size(1), self.window, x.device)  # padded rows
+            out = state.attend_kv(info.cache, q, k, v, self.core, self.window)  # [b, s, heads, d]
             if self.window:  # 'S': later queries look back at most window - 1 keys
                 trim_kv(state, self.window - 1)
-        if mask is not None:
-            out = self.core(q, k, v, mask=mask.unsqueeze(1))  # [b, s, heads, d]
         else:  # training / scoring: under CP ring attention, packed documents masked
+            if info.cache is not None:  # prefill under CP: the cache gets every rank's keys
+                state = info.cache.layer(self.layer_number)
+                append_kv(state, cp.gather(k), cp.gather(v))
+                if self.window:
+                    trim_kv(state, self.window - 1)
             out = self.core(q, k, v, cp=cp, documents=info.documents)
         out = out.reshape(*out.shape[:2], -1)
         if gate is not None:

@@ -39,7 +39,6 @@ from torch import nn
 from megamoe.layers.cache.decode import append_time
 from megamoe.core.config import MLAConfig
 from megamoe.layers.ops.attention.context import context_shard, tiled_latent_attention
-from megamoe.layers.ops.attention.core import causal_mask
 from megamoe.layers.rotary import apply_rotary, apply_rotary_interleaved, cached_yarn_cos_sin, yarn_softmax_scale
 from megamoe.parallel import comm
 from megamoe.layers.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
@@ -167,16 +166,15 @@ class MultiLatentAttention(nn.Module):
         # decoding over the cached latents, or CP over the all-gathered ones: the absorbed form.
         # CP gathers the latent, (kv_lora + dr) numbers a token, not H * (dn + dr + dv) expanded
         # keys and values, and never expands the whole sequence's heads on one rank.
-        c_all, kr_all = self.cached_latents(comm.copy_to(c, self.tp_group), k_rope, info)
         q_lat = self.absorbed_query(q_nope)
         if cp is not None:
+            c_all, kr_all = self.cached_latents(comm.copy_to(c, self.tp_group), k_rope, info)
             o_lat = tiled_latent_attention(self.latent_core, q_lat, q_rope, c_all, kr_all, self.scale,
                                            cp.local_index(x.device), info.documents)
-        else:
-            mask = info.cache.attention_mask(q_nope.size(1), c_all.size(1), device=x.device)  # padded rows
-            if mask is None:
-                mask = causal_mask(q_nope.size(1), c_all.size(1), device=x.device)
-            o_lat = self.latent_core(q_lat, q_rope, c_all, kr_all, self.scale, mask)
+        else:  # the cache is outside autograd and shared by every rank's heads: it keeps values
+            state = info.cache.layer(self.layer_number)
+            o_lat = state.attend_latent(info.cache, q_lat, q_rope, comm.copy_to(c, self.tp_group), k_rope,
+                                        self.latent_core, self.scale)  # padded keys masked
         return self.finish(self.absorbed_output(o_lat), x)
 
 
