@@ -17,16 +17,20 @@ that made them) of every rank's (M, R) pairs, a scan over the 2·CP chunks in gl
 Bytes each rank receives per layer: 2·CP·b·hv·dk·(dk+dv)·4 (G, K; L: 2·CP·b·h·dk·dv·4), whatever
 the sequence length.
 
-Activation memory (G, K): the widened run is checkpointed (non-reentrant ``torch.utils.checkpoint``):
-forward keeps only its inputs (the chunk batches of q, k, v, g, beta) and backward runs it again
-before its own backward. Kept besides: M_t^T q_t [2b, hv, n, dk] and the incoming states for the
-correction, and the small (M, R) pairs. Kept, the run's internals at width dv + dk were about what
-one process keeps for the whole sequence (a CP=2 rank kept 0.63-0.68 of it); recomputed, a CP=2
-rank keeps 0.2-0.3 of it, for one more forward of the widened op in backward. Measured (CPU,
-tools/bench_cp.py, docs/performance.md), this is cheaper in time as well as in memory than
-(a) a value run plus a recomputed transition run of normal widths, or (b) a no-grad pre-pass for
-(R, M) and the real op from its true initial state: both run the op twice in forward, and its
-per-chunk [C, C] work, shared by the widened run, dominates at small head dims. The short
+Activation memory and time (G, K): the widened run shares the op's [C, C] work (the chunk
+matrices, the triangular solve) between the value and the transition, and its hand-written
+backward keeps what the op keeps for normal widths plus the wider U and states; a CP=2 rank
+keeps about 0.55 of what one process keeps for the layer. With ``train.recompute=[core]`` the
+run is checkpointed (non-reentrant ``torch.utils.checkpoint``): forward keeps only its inputs
+(the chunk batches of q, k, v, g, beta) and backward runs it again, so a CP=2 rank keeps
+0.2-0.3 of the layer's single-process activations for one more forward of the widened op.
+Measured at 16K tokens (tools/bench_cp.py, docs/performance.md): kept, ``GdGdGdGd`` takes 0.67
+of one process's CPU time per CP=2 rank and saves 0.54 of its activations; recomputed, 0.77
+and 0.32. Kept besides: M_t^T q_t [2b, hv, n, dk] and the incoming states for the
+correction, and the small (M, R) pairs. Two alternatives were slower on CPU: (a) a value run
+plus a separate transition run of normal widths, (b) a no-grad pre-pass for (R, M) and the
+real op from its true initial state: both repeat the op's per-chunk [C, C] work, which the
+widened run shares and which dominates at small head dims. The short
 convolution's [halo | chunk] input is recomputed too (the chunk is a view of the projection),
 so no concatenated copy of the layer's inputs is kept. Neither recomputed run holds a
 collective (the all-gathers stay outside), so backward exchanges nothing more. Lightning needs no widening (no
@@ -161,8 +165,9 @@ class SequenceView:
 
     def delta_rule(self, op, q, k, v, g, beta, *, scale=None, chunk_size: int = 64, recompute: bool = False):
         """The backend's chunked delta rule (``op.chunked``) over this view -> o [b, s, hv, dv].
-        Shapes as in ``delta_rule.py``; g [b, s, hv] or [b, s, hv, dk]. ``recompute`` (the op's
-        own checkpoint) applies without CP; under CP the widened run is always recomputed."""
+        Shapes as in ``delta_rule.py``; g [b, s, hv] or [b, s, hv, dk]. ``recompute``
+        (``train.recompute=[core]``): without CP the op's own checkpoint; under CP the widened run
+        keeps only its inputs and runs again in backward."""
         if self.resets is not None:
             r = self.resets.view(*self.resets.shape, *([1] * (g.dim() - 2)))
             g = torch.where(r, torch.full((), RESET_LOG_DECAY, dtype=g.dtype, device=g.device), g)
@@ -171,8 +176,9 @@ class SequenceView:
         b, s, hv, dv = v.shape
         dk = q.size(-1)
         chunked = (_chunks(t) for t in (q, k, v, g, beta))
-        # the widened run keeps only its inputs and is run again in backward (module docstring)
-        o_ext, final = _recomputed(_widened_run, op, *chunked, scale, chunk_size)
+        # recompute: the widened run keeps only its inputs and runs again in backward (module docstring)
+        run = _recomputed if recompute else lambda fn, *a: fn(*a)
+        o_ext, final = run(_widened_run, op, *chunked, scale, chunk_size)
         h_in = self._incoming(final.view(b, 2, hv, dk, dv + dk), dv, key="recurrent").flatten(0, 1)
         o0, qm = o_ext.split([dv, dk], dim=-1)                                    # o(0), M_t^T q_t
         qm = qm.to(h_in.dtype).transpose(1, 2).contiguous()                       # [2b, hv, n, dk], kept
