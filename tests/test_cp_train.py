@@ -208,12 +208,17 @@ def test_planner_shards_optimizer_over_dp_cp(pool):
     assert got[0]["planned"] == got[1]["planned"] and abs(planned - held) <= 1e-6 * held, got
 
 
-def test_planner_long_context_rows_divide_activations_by_cp():
+def test_planner_long_context_rows_divide_activations_by_cp(monkeypatch):
+    from megamoe.planning import activations
     from megamoe.planning.plan import LONG_CONTEXT, long_context_plan, stage_memory
 
     cfg = tiny_model("GeAd")
     one, two = (stage_memory(cfg, ParallelConfig(cp=cp), 8, 1, 1 << 20)[0] for cp in (1, 2))
-    assert two["activations"] * 2 == one["activations"] > 0
+    with monkeypatch.context() as m:  # without the mixers' CP factors: every token count halves
+        m.setattr(activations, "CP_MIXER_FACTORS", {})
+        plain = stage_memory(cfg, ParallelConfig(cp=2), 8, 1, 1 << 20)[0]
+    assert plain["activations"] * 2 == one["activations"] > 0
+    assert two["activations"] != plain["activations"]  # the factors apply
     assert two["weights"] == one["weights"] and two["optim"] == one["optim"]  # ZeRO-1 over dp*cp = 8 either way
     lines = long_context_plan(cfg, ParallelConfig(), 8).splitlines()
     assert lines[1].split() == ["tokens", "cp=1", "cp=2", "cp=4", "cp=8"]
@@ -221,6 +226,39 @@ def test_planner_long_context_rows_divide_activations_by_cp():
     assert list(rows) == ["128K", "256K", "512K", "1M"] and len(LONG_CONTEXT) == 4
     for cells in rows.values():
         assert all(a > b for a, b in zip(cells, cells[1:]))  # each CP doubling lowers the busiest rank
+
+
+def cp_mixer_factor(letter: str, seq: int) -> float:
+    """A CP=2 rank's saved activation bytes for ``letter`` over one process's for seq / 2 tokens."""
+    from megamoe.diagnostics.memory import saved_tensor_bytes
+    from megamoe.layers.spec import ForwardInfo
+    from megamoe.parallel.context import ContextShard
+    from megamoe.parallel.groups import build_groups
+    from tests.mixer_utils import build_mixer, tiny_model as mixer_model
+
+    cfg = mixer_model()  # the sizes the factors were measured at
+    one = build_mixer(letter, cfg)
+    x = torch.randn(2, seq, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    half = x[:, :seq // 2].clone().requires_grad_(True)
+    single = saved_tensor_bytes(lambda: one(half, ForwardInfo(positions=torch.arange(seq // 2).expand(2, -1)))
+                                .sum().backward(), one.parameters())[0]
+    groups = build_groups(ParallelConfig(cp=2))
+    par = build_mixer(letter, cfg, groups, full_state={n: p.detach() for n, p in one.named_parameters()})
+    shard = ContextShard(groups.cp, seq)
+    local = shard.split(x).requires_grad_(True)
+    info = ForwardInfo(positions=shard.split(torch.arange(seq).expand(2, -1)), cp=shard)
+    return saved_tensor_bytes(lambda: par(local, info).sum().backward(), par.parameters())[0] / single
+
+
+@pytest.mark.parametrize("letter", ["A", "G"])
+def test_planner_cp_factors_are_measured(pool, letter):
+    """The planner's CP factors (megamoe.planning.activations.CP_MIXER_FACTORS) for the default
+    hybrid's two letters, measured again at the sizes of tests/mixer_utils.py: within 3%. (They
+    move with the head widths: at this file's tiny_model G's is more than 3% off 1.10.)"""
+    from megamoe.planning.activations import CP_MIXER_FACTORS
+
+    for got in pool(2).run(cp_mixer_factor, letter, 512):
+        assert abs(got / CP_MIXER_FACTORS[letter] - 1) <= 0.03, (letter, got)
 
 
 # ---- packed SFT samples ------------------------------------------------------------------------------

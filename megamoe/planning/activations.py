@@ -13,7 +13,8 @@ Tensor parallelism: the traced layer is unsharded, so a part's figure is split a
 does: the residual-stream norms' saved input by TP under sequence parallelism (else whole);
 a mixer's or MLP's own input (the norm output, which every column-parallel linear saves
 after the SP all-gather, or as the replicated stream) whole; everything else inside a mixer
-or MLP (heads, ffn columns) by TP. CP divides every token count.
+or MLP (heads, ffn columns) by TP. CP divides every token count, and a mixer's bytes are then
+multiplied by its measured CP factor (``CP_MIXER_FACTORS``).
 """
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ import torch
 from megamoe.core.layout import MOE_LETTERS
 
 PARTS = ("input_norm", "mixer", "pre_mlp_norm", "mlp")
+
+# What a CP rank's mixer keeps for its S/CP tokens over what the same mixer keeps for S/CP tokens
+# in one process (the trace), measured at CP=2 with tiny widths at 512 and 2048 tokens (the same
+# at both; tests/test_cp_train.py re-measures A and G): the ring keeps its fp32 output and
+# log-sum-exp and the gathered K/V travel (A); the linear mixers keep the widened state-passing
+# run's wider states and M_t^T q_t (G, K) or exp(-s t) q_t (L); DSA's CP path keeps less than
+# its single-process selection (D, I). The sliding window's halo (S) and MLA's checkpointed
+# query tiles (M: 0.06-0.2, falling with the length) are left at 1.
+CP_MIXER_FACTORS = {"A": 1.14, "G": 1.10, "K": 1.09, "L": 1.06, "D": 0.86, "I": 0.82}
 
 
 def _trace(fn, args, params: set[int], scale: float) -> tuple[float, float]:
@@ -218,7 +228,7 @@ def head_bytes(cfg, tokens: float, *, tp: int, sp: bool, act: int) -> float:
 
 
 def stage_activations(cfg, stages: list[list[int]], micro_batch: int, seq: int, *, tp: int, sp: bool,
-                      etp: int, act: int, recompute=(), mtp: bool = False) -> list[dict]:
+                      etp: int, act: int, recompute=(), mtp: bool = False, cp: int = 1) -> list[dict]:
     """Per stage, for one rank: ``kept`` (bytes of one micro-batch's activations kept for
     backward), ``transient`` (the most one layer's recomputed forward adds while its backward
     runs) and ``working`` (the backward's working set: the largest part's kept bytes, a mixer
@@ -226,7 +236,7 @@ def stage_activations(cfg, stages: list[list[int]], micro_batch: int, seq: int, 
     held; e.g. the routed experts' per-copy gradients and their weight gradients' new terms). ``seq``: this rank's tokens per
     sequence (S / CP). ``mtp``: the multi-token-prediction depths train (``train.mtp_loss_weight``
     > 0): the last stage also keeps, per depth, its layer, its projection's input [b, s, 2h] and
-    its logits as the head's."""
+    its logits as the head's. ``cp`` > 1: each mixer's bytes times its ``CP_MIXER_FACTORS``."""
     traced, per_kind = traced_kinds(cfg, seq, act)
     grow = micro_batch * seq / traced
     streams = cfg.hyper_connections.streams if cfg.hyper_connections is not None else 1
@@ -237,7 +247,8 @@ def stage_activations(cfg, stages: list[list[int]], micro_batch: int, seq: int, 
     for kind, parts in per_kind.items():
         b = {k: v * grow for k, v in _split(parts, tp, sp).items()}
         moe = routed if kind[-1] in MOE_LETTERS else 0.0  # the MoE splits its tokens over TP (with or without SP)
-        parts_of[kind] = (b["input_norm"] + b["mixer"], b.get("pre_mlp_norm", 0.0) + b.get("mlp", 0.0) + moe)
+        mixer = b["mixer"] * (CP_MIXER_FACTORS.get(kind[0], 1.0) if cp > 1 else 1.0)
+        parts_of[kind] = (b["input_norm"] + mixer, b.get("pre_mlp_norm", 0.0) + b.get("mlp", 0.0) + moe)
     rows = []
     for s, ids in enumerate(stages):
         kept, transient, working = 0.0, 0.0, 0.0

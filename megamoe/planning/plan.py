@@ -132,7 +132,7 @@ def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, 
             _count(rows[i], p, local, g, zero1, scales=name in fp8_scales)
     acts = stage_activations(cfg, stages, micro_batch, seq_len // parallel.cp, tp=parallel.tp,
                              sp=parallel.sequence_parallel, etp=parallel.etp, act=activation_bytes, recompute=recompute,
-                             mtp=mtp)
+                             mtp=mtp, cp=parallel.cp)
     store = cfg.moe.expert_store if cfg.moe is not None else None
     for i, (row, a) in enumerate(zip(rows, acts)):
         if row["stored"]:
