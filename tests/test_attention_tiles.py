@@ -1,6 +1,7 @@
 """Ring attention's tile kernels (megamoe.layers.ops.attention.tiles) and which tiles the ring runs.
 
-The fused tiles (torch's CPU flash kernel with the log-sum-exp, and its backward) equal the math
+The fused tiles (the cpu/cuda backends' FusedTiles: torch's CPU flash kernel with the
+log-sum-exp, and its backward) equal the math
 reference on whole and causal tiles (GQA, strided slices as the ring passes them), forward and
 backward given the row's output and log-sum-exp, fp32 within 1e-5; a masked tile goes to the
 math form. Ring attention's parity with one process is in tests/test_cp_softmax.py.
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 from megamoe.layers.ops.attention.context import _Blocks
-from megamoe.layers.ops.attention.tiles import FUSED, MATH
+from megamoe.layers.backends.cpu import FUSED
+from megamoe.layers.ops.attention.tiles import CPU_FLASH, MATH
 from tests.numerics import rel_err
 
 REL = 1e-5
@@ -49,7 +51,7 @@ def test_math_tiles_equal_autograd_softmax():
     assert rel_err(out, ref) <= REL
     for got, want in zip(MATH.backward(do, q, k, v, out, lse, 0.3, mask=mask), (qa.grad, ka.grad, va.grad)):
         assert rel_err(got, want) <= REL
-    assert FUSED.fuses(q, v, None) and not FUSED.fuses(q, v, mask)  # masked: the math form
+    assert CPU_FLASH.fuses(q, v, None) and not CPU_FLASH.fuses(q, v, mask)  # masked: the math form
 
 
 def _kinds(window: int = 0, documents=None, n: int = 4096, tile: int = 1024):

@@ -20,7 +20,7 @@ from megamoe.layers.backends.base import BaseBackend
 from megamoe.layers.backends.local import _norm
 from megamoe.layers.ops.lightning import lightning_chunked, lightning_recurrent
 from megamoe.layers.ops.delta_rule.chunk import chunk_delta_rule
-from megamoe.layers.ops.attention.tiles import FUSED
+from megamoe.layers.ops.attention.tiles import CPU_FLASH, CUDA_FLASH, MATH
 from megamoe.layers.ops.conv import causal_conv
 from megamoe.layers.ops.l2norm import l2norm
 from megamoe.layers.ops.delta_rule.naive import recurrent_delta_rule
@@ -104,6 +104,23 @@ def accelerated_kernel(device: torch.device, dtype: torch.dtype) -> str:
     return "grouped_mm" if device.type != "cpu" and grouped_mm_support(device, dtype) is None else "loop"
 
 
+class FusedTiles:
+    """Ring attention's tile kernel by the tensors' device: torch's CPU or CUDA flash kernels
+    (``megamoe.layers.ops.attention.tiles``), the math tiles elsewhere."""
+
+    name = "fused"
+    BY_DEVICE = {"cpu": CPU_FLASH, "cuda": CUDA_FLASH}
+
+    def forward(self, q, *args, **kw):
+        return self.BY_DEVICE.get(q.device.type, MATH).forward(q, *args, **kw)
+
+    def backward(self, do, q, *args, **kw):
+        return self.BY_DEVICE.get(q.device.type, MATH).backward(do, q, *args, **kw)
+
+
+FUSED = FusedTiles()
+
+
 class CpuBackend(BaseBackend):
     name = "cpu"
     auto_expert_kernel = staticmethod(accelerated_kernel)
@@ -124,7 +141,7 @@ class CpuBackend(BaseBackend):
 
     def attention_tiles(self):
         """Ring attention's tiles on torch's fused kernels with the log-sum-exp (CPU flash; CUDA
-        flash for fp16/bf16), math tiles where a mask needs them."""
+        flash for fp16/bf16), math tiles where a mask needs them (``FusedTiles``)."""
         return FUSED
 
     def lightning(self, ctx: BuildContext):

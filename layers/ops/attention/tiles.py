@@ -12,12 +12,13 @@ the *whole row's* final output and log-sum-exp, not the tile's: then exp(scores 
 true probabilities and the tiles' gradients simply add up (what flash attention's backward does
 per block, and what Megatron's ring does with TE's kernels).
 
-``MathTiles`` is the reference (fp32 scores, any mask; the ``local`` backend's). ``FusedTiles``
-runs torch's fused kernels, which never hold a tile's scores: on CPU
-``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward (GQA native), on CUDA the
-flash kernel for fp16/bf16 (K/V expanded per query head). Tiles a fused kernel cannot take (a
-mask, a value width other than the key width, fp32 on CUDA) go to the math reference, which the
-ring keeps to ``TILE`` x ``TILE`` tokens.
+``MathTiles`` is the reference (fp32 scores, any mask; the ``local`` backend's). The fused
+tiles run torch's kernels, which never hold a tile's scores: ``CpuFlashTiles``
+(``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward, GQA native) and
+``CudaFlashTiles`` (the flash kernel for fp16/bf16, K/V expanded per query head); the cpu and
+cuda backends pick one by the tensors' device. Tiles a fused kernel cannot take (a mask, a
+value width other than the key width, fp32 on CUDA) go to the math reference, which the ring
+keeps to ``TILE`` x ``TILE`` tokens.
 """
 from __future__ import annotations
 
@@ -80,43 +81,58 @@ def _fold(dx, rep: int):
     return dx if rep == 1 else dx.unflatten(1, (-1, rep)).sum(2)
 
 
-class FusedTiles:
-    """torch's fused attention kernels with the log-sum-exp (module docstring); the math tiles for
-    what they cannot take."""
+class CpuFlashTiles:
+    """torch's CPU flash kernel with the log-sum-exp and its backward (GQA native); the math tiles
+    for what it cannot take (a mask, a value width other than the key width)."""
 
-    name = "fused"
-    CUDA_DTYPES = (torch.float16, torch.bfloat16)
+    name = "cpu-flash"
 
     def fuses(self, q, v, mask) -> bool:
-        if mask is not None or q.size(-1) != v.size(-1):
-            return False
-        return q.device.type == "cpu" or (q.device.type == "cuda" and q.dtype in self.CUDA_DTYPES)
+        return mask is None and q.size(-1) == v.size(-1)
 
     def forward(self, q, k, v, scale, causal=False, mask=None):
         if not self.fuses(q, v, mask):
             return MATH.forward(q, k, v, scale, causal, mask)
-        if q.device.type == "cpu":
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        else:
-            rep = q.size(1) // k.size(1)
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-                q, _expand(k, rep), _expand(v, rep), 0.0, causal, False, scale=scale)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out.float(), lse.float()
 
     def backward(self, do, q, k, v, out, lse, scale, causal=False, mask=None):
         if not self.fuses(q, v, mask):
             return MATH.backward(do, q, k, v, out, lse, scale, causal, mask)
         do, out, lse = do.to(q.dtype).contiguous(), out.to(q.dtype).contiguous(), lse.float().contiguous()
-        if q.device.type == "cpu":
-            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                do, q, k, v, out, lse, 0.0, causal, scale=scale)
-            return tuple(g.float() for g in grads)
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, causal, scale=scale)
+        return tuple(g.float() for g in grads)
+
+
+class CudaFlashTiles(CpuFlashTiles):
+    """torch's CUDA flash kernel (fp16/bf16; K/V expanded per query head, their gradients summed
+    back); the math tiles for fp32 and what ``CpuFlashTiles`` leaves to them."""
+
+    name = "cuda-flash"
+    DTYPES = (torch.float16, torch.bfloat16)
+
+    def fuses(self, q, v, mask) -> bool:
+        return super().fuses(q, v, mask) and q.dtype in self.DTYPES
+
+    def forward(self, q, k, v, scale, causal=False, mask=None):
+        if not self.fuses(q, v, mask):
+            return MATH.forward(q, k, v, scale, causal, mask)
         rep = q.size(1) // k.size(1)
-        ke, ve = _expand(k, rep), _expand(v, rep)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, _expand(k, rep), _expand(v, rep), 0.0, causal, False, scale=scale)[:2]
+        return out.float(), lse.float()
+
+    def backward(self, do, q, k, v, out, lse, scale, causal=False, mask=None):
+        if not self.fuses(q, v, mask):
+            return MATH.backward(do, q, k, v, out, lse, scale, causal, mask)
+        do, out, lse = do.to(q.dtype).contiguous(), out.to(q.dtype).contiguous(), lse.float().contiguous()
+        rep = q.size(1) // k.size(1)
         none = torch.empty(0, dtype=torch.long, device=q.device)  # no varlen, no dropout
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do, q, ke, ve, out, lse, none, none, q.size(2), k.size(2), 0.0, causal, none, none, scale=scale)
+            do, q, _expand(k, rep), _expand(v, rep), out, lse, none, none, q.size(2), k.size(2), 0.0, causal,
+            none, none, scale=scale)
         return dq.float(), _fold(dk.float(), rep), _fold(dv.float(), rep)
 
 
-FUSED = FusedTiles()
+CPU_FLASH, CUDA_FLASH = CpuFlashTiles(), CudaFlashTiles()
