@@ -128,10 +128,13 @@ class CudaFlashTiles(CpuFlashTiles):
             return MATH.backward(do, q, k, v, out, lse, scale, causal, mask)
         do, out, lse = do.to(q.dtype).contiguous(), out.to(q.dtype).contiguous(), lse.float().contiguous()
         rep = q.size(1) // k.size(1)
-        none = torch.empty(0, dtype=torch.long, device=q.device)  # no varlen, no dropout
+        # not varlen (cumulative lengths undefined, as the forward returns them); no dropout, so the
+        # philox seed and offset (shaped as torch's meta function gives them) are not read
+        seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        offset = torch.zeros((), dtype=torch.uint64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do, q, _expand(k, rep), _expand(v, rep), out, lse, none, none, q.size(2), k.size(2), 0.0, causal,
-            none, none, scale=scale)
+            do, q, _expand(k, rep), _expand(v, rep), out, lse, None, None, q.size(2), k.size(2), 0.0, causal,
+            seed, offset, scale=scale)
         return dq.float(), _fold(dk.float(), rep), _fold(dv.float(), rep)
 
 
