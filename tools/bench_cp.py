@@ -1,5 +1,7 @@
-"""Context parallelism on CPU: hybrid MoE layer stacks at 16K tokens (fp32, small width),
-forward and backward at CP=1 (one process) against CP=2 (two gloo processes), in the same run.
+"""Context parallelism on CPU: hybrid MoE layer stacks at 16K tokens, CP=1 against CP=2.
+
+Forward and backward (fp32, small width) at CP=1 (one process) against CP=2 (two gloo
+processes), in the same run.
 
     python tools/bench_cp.py                         # GeGeGeAe, AdAdAdAd, GdGdGdGd; hidden 64, 16K tokens
     python tools/bench_cp.py --tokens 65536 --layout GeKeLeAe
