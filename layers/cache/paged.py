@@ -17,7 +17,7 @@ block and leading feature dims, i.e. per head for [h, d] keys, one per block for
 [r]); scale = amax / 127 over the block's tokens. ``kv_dtype="fp8"``: the same with
 float8 e4m3 values (scale = amax / 448; torch casts to it on CPU too); ``blocks.BlockStore``.
 Softmax attention (A, S) and MLA's latents (M) read a quantised cache ``TILE_TOKENS`` steps at
-a time (``attend_kv``/``attend_latent``: online softmax over the tiles), so decode memory grows
+a time (``attend_kv``/``attend_latent``: a tile kernel per tile, merged by log-sum-exp), so decode memory grows
 with the quantised bytes; other readers (DSA's selected-key attention and indexer keys, the
 block-sparse layers, DeepSeek-V4's compressed entries) still get the dequantised whole through
 ``append_time``.
@@ -64,10 +64,10 @@ class PagedLayerState(LayerState):
 
     def attend_kv(self, cache, q, k, v, core, window: int = 0) -> torch.Tensor:
         """``LayerState.attend_kv``; a quantised cache dequantises one tile of keys and values at a
-        time (``tiled_attention``, online softmax), never the whole history."""
+        time (``tiled_attention``: the core's tile kernel, tiles merged by their log-sum-exps), never the whole history."""
         if cache.kv_dtype == "fp32":
             return super().attend_kv(cache, q, k, v, core, window)
-        return tiled_attention(q, self.tiles({"k": k, "v": v}, q.size(1), window), core.scale)
+        return tiled_attention(q, self.tiles({"k": k, "v": v}, q.size(1), window), core.scale, core.tiles)
 
     def attend_latent(self, cache, q_lat, q_rope, c, k_rope, core, scale: float) -> torch.Tensor:
         """``LayerState.attend_latent``; quantised: one tile of latents at a time."""

@@ -206,14 +206,8 @@ class MetaHF:
         def post(mod, args, out):
             held.pop().__exit__(None, None, None)
 
-        handles = [piece.register_forward_pre_hook(pre), piece.register_forward_hook(post)]
-        try:
+        with hooked(piece, pre, post, held):
             yield
-        finally:
-            for h in handles:
-                h.remove()
-            while held:
-                held.pop().__exit__(None, None, None)
 
     @contextlib.contextmanager
     def _layer_hooks(self, i: int, layer, visit, stop: bool):
@@ -249,12 +243,20 @@ class MetaHF:
             if stop:
                 raise _Handoff(hidden_of(out))
 
-        handles = [layer.register_forward_pre_hook(pre, with_kwargs=True),
-                   layer.register_forward_hook(post, with_kwargs=True)]
-        try:
+        with hooked(layer, pre, post, held, with_kwargs=True):
             yield
-        finally:
-            for h in handles:
-                h.remove()
-            while held:
-                held.pop().__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def hooked(module, pre, post, held: list, with_kwargs: bool = False):
+    """``pre``/``post`` as ``module``'s forward hooks for the block; afterwards the hooks are
+    removed and whatever is still loaded (``held``: entered ``MetaHF.loaded`` blocks) is freed."""
+    handles = [module.register_forward_pre_hook(pre, with_kwargs=with_kwargs),
+               module.register_forward_hook(post, with_kwargs=with_kwargs)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        while held:
+            held.pop().__exit__(None, None, None)
