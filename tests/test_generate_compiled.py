@@ -83,8 +83,8 @@ def test_compiled_decode_refuses_a_custom_forward():
 def test_generate_refuses_compile_with_parallel_flags_before_loading(tmp_path):
     from megamoe.commands.generate import main
 
-    with pytest.raises(ConfigError, match="--compile runs in one process"):
-        main([str(tmp_path / "not-loaded"), "--ids", "1,2", "--compile", "--tp", "2"])
+    with pytest.raises(ConfigError, match="--compile with --pp/--cp"):
+        main([str(tmp_path / "not-loaded"), "--ids", "1,2", "--compile", "--pp", "2"])
 
 
 def test_the_opaque_experts_op_is_the_eager_dispatch_and_only_for_plain_experts():
@@ -109,3 +109,31 @@ def test_the_opaque_experts_op_is_the_eager_dispatch_and_only_for_plain_experts(
     with torch.no_grad():
         assert experts.local_dispatch(x, weights, idx) is None
     handle.remove()
+
+
+def compiled_at(hf_dir: str, layout: dict) -> tuple[list, list, int]:
+    """On every rank: this rank's shards decoded eagerly and with compiled steps (each rank its own
+    graphs, the TP collectives inside them, an EP exchange outside)."""
+    from megamoe.core.config import ParallelConfig
+    from megamoe.inference.distributed import inference_groups
+    from megamoe.inference.load import load_model
+
+    model = load_model(hf_dir, groups=inference_groups(ParallelConfig(**layout)))
+    ps, graphs = prompts(), counters["stats"]["unique_graphs"]
+    eager = generate_batch(model, ps, 5)
+    return eager, generate_batch(model, ps, 5, compile=True), counters["stats"]["unique_graphs"] - graphs
+
+
+@needs_compiler
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(ep=2)], ids=["tp2", "ep2"])
+def test_compiled_decoding_at_tp2_and_ep2_gives_the_eager_tokens(pool, tmp_path_factory, layout):
+    """TP=2: the collectives traced into the rank's graph; EP=2: the expert exchange outside it."""
+    from megamoe.convert import from_hf
+    from tests.test_convert_qwen import tiny_qwen3_next
+
+    hf_dir = tmp_path_factory.mktemp("qwen3_next") / "hf"
+    tiny_qwen3_next().save_pretrained(hf_dir)
+    want = generate_batch(from_hf(hf_dir), prompts(), 5)
+    # compiling takes minutes on a loaded 2-core machine: a longer wait than the pool's default
+    for eager, compiled, graphs in pool(2).run(compiled_at, str(hf_dir), layout, timeout=900):
+        assert eager == want and compiled == want and graphs > 0

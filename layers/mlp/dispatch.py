@@ -119,8 +119,27 @@ def compile_ready(model: torch.nn.Module) -> None:
     (~150 MiB of RSS, 0.3 s) into the process, compiling or not."""
     outside = torch.compiler.disable(_dispatch_pairs)
     for m in model.modules():
-        if isinstance(getattr(m, "dispatch", None), (AllToAllDispatcher, AllGatherDispatcher)):
-            m.dispatch.outside_graph = outside
+        d = getattr(m, "dispatch", None)
+        if isinstance(d, (AllToAllDispatcher, AllGatherDispatcher)):
+            d.outside_graph = outside
+            ranks = d.ep_size * d.etp_size if isinstance(d, AllToAllDispatcher) else d.size
+            if ranks > 1:
+                m.dispatch = OutsideGraph(d)
+
+
+class OutsideGraph:
+    """A dispatcher over several ranks, run outside a compiled graph (the graph breaks around the
+    MoE exchange): its exchange reads the counts on the host and the expert kernels it calls
+    have no fp32 fake form to trace. Attributes are the dispatcher's."""
+
+    def __init__(self, dispatcher):
+        self.dispatcher, self.call = dispatcher, torch.compiler.disable(dispatcher.__call__)
+
+    def __call__(self, x, weights, idx, keep, experts) -> torch.Tensor:
+        return self.call(x, weights, idx, keep, experts)
+
+    def __getattr__(self, name):
+        return getattr(self.dispatcher, name)
 
 
 @dataclass

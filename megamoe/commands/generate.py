@@ -79,7 +79,7 @@ def parser():
                         "verifies the drafts in one forward, the tokens are plain greedy's; prints the accepted tokens "
                         "per step (one process, contiguous cache; docs/inference.md)")
     p.add_argument("--compile", action="store_true",
-                   help="run each decode step as one torch.compile'd graph (one process; the first steps "
+                   help="run each decode step as one torch.compile'd graph (one process, or --tp/--ep/--etp; the first steps "
                         "compile, tens of seconds; docs/inference.md)")
     p.add_argument("--expert-budget", type=number_in(float, 1e-6), metavar="MIB",
                    help="tiered experts: keep at most this many MiB of routed experts in memory, reading the "
@@ -167,13 +167,15 @@ def load_for_layout(args):
         return load_model(args.model_dir, base=args.base, expert_store=store, keep_fp8=args.keep_fp8), None, True
     if store is not None:
         raise ConfigError("--expert-budget runs in one process (drop --tp/--pp/--ep/--etp/--cp)")
-    if args.compile:  # before loading: compiled decode steps run the whole model in one process
-        raise ConfigError("--compile runs in one process (drop --tp/--pp/--ep/--etp/--cp)")
+    if args.compile and (parallel.pp > 1 or parallel.cp > 1):  # before loading: one graph runs a whole model
+        raise ConfigError("--compile with --pp/--cp: compiled decode steps run every layer on each rank "
+                          "(--tp/--ep/--etp only)")
     if args.image and parallel.pp > 1:
         raise ConfigError("--image with --pp > 1: the vision tower sits on the first stage only; use --pp 1")
     groups = inference_groups(parallel)
     model = load_model(args.model_dir, groups=groups, keep_fp8=args.keep_fp8)
-    return model, StageForward(model, groups), dist.get_rank() == 0
+    # compiled: each rank's graph runs its shards with the collectives inside (one stage, no CP)
+    return model, None if args.compile else StageForward(model, groups), dist.get_rank() == 0
 
 
 def cache_factory(kind: str, block_size: int):

@@ -8,7 +8,7 @@ blocks freed in a paged cache). ``stream`` yields each step's tokens as they com
 and ``generate_batch`` collect them. Under tensor parallelism every rank gets the full logits
 and, with the same seed, picks the same token.
 
-``compile=True`` (single process) runs every one-token decode step as one ``torch.compile``d
+``compile=True`` (one process, or each rank of a TP/EP layout) runs every one-token decode step as one ``torch.compile``d
 graph of the whole model (``compiled_step``; the prefill stays eager): inductor fuses the
 step's small elementwise ops and drops most per-op dispatch, which is most of a small model's
 decode step on CPU. The first two steps compile (tens of seconds on 2 cores; two graphs: the
@@ -86,7 +86,7 @@ def stream(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_token
     no image behind it). ``cache_factory(batch_size, pad=...)`` makes the cache (e.g. paged);
     ``forward(ids, cache=...)`` -> logits [b, s, V] runs the model (default: ``model`` itself;
     ``megamoe.inference.distributed.StageForward`` for a pipeline stage). ``compile``: decode steps
-    as one compiled graph (module docstring; single process, default ``forward`` only)."""
+    as one compiled graph (module docstring; default ``forward`` only: not pipeline stages)."""
     step_forward = compiled_forward(model, forward) if compile else forward or model
     forward = forward or model
     if isinstance(prompts, torch.Tensor):
@@ -149,9 +149,6 @@ def compiled_forward(model, forward=None) -> Callable[..., torch.Tensor]:
     if forward is not None:
         raise ConfigError("compile: a compiled decode step runs the whole model; not with a custom forward "
                           "(pipeline stages)")
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        raise ConfigError("compile: compiled decode steps are single-process only (this run has "
-                          f"{torch.distributed.get_world_size()} processes)")
     from megamoe.layers.mlp.dispatch import compile_ready
 
     compile_ready(model)
