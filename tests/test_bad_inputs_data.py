@@ -67,6 +67,8 @@ def workspace(root: Path) -> Path:
     jsonl(root / "assistant_first.jsonl", {"messages": CHAT}, {"messages": CHAT[::-1]})
     jsonl(root / "system_late.jsonl", {"messages": [*CHAT, {"role": "system", "content": "x"}]})
     jsonl(root / "tool_first.jsonl", {"messages": [{"role": "tool", "content": "42"}, *CHAT]})
+    call = {"role": "assistant", "content": "Let me look.", "tool_calls": [{"name": "search"}]}
+    jsonl(root / "tool_calls.jsonl", {"messages": [CHAT[0], call, {"role": "tool", "content": "42"}, CHAT[1]]})
     return root
 
 
@@ -89,6 +91,8 @@ CASES = {
     "sft system late": ("pretrain", [*SFT, "data.paths=[{tmp}/system_late.jsonl]"],
                         ["system_late.jsonl:1", "messages[2].role='system'"]),
     "sft tool first": ("pretrain", [*SFT, "data.paths=[{tmp}/tool_first.jsonl]"], ["tool_first.jsonl:1", "messages[0]"]),
+    "sft message fields dropped": ("pretrain", [*SFT, "data.paths=[{tmp}/tool_calls.jsonl]"],
+                                   ["tool_calls.jsonl:1", "messages[1]", "'tool_calls'"]),
     "sft template runs for ever": ("pretrain", [*SFT, "data.paths=[{tmp}/chat.jsonl]", "data.chat_template={tmp}/hang.jinja"],
                                    ["chat.jsonl:1", "hang.jinja", "time limit"]),
     "image outside the data folder": ("pretrain", [*VLM, "data.paths=[{tmp}/data/caps.jsonl]"],
@@ -109,6 +113,17 @@ def test_bad_data(case, tmp_path, capsys):
     before = snapshot(tmp)
     assert_one_line(invoke(TOOLS[tool], argv, capsys), *culprits)
     assert snapshot(tmp) == before, "the command left files behind or changed them"
+
+
+def test_a_line_past_the_line_limit_is_not_read_whole(tmp_path, monkeypatch, capsys):
+    """A file with no newline (a 10 GB dump) is refused at its first line's limit, not read into memory."""
+    monkeypatch.setattr("megamoe.data.records.MAX_LINE_BYTES", 2 << 20)
+    big = tmp_path / "one_line.txt"
+    big.write_text("short first line\n" + "x" * (3 << 20))
+    before = snapshot(tmp_path)
+    result = invoke(prepare_data.main, [str(big), "--input-format", "lines", *PREPARE[:-1], str(tmp_path / "o")], capsys)
+    assert_one_line(result, "one_line.txt:2", "line longer than 2 MiB")
+    assert snapshot(tmp_path) == before
 
 
 # ---- images: one header check for training data and preprocessing --------------------------

@@ -18,6 +18,7 @@ from megamoe.core.errors import DataError
 from megamoe.core.json_limits import JsonLimitError, loads_bounded
 
 FORMATS = ("auto", "jsonl", "paragraphs", "lines")
+MAX_LINE_BYTES = 256 << 20  # a book is a few MiB; past this a line is not text data
 
 
 def data_error(path, line: Optional[int], message: str) -> DataError:
@@ -42,7 +43,9 @@ def resolve_format(path: Path, fmt: str) -> str:
 
 
 def iter_lines(path: Path, on_bytes: Optional[Callable[[int], None]] = None) -> Iterator[tuple[int, str]]:
-    """(line number from 1, text without the newline); invalid UTF-8 is an error at its line.
+    """(line number from 1, text without the newline); invalid UTF-8 is an error at its line, and
+    so is a line over ``MAX_LINE_BYTES`` (read no further: a file without newlines is not read
+    into memory whole).
 
     ``on_bytes(n)`` is called with the raw size of each line (progress bars)."""
     path = Path(path)
@@ -50,7 +53,10 @@ def iter_lines(path: Path, on_bytes: Optional[Callable[[int], None]] = None) -> 
         raise data_error(path, None, "file not found")
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+        for number, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise data_error(path, number, f"line longer than {MAX_LINE_BYTES >> 20} MiB (one record or "
+                                               "document per line; is the file newline-separated?)")
             if on_bytes is not None:
                 on_bytes(len(raw))
             try:

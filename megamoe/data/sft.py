@@ -37,6 +37,10 @@ def check_messages(record: dict, path: Path, line: int) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise data_error(path, line, f"messages[{i}] must be an object, got {type(m).__name__}")
+        extra = sorted(set(map(str, m)) - {"role", "content"})
+        if extra:  # (tool_calls, name, ...): dropping them would train on a different conversation
+            raise data_error(path, line, f"messages[{i}] has field(s) {', '.join(map(repr, extra))} that megamoe "
+                                         "does not render: a message is {role, content}")
         role = require_text(m, "role", path, line, what=f"messages[{i}].")
         if role not in ROLES:
             raise data_error(path, line, f"messages[{i}].role={role!r} is invalid: allowed: {', '.join(ROLES)}")
