@@ -68,8 +68,9 @@ def load_image(record: CaptionRecord, bounds: Optional[ImageBoundsConfig] = None
     """The record's image as an RGB ``PIL.Image``, checked against ``bounds`` (default
     ``ImageBoundsConfig()``) from its header before decoding, as preprocessing checks it; an
     undecodable or out-of-bounds image is a FILE:LINE error."""
+    name = str(record.image) if isinstance(record.image, Path) else "(a generated image)"
     try:
-        return open_image(record.image, bounds or ImageBoundsConfig(), str(record.image), bounds_path)
+        return open_image(record.image, bounds or ImageBoundsConfig(), name, bounds_path)
     except ImageError as e:
         raise data_error(record.source, record.line, str(e)) from None
 
