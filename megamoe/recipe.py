@@ -5,6 +5,7 @@ the component receives only its own section.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -14,8 +15,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megamoe.core.config import ModelConfig, ParallelConfig, check_pipeline_support, validate_model_parallel
 from megamoe.core.config_io import config_from_dict, config_to_dict, one_line, to_yaml  # noqa: F401  (re-exported)
+from megamoe.data.blend import parse_blend
 from megamoe.data.config import DataConfig
 from megamoe.core.errors import ConfigError
+from megamoe.core.files import check_apart
 from megamoe.lora.config import LoRAConfig
 from megamoe.parallel.context import check_cp_length
 from megamoe.training.config import CheckpointConfig, EvalConfig, LoggingConfig, OptimConfig, TrainConfig
@@ -46,6 +49,21 @@ class Recipe:
         if self.eval.save_best and not self.checkpoint.dir:
             raise ConfigError("eval.save_best=True is invalid: needs checkpoint.dir (the best checkpoint goes to "
                               "<checkpoint.dir>/best)")
+        self.check_outputs_apart()
+
+    def check_outputs_apart(self) -> None:
+        """checkpoint.dir and logging.dir (what a run writes) are apart from what it reads: data,
+        validation data, the tokenizer, a chat template file and checkpoint.load."""
+        inputs = [(f"data.paths[{i}]", p) for i, p in enumerate(parse_blend(self.data.paths)[0])]
+        inputs += [(f"eval.paths[{i}]", p) for i, p in enumerate(parse_blend(self.eval.paths, "eval.paths")[0])]
+        inputs += [(name, value) for name, value in (("data.tokenizer", self.data.tokenizer),
+                                                     ("data.chat_template", self.data.chat_template),
+                                                     ("checkpoint.load", self.checkpoint.load))
+                   if value and value not in ("byte", "builtin")]
+        for name in ("checkpoint.dir", "logging.dir"):
+            out = getattr(getattr(self, name.split(".")[0]), "dir")
+            if out:
+                check_apart(out, inputs, ConfigError, label=f"{name}={out}")
 
     def validate_plan(self, world_size: int | None = None) -> None:
         """What the trainer refuses whatever the data: model and parallel layout, LoRA, schedule,
@@ -105,10 +123,12 @@ def _parse_overrides(overrides: Sequence[str]):
 
 
 def load_config(schema: type, path: str | Path | None = None, overrides: Sequence[str] = (),
-                section: str | None = None) -> Any:
+                section: str | None = None, record: bool = False) -> Any:
     """Merge ``schema`` defaults <- YAML file (or one ``section`` of it) <- overrides.
 
-    Unknown keys and wrong types are one-line ``ConfigError``s naming the key.
+    Unknown keys and wrong types are one-line ``ConfigError``s naming the key. ``record``: the
+    result is saved as a run's record, so values read from the environment are refused
+    (``refuse_environment``).
     """
     base = OmegaConf.structured(schema)
     layers = []
@@ -135,10 +155,28 @@ def load_config(schema: type, path: str | Path | None = None, overrides: Sequenc
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
             raise one_line(e, src) from None
+    if record:
+        refuse_environment(OmegaConf.to_container(merged, resolve=False), source)
     try:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise one_line(e, source) from None
+
+
+ENV = re.compile(r"\$\{\s*(oc\.env|env)\s*:")
+
+
+def refuse_environment(raw, source: str, key: str = "") -> None:
+    """A training recipe is the run's record (recipe.yaml, meta.json, W&B): a value read from the
+    environment (``${oc.env:X}``) would copy it there, secrets included, so it is refused in one
+    line naming the key; pass the value itself as an override instead."""
+    items = raw.items() if isinstance(raw, dict) else enumerate(raw) if isinstance(raw, list) else ()
+    for k, value in items:
+        path = f"{key}.{k}" if key and isinstance(k, str) else f"{key}[{k}]" if key else str(k)
+        if isinstance(value, str) and ENV.search(value):
+            raise ConfigError(f"{source}: {path}: {value!r} reads the environment, which a training run would record "
+                              f"in recipe.yaml and meta.json (secrets included); give the value itself ({path}=...)")
+        refuse_environment(value, source, path)
 
 
 def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = (),
@@ -151,8 +189,9 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = (),
 
 
 def load_train_recipe(path, overrides: Sequence[str] = (), validate: bool = True) -> Recipe:
-    """A training recipe; ``validate=False`` leaves the runtime sections unchecked (planning)."""
-    recipe = load_config(Recipe, path, overrides)
+    """A training recipe; ``validate=False`` leaves the runtime sections unchecked (planning). A
+    validated recipe is one a run will record, so it may not read the environment (``${oc.env:X}``)."""
+    recipe = load_config(Recipe, path, overrides, record=validate)
     if validate:
         recipe.validate()
     return recipe

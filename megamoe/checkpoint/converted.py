@@ -18,9 +18,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from megamoe.checkpoint.hf_io import INDEX, write_index, write_sharded
+from megamoe.checkpoint.hf_io import INDEX, read_weight_map, write_index, write_sharded
 from megamoe.checkpoint.safetensors_io import nbytes, read_tensor
 from megamoe.core.errors import CheckpointError
+from megamoe.core.untrusted import member
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.checkpoint.pieces import all_pieces, assemble, my_ranks, piece_key, stored_rules, unchanged
 from megamoe.parallel.sharding import Shard, split_one, split_full
@@ -83,11 +84,9 @@ class ConvertedCheckpoint:
 
     def __init__(self, path: str | Path, meta: dict):
         self.path, self.meta = Path(path), meta
-        index = self.path / INDEX
-        try:
-            self.files = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise CheckpointError(f"{index}: missing or invalid ({e})") from None
+        self.files = read_weight_map(self.path)  # megamoe wrote it: no symlinks out, hub layout or not
+        for shard in sorted(set(self.files.values())):
+            member(self.path, shard, str(self.path / INDEX))
         self.sizes = meta["layout"]
 
     def read(self, key: str) -> torch.Tensor:

@@ -7,9 +7,10 @@ name. ``meta.json`` records the layout, so a checkpoint resumes on a different l
 each rank loads the pieces it needs, reassembles full tensors with the tensors' own
 ``Shard`` rules and keeps its new piece.
 
-Atomicity: everything is written under ``step_XXXXXXXX.tmp`` and renamed once every rank
-has finished; ``latest`` is replaced atomically after the rename. A crash mid-save leaves
-the previous checkpoint untouched. Loading goes through ``safe_dcp`` (an allow-list unpickler
+Atomicity: everything is written under ``step_XXXXXXXX.tmp`` (marked as megamoe's partial
+output) and renamed once every rank has finished; ``latest`` is replaced atomically after the
+rename. A crash mid-save leaves the previous checkpoint untouched; an interruption (SIGTERM,
+Ctrl-C) removes the partial folder on the way out. Loading goes through ``safe_dcp`` (an allow-list unpickler
 for DCP's pickled ``.metadata``, tensors only), so loading a checkpoint never executes code.
 """
 from __future__ import annotations
@@ -27,8 +28,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megamoe.core.errors import CheckpointError
+from megamoe.core.files import PARTIAL, mark_partial
+from megamoe.core.interrupt import doing
+from megamoe.core.untrusted import json_object, member
 from megamoe.parallel.groups import ParallelGroups
-from megamoe.checkpoint.pieces import (all_pieces, assemble, layout_sizes, my_ranks, piece_key,
+from megamoe.checkpoint.pieces import (GROUPS, all_pieces, assemble, layout_sizes, my_ranks, piece_key,
                                        stored_rules, unchanged)
 from megamoe.parallel.record import record
 from megamoe.parallel.sharding import sharding, split_full
@@ -38,6 +42,7 @@ log = logging.getLogger(__name__)
 
 META = "meta.json"
 LATEST = "latest"
+STAMP = "stamp/rank"  # + rank: [step, rank, world size], one per rank's file (check_stamps)
 
 
 # ---- state collection --------------------------------------------------------------------
@@ -93,11 +98,13 @@ def _finalize(tmp: Path, final: Path, root: Path) -> None:
     """Make a fully written checkpoint visible: rename, then point ``latest`` at it. A folder of
     the same step already there (a run resumed from an earlier checkpoint, or re-run) is one
     megamoe wrote: it is moved aside first and removed once the new one is in place."""
+    (tmp / PARTIAL).unlink(missing_ok=True)
     stale = None
     if final.exists():
         stale = final.with_name(f"{final.name}.replaced")
         shutil.rmtree(stale, ignore_errors=True)
         os.replace(final, stale)
+        mark_partial(stale)  # removed below; if interrupted first, by the next run
     os.replace(tmp, final)
     _write_json_atomic(root / LATEST, {"step_dir": final.name})
     if stale is not None:
@@ -186,7 +193,9 @@ def save_checkpoint(root: str | Path, step: int, groups: ParallelGroups, model_p
     tmp = root / f"step_{step:08d}.tmp"
     ranks, sizes = my_ranks(groups), layout_sizes(groups)
     items = {piece_key(kind, name, rules, ranks, sizes): t for t, kind, name, rules in _targets(model_parts, optimizer, select=select)}
-    items[f"rng/rank{dist.get_rank() if dist.is_initialized() else 0}"] = torch.get_rng_state().clone()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    items[f"rng/rank{rank}"] = torch.get_rng_state().clone()
+    items[f"{STAMP}{rank}"] = torch.tensor([step, rank, world])  # in this rank's file: check_stamps
     if asynchronous:  # training goes on and changes the live tensors: write a copy
         items = {k: t.detach().to("cpu", copy=True) for k, t in items.items()}
     problem = _agree(_space_problem(root, items, step))
@@ -195,14 +204,28 @@ def save_checkpoint(root: str | Path, step: int, groups: ParallelGroups, model_p
     if _is_root():
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
+            if not (tmp / PARTIAL).is_file():
+                raise CheckpointError(f"{tmp}: exists and is not a partial save of megamoe's; move it away")
             shutil.rmtree(tmp)
         tmp.mkdir()
+        mark_partial(tmp)
     _barrier()
-    meta = {**(extra_meta or {}), "step": step, "layout": layout_sizes(groups),
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1, "trainer_state": trainer_state or {}}
-    future, problem = _start(tmp, items, asynchronous, async_group)
-    pending = PendingSave(root, step, meta, keep_last, future, problem)
-    return pending if asynchronous else pending.wait()
+    meta = {**(extra_meta or {}), "step": step, "layout": layout_sizes(groups), "world_size": world,
+            "stamped": True, "trainer_state": trainer_state or {}}
+    with doing(f"saving checkpoint {tmp.name[:-4]} in {root}", lambda: _stays_latest(root)):
+        try:
+            future, problem = _start(tmp, items, asynchronous, async_group)
+            pending = PendingSave(root, step, meta, keep_last, future, problem)
+            return pending if asynchronous else pending.wait()
+        except BaseException:  # an interruption (SIGTERM, Ctrl-C) mid-save: latest stays where it was
+            if _is_root():
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def _stays_latest(root: Path) -> str:
+    latest = latest_checkpoint(root)
+    return f"{latest.name} stays latest" if latest else "no checkpoint was written"
 
 
 def _steps(root: Path) -> list[Path]:
@@ -214,7 +237,8 @@ def _prune(root: Path, keep_last: int) -> None:
     for old in _steps(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in [*root.glob("step_*.tmp"), *root.glob("step_*.replaced")]:
-        shutil.rmtree(stale, ignore_errors=True)
+        if (stale / PARTIAL).is_file():  # megamoe's own partial saves only
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 # ---- load --------------------------------------------------------------------------------
@@ -227,11 +251,11 @@ def checkpoints_newest_first(root: str | Path) -> list[Path]:
     pointer = root / LATEST
     if pointer.is_file():
         try:
-            path = root / json.loads(pointer.read_text())["step_dir"]
+            path = root / json_object(member(root, LATEST, str(root)))["step_dir"]
             if path in done:
                 done.remove(path)
                 done.insert(0, path)
-        except (ValueError, KeyError, TypeError, OSError):
+        except (CheckpointError, KeyError, TypeError, OSError):
             log.warning("%s is unreadable; scanning for checkpoints", pointer)
     return done
 
@@ -242,18 +266,53 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return done[0] if done else None
 
 
+MAX_GROUP = 1 << 16  # ranks in one parallel dimension: far beyond any machine, small enough to plan
+
+
 def read_meta(path: str | Path) -> dict:
+    """A checkpoint's ``meta.json`` (a regular file of the folder, bounded JSON), its parallel
+    layout and model section checked for shape; the model's values are checked where it is built."""
     meta_file = Path(path) / META
-    if not meta_file.is_file():
+    if not (meta_file.exists() or meta_file.is_symlink()):
         raise CheckpointError(f"{path}: not a megamoe checkpoint ({META} missing)")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (ValueError, OSError):
-        raise CheckpointError(f"{meta_file}: corrupted (not JSON)") from None
-    layout = meta.get("layout") if isinstance(meta, dict) else None
-    if not (isinstance(layout, dict) and all(isinstance(v, int) for v in layout.values())):
+    meta = json_object(member(path, META, str(path)))
+    layout = meta.get("layout")
+    if not (isinstance(layout, dict) and all(type(v) is int for v in layout.values())):
         raise CheckpointError(f"{meta_file}: not a megamoe checkpoint's meta.json (no parallel layout)")
+    bad = next((k for k, v in layout.items() if k not in GROUPS or not 1 <= v <= MAX_GROUP), None)
+    if bad is not None:
+        raise CheckpointError(f"{meta_file}: layout.{bad[:40]}={layout[bad]} is not a parallel size "
+                              f"(one of {', '.join(GROUPS)}, 1 to {MAX_GROUP})")
+    for key, kind in (("model", dict), ("step", int), ("trainer_state", dict), ("hf", dict), ("lora", dict)):
+        if meta.get(key) is not None and not isinstance(meta[key], kind):
+            raise CheckpointError(f"{meta_file}: '{key}' is {str(meta[key])[:40]!r}, expected a JSON "
+                                  f"{'object' if kind is dict else 'integer'}")
     return meta
+
+
+def check_stamps(path: str | Path, meta: dict) -> None:
+    """Every ``.distcp`` file of the checkpoint was written by a rank of this save: each holds its
+    rank's stamp [step, rank, world size] and the stamps match ``meta.json``, so a file copied in
+    from another step (mixed-step weights) is refused naming it. Checkpoints written before stamps
+    (no ``stamped`` in meta.json) are not checked."""
+    if not meta.get("stamped"):
+        return
+    path = Path(path)
+    md = SafeFileSystemReader(str(path)).read_metadata()
+    where = {getattr(i, "fqn", i): info.relative_path for i, info in (md.storage_data or {}).items()}
+    stamps = {k: torch.zeros(3, dtype=torch.int64) for k in md.state_dict_metadata if k.startswith(STAMP)}
+    unstamped = sorted(set(where.values()) - {where.get(k) for k in stamps})
+    if unstamped or len(stamps) != meta.get("world_size"):
+        what = f"{unstamped[0]} holds no rank's stamp" if unstamped else \
+            f"{len(stamps)} rank stamps for world_size {meta.get('world_size')}"
+        raise CheckpointError(f"{path}: {what}; the folder mixes files of different saves")
+    _dcp_load(path, stamps)
+    for key, stamp in sorted(stamps.items()):
+        want = [meta.get("step"), int(key[len(STAMP):]), meta.get("world_size")]
+        if stamp.tolist() != want:
+            raise CheckpointError(f"{path / where.get(key, '?')}: written at step {stamp[0]} by rank {stamp[1]} of "
+                                  f"{stamp[2]}, but meta.json is step {want[0]} (rank {want[1]} of {want[2]}): a file "
+                                  f"from another checkpoint; refusing mixed-step weights")
 
 
 def _load_into(path: Path, targets: list[tuple], groups: ParallelGroups, old_sizes: dict[str, int],
@@ -337,6 +396,7 @@ def load_checkpoint(path: str | Path, groups: ParallelGroups, model_parts, optim
         ConvertedCheckpoint(path, meta).load_into(targets, groups)
         log.info("loaded converted checkpoint %s (layout %s)", path, meta["layout"])
         return meta
+    check_stamps(path, meta)
     if select is None and meta.get("lora") is not None:
         raise CheckpointError(f"{path}: an adapter-only LoRA checkpoint (its base weights: {meta.get('lora_base')}); "
                               "load the base and resume the adapters from checkpoint.dir, or export it merged")

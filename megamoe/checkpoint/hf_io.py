@@ -12,6 +12,7 @@ import torch
 from megamoe.checkpoint.safetensors_io import StreamWriter, nbytes, read_header, read_tensor
 from megamoe.core.errors import CheckpointError
 from megamoe.core.files import AtomicDir
+from megamoe.core.untrusted import json_object, member
 
 log = logging.getLogger(__name__)
 
@@ -20,12 +21,9 @@ INDEX = "model.safetensors.index.json"
 
 def read_config(path: str | Path) -> dict:
     file = Path(path) / "config.json"
-    if not file.is_file():
-        raise CheckpointError(f"{file}: not found (an HF checkpoint directory has a config.json)")
-    try:
-        return json.loads(file.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    if file.exists():
+        member(path, "config.json", str(path), hub=True)  # a regular file of the folder's
+    return json_object(file, missing="not found (an HF checkpoint directory has a config.json)")
 
 
 class HFCheckpoint:
@@ -49,18 +47,20 @@ class HFCheckpoint:
                                   f"which does not contain it")
 
     def _shard_map(self) -> dict[str, str]:
+        """tensor name -> shard file, each shard checked to be a regular file of the folder
+        (``megamoe.core.untrusted.member``: the hub cache's blob symlinks allowed)."""
         index = self.path / INDEX
-        if index.is_file():
-            try:
-                return dict(json.loads(index.read_text())["weight_map"])
-            except (ValueError, KeyError) as e:
-                raise CheckpointError(f"{index}: not a valid index ({e})") from None
+        if index.exists() or index.is_symlink():
+            weight_map = read_weight_map(self.path, hub=True)
+            for shard in sorted(set(weight_map.values())):
+                member(self.path, shard, str(index), hub=True)
+            return weight_map
         shards = sorted(p.name for p in self.path.glob("*.safetensors"))
         if not shards:
             raise CheckpointError(f"{self.path}: no *.safetensors weights found")
         out = {}
         for shard in shards:
-            for name in read_header(self.path / shard):
+            for name in read_header(member(self.path, shard, str(self.path), hub=True)):
                 out[name] = shard
         return out
 
@@ -75,7 +75,21 @@ class HFCheckpoint:
         from megamoe.checkpoint.safetensors_io import DTYPE_CODES
 
         sizes = {v: torch.empty((), dtype=k).element_size() for k, v in DTYPE_CODES.items()}
-        return max((sizes[self.dtypes[n]] * max(1, _prod(s)) for n, s in self.shapes.items()), default=0)
+        return max((sizes.get(self.dtypes[n], 8) * max(1, _prod(s)) for n, s in self.shapes.items()), default=0)
+
+
+def read_weight_map(folder: Path, hub: bool = False) -> dict[str, str]:
+    """The ``weight_map`` of ``folder``'s safetensors index: tensor name -> shard file name (the
+    shards themselves are checked by the caller with ``member``)."""
+    index = member(folder, INDEX, str(folder), hub=hub)
+    weight_map = json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: 'weight_map' is a {type(weight_map).__name__}, not an object of "
+                              f"tensor name -> shard file")
+    bad = next((k for k, v in weight_map.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise CheckpointError(f"{index}: weight_map[{bad!r}] is {weight_map[bad]!r}, not a shard file name")
+    return weight_map
 
 
 def _prod(shape) -> int:
@@ -124,9 +138,10 @@ def write_index(out: Path, weight_map: dict[str, str], total_bytes: int) -> None
 
 def write_hf_dir(out_dir: str | Path, config: dict, entries: list[tuple[str, torch.dtype, tuple]],
                  tensors: Iterable[tuple[str, torch.Tensor]], shard_bytes: int = 5 << 30,
-                 overwrite: bool = False, extra_files: dict[str, str] | None = None) -> Path:
-    """An HF checkpoint directory, written atomically, tensors streamed in ``entries`` order."""
-    with AtomicDir(out_dir, overwrite) as tmp:
+                 overwrite: bool = False, extra_files: dict[str, str] | None = None, inputs=()) -> Path:
+    """An HF checkpoint directory, written atomically, tensors streamed in ``entries`` order;
+    ``inputs``: (name, path) it is written from, which it must stay apart from."""
+    with AtomicDir(out_dir, overwrite, inputs=inputs) as tmp:
         weight_map = write_sharded(tmp, entries, iter(tensors), shard_bytes, metadata={"format": "pt"})
         write_index(tmp, weight_map, sum(nbytes(d, s) for _, d, s in entries))
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

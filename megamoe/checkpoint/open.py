@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megamoe.checkpoint.dcp import latest_checkpoint, read_meta
+from megamoe.checkpoint.dcp import check_stamps, latest_checkpoint, read_meta
 from megamoe.core.config import ModelConfig
 from megamoe.core.config_io import config_from_dict
 from megamoe.core.errors import CheckpointError
@@ -34,10 +34,45 @@ class Checkpoint:
 
     @property
     def config(self) -> ModelConfig:
-        """The model it holds (``meta.json``'s ``model``)."""
+        """The model it holds (``meta.json``'s ``model``), checked to fit the weights on disk."""
         if "model" not in self.meta:
             raise CheckpointError(f"{self.path}/meta.json: no model config (written by an older megamoe?)")
-        return config_from_dict(self.meta["model"])
+        cfg = config_from_dict(self.meta["model"])
+        self.check_size(cfg)
+        return cfg
+
+    def check_size(self, cfg: ModelConfig) -> None:
+        """Before anything is allocated: the model ``meta.json`` describes has no more parameters than
+        the weights on disk have bytes (FP8 is one byte a parameter: nothing smaller is stored), so a
+        hostile or broken ``hidden_size``/``vocab_size`` is one line, not an allocation."""
+        from megamoe.model.build import build_model
+        from megamoe.model.params import count_parameters
+
+        try:
+            cfg.validate()
+            params = count_parameters(build_model(cfg, device="meta")).total
+        except (ValueError, TypeError, RuntimeError, OverflowError) as e:
+            raise CheckpointError(f"{self.path}/meta.json: its model section does not build "
+                                  f"({' '.join(str(e).split())[:200]})") from None
+        folders = self.weight_folders()
+        held = sum(weight_bytes(p) for p in folders or ())
+        if folders is not None and params > held:
+            raise CheckpointError(f"{self.path}/meta.json: the model it describes (hidden_size {cfg.hidden_size}, "
+                                  f"vocab_size {cfg.vocab_size}) has {params:,} parameters, more than the {held:,} "
+                                  f"bytes of weights the checkpoint holds")
+
+    def weight_folders(self) -> list[Path] | None:
+        """Where the model's weights are: this folder, a LoRA checkpoint's base, the HF folder of
+        routed experts left there (``--experts-in-hf``); None when one is not where meta.json says
+        (moved: ``--base`` names it, and loading checks it)."""
+        folders = [self.path]
+        if self.is_lora:
+            base = self.meta.get("lora_base")
+            folders.append(checkpoint_path(base) if isinstance(base, str) else None)
+        hf = self.meta.get("hf") or {}
+        if hf.get("experts_in_hf"):
+            folders.append(Path(hf["path"]) if isinstance(hf.get("path"), str) else None)
+        return None if any(f is None or not f.is_dir() for f in folders) else folders
 
     @property
     def is_lora(self) -> bool:
@@ -69,7 +104,15 @@ class Checkpoint:
         return self.base(base).meta.get("hf")
 
 
+def weight_bytes(folder: Path) -> int:
+    """Bytes of the weight files directly in ``folder`` (safetensors shards, DCP files)."""
+    files = [*folder.glob("*.safetensors"), *folder.glob("*.distcp")] if folder.is_dir() else []
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """The checkpoint at ``path`` (a run's folder: its latest), ``meta.json`` read and checked."""
     path = checkpoint_path(path)
-    return Checkpoint(path, read_meta(path))
+    meta = read_meta(path)
+    check_stamps(path, meta)
+    return Checkpoint(path, meta)

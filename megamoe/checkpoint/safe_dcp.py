@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from megamoe.core.errors import CheckpointError
+from megamoe.core.untrusted import member
 
 _DCP = "torch.distributed.checkpoint.metadata"
 # the classes a DCP metadata file of tensors is made of (torch 2.4-2.14); BytesStorageMetadata is
@@ -77,8 +78,11 @@ def _check_entries(path: Path, md) -> None:
 
 
 def read_safe_metadata(path: Path) -> Metadata:
-    """The folder's DCP metadata, unpickled through the allow-list and checked entry by entry."""
+    """The folder's DCP metadata, unpickled through the allow-list and checked entry by entry;
+    it and every file it names are regular files inside the folder (no symlink leads out)."""
     file = path / ".metadata"
+    if file.exists() or file.is_symlink():
+        member(path, ".metadata", str(path))
     try:
         data = file.read_bytes()
     except OSError as e:
@@ -90,6 +94,8 @@ def read_safe_metadata(path: Path) -> Metadata:
     except Exception as e:  # noqa: BLE001  (truncated or corrupted file)
         raise CheckpointError(f"{file}: corrupted checkpoint metadata ({type(e).__name__})") from None
     _check_entries(path, md)
+    for rel in sorted({info.relative_path for info in (md.storage_data or {}).values()}):
+        member(path, rel, f"{path}/.metadata")
     return md
 
 

@@ -22,6 +22,8 @@ DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 DTYPE_OF_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
+# dtypes safetensors stores that megamoe does not convert (refused by name later, not as a broken header)
+OTHER_CODES = ("U16", "U32", "U64", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64")
 
 
 def nbytes(dtype: torch.dtype, shape) -> int:
@@ -72,9 +74,13 @@ class StreamWriter:
         self.file.close()
 
 
+MAX_HEADER = 100_000_000  # bytes: the safetensors library's own limit
+
+
 def read_header(path: str | Path) -> dict:
-    """The safetensors header of ``path`` (names -> dtype, shape, offsets), checked against the
-    file size so a truncated shard is caught before any tensor is read."""
+    """The safetensors header of ``path`` (names -> dtype, shape, offsets), every entry checked
+    (``check_entry``) and against the file size, so a hostile or truncated shard is one line
+    before any tensor is read. ``path`` must be a regular file (``megamoe.core.untrusted.member``)."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -83,18 +89,44 @@ def read_header(path: str | Path) -> dict:
             if len(head) < 8:
                 raise ValueError("shorter than a header")
             n = struct.unpack("<Q", head)[0]
-            if n > size - 8:
-                raise ValueError("header runs past the end of the file")
+            if n > min(size - 8, MAX_HEADER):
+                raise ValueError(f"header of {n} bytes runs past the end of the file or the {MAX_HEADER} allowed")
             header = json.loads(f.read(n))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: not a valid safetensors file (header nested too deeply)") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a valid safetensors file (header is a JSON {type(header).__name__}, "
+                              f"not an object)")
     header.pop("__metadata__", None)
-    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    end = max((check_entry(path, name, v) for name, v in header.items()), default=0)
     if 8 + n + end > size:
         raise CheckpointError(f"{path}: truncated ({size} bytes, header needs {8 + n + end})")
     return header
+
+
+def check_entry(path: Path, name: str, entry) -> int:
+    """One header entry is {dtype: a known code, shape: ints >= 0, data_offsets: [begin, end]} whose
+    byte count fits dtype and shape; returns its end offset."""
+    def bad(why: str):
+        return CheckpointError(f"{path}: header entry {name[:200]!r} {why}")
+
+    if not isinstance(entry, dict):
+        raise bad(f"is a JSON {type(entry).__name__}, not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_OF_CODE and dtype not in OTHER_CODES:
+        raise bad(f"has dtype {str(dtype)[:40]!r}, not a safetensors dtype")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise bad(f"has shape {str(shape)[:80]}, not a list of integers >= 0")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise bad(f"has data_offsets {str(offsets)[:80]}, not [begin, end] with 0 <= begin <= end")
+    if dtype in DTYPE_OF_CODE and offsets[1] - offsets[0] != nbytes(DTYPE_OF_CODE[dtype], shape):
+        raise bad(f"holds {offsets[1] - offsets[0]} bytes, its dtype and shape need {nbytes(DTYPE_OF_CODE[dtype], shape)}")
+    return offsets[1]
 
 
 def read_tensor(path: str | Path, name: str) -> torch.Tensor:

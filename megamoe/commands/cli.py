@@ -2,7 +2,8 @@
 a recipe plus key=value overrides, range-checked numbers, one-line errors.
 
 A user error (a ``MegamoeError``, a file the OS refuses, a bad argument) is one line on stderr
-and exit status 2. ``--debug`` on any command line, or ``MEGAMOE_DEBUG=1``, lets the exception
+and exit status 2. SIGTERM and SIGINT stop a command cleanly (``megamoe.core.interrupt``): one
+line naming what was interrupted and what it left, exit status 128 + the signal. ``--debug`` on any command line, or ``MEGAMOE_DEBUG=1``, lets the exception
 through with its traceback instead.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Callable, Sequence
 
 from megamoe.core.config import ParallelConfig
 from megamoe.core.errors import ConfigError, MegamoeError
+from megamoe.core.interrupt import Interrupted, signals_raise
 
 DEBUG_HELP = "show the full traceback of an error (also MEGAMOE_DEBUG=1)"
 BASE_HELP = "for a LoRA checkpoint: its base weights, instead of the folder its meta.json records"
@@ -72,17 +74,19 @@ def run_main(main: Callable, argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = debug_wanted(argv)
     try:
-        main(argv)
+        with signals_raise():  # SIGTERM as Ctrl-C: partial outputs are removed on the way out
+            main(argv)
     except (MegamoeError, OSError) as e:  # OSError: a path the OS refuses (missing, permission, full disk)
         if debug:
             raise
         print(f"error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if debug:
             raise
-        print("error: interrupted", file=sys.stderr)
-        sys.exit(130)
+        interrupted = isinstance(e, Interrupted)
+        print(f"error: {one_line(Exception(e.message())) if interrupted else 'interrupted'}", file=sys.stderr)
+        sys.exit(e.exit_status if interrupted else 130)
 
 
 def one_line(e: BaseException) -> str:

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         from megamoe.core.files import check_replaceable, is_checkpoint_dir
         from megamoe.convert.peft import export_peft_checkpoint
 
-        check_replaceable(Path(args.out_dir), args.overwrite, is_checkpoint_dir, "checkpoint")
+        check_replaceable(Path(args.out_dir), args.overwrite, is_checkpoint_dir, "checkpoint",
+                          inputs=[("CKPT_DIR", args.ckpt_dir)])
         out = export_peft_checkpoint(args.ckpt_dir, args.out_dir, family=args.family, overwrite=args.overwrite)
         print(f"wrote PEFT adapter {out} (peft.PeftModel.from_pretrained(hf_model, '{out}'))")
     elif args.command == "import-hf":
@@ -100,20 +101,24 @@ def export(args):
     from megamoe.core.errors import CheckpointError, ConfigError
     from megamoe.core.files import check_replaceable, is_checkpoint_dir
 
-    check_replaceable(Path(args.out_dir), args.overwrite, is_checkpoint_dir, "checkpoint")  # before any loading
+    inputs = [("CKPT_DIR", args.ckpt_dir)] + ([("--base", args.base)] if args.base else [])
+    check_replaceable(Path(args.out_dir), args.overwrite, is_checkpoint_dir, "checkpoint", inputs=inputs)
     shard_bytes = int(args.shard_gib * 2**30)
-    if not open_checkpoint(args.ckpt_dir).is_lora:
+    ck = open_checkpoint(args.ckpt_dir)
+    if not ck.is_lora:
         return export_hf(args.ckpt_dir, args.out_dir, family=args.family, overwrite=args.overwrite,
                          shard_bytes=shard_bytes, fp8_blocks=args.fp8_blocks)
     if not args.merge:
         raise ConfigError(f"{args.ckpt_dir}: a LoRA checkpoint holds adapters only; pass --merge to write its base "
                           f"with the adapters merged in, or use export-peft for a PEFT adapter")
+    inputs.append(("base", ck.base(args.base).path))  # the weights the adapters are merged into
+    check_replaceable(Path(args.out_dir), args.overwrite, is_checkpoint_dir, "checkpoint", inputs=inputs)
     model = load_model(args.ckpt_dir, merge=True, base=args.base)
     if not (args.family or getattr(model, "hf_origin", None)):
         raise CheckpointError(f"{args.ckpt_dir}: the base weights did not come from an HF checkpoint; name the HF "
                               f"family to export to with --family")
     return to_hf(model, args.out_dir, family=args.family, overwrite=args.overwrite, shard_bytes=shard_bytes,
-                 fp8_blocks=args.fp8_blocks)
+                 fp8_blocks=args.fp8_blocks, inputs=inputs)
 
 
 def cli() -> None:

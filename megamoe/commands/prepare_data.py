@@ -22,6 +22,7 @@ from megamoe.data.indexed import IndexedTokens, is_indexed_prefix, write_indexed
 from megamoe.data.records import FORMATS
 from megamoe.data.tokfile import encoded_documents
 from megamoe.core.errors import DataError
+from megamoe.core.files import check_apart
 
 
 def show(path: str, tokenizer_spec: str | None) -> None:
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         return show(args.show, args.tokenizer)
     if not (args.inputs and args.output and args.tokenizer):
         p.error("inputs, --output and --tokenizer are required (or --show DIR)")
+    check_outputs(args)
     tokenizer = load_tokenizer(args.tokenizer)
     if args.format == "megatron":
         return write_megatron(args, tokenizer)
@@ -71,6 +73,17 @@ def main(argv: list[str] | None = None) -> None:
                               progress=not args.no_progress, split_special_tokens=not args.parse_special_tokens)
     print(f"wrote {args.output}: {header['num_documents']} documents, {header['num_tokens']} tokens "
           f"({header['dtype']}, tokenizer {header['tokenizer']['name']})")
+
+
+def check_outputs(args) -> None:
+    """The output (a token directory, or PREFIX.bin and PREFIX.idx) is apart from every input file
+    and the tokenizer, whatever --overwrite says."""
+    inputs = [("file", path) for path in args.inputs]
+    if args.tokenizer != "byte":
+        inputs.append(("--tokenizer", args.tokenizer))
+    outs = [args.output] if args.format == "megamoe" else [f"{args.output}{ext}" for ext in (".bin", ".idx")]
+    for out in outs:
+        check_apart(out, inputs, DataError, label=f"--output {out}")
 
 
 def write_megatron(args, tokenizer) -> None:

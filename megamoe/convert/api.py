@@ -182,7 +182,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int =
     ``keep_fp8``: an FP8 checkpoint's weights are written as e4m3 + block scales
     (``megamoe.convert.keep_fp8``), the others dequantised."""
     start = time.time()
-    check_replaceable(Path(out_dir), overwrite, is_checkpoint_dir, "checkpoint")  # before any reading
+    inputs = [("HF_DIR", hf_dir)]
+    check_replaceable(Path(out_dir), overwrite, is_checkpoint_dir, "checkpoint", inputs=inputs)  # before any reading
     ck, family, cfg = open_hf(hf_dir)
     _set_placement(cfg, placement)
     parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp)
@@ -218,7 +219,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int =
             full = e.to_mm([ck.tensor(n) for n in e.hf])
         return to_slots(name, full, _placement(cfg))
 
-    with AtomicDir(out_dir, overwrite) as tmp:
+    with AtomicDir(out_dir, overwrite, inputs=inputs) as tmp:
         write_checkpoint(tmp, meta, planned, produce, sizes, layout.stages(pp), shard_bytes, bar)
     bar.close()
     log.info("imported %s (%s) into %s in %.1fs", hf_dir, family.model_type, out_dir, time.time() - start)
@@ -254,7 +255,7 @@ def _hf_plan(entries: list[Entry], dtype_of) -> list[tuple[str, torch.dtype, tup
 
 def _write_hf(out_dir, family: Family, cfg: ModelConfig, hf_config: dict | None, shapes_dtypes,
               read_full, overwrite: bool, progress: bool, shard_bytes: int = 5 << 30,
-              fp8_blocks: int | None = None, fp8_origin: dict | None = None) -> Path:
+              fp8_blocks: int | None = None, fp8_origin: dict | None = None, inputs=()) -> Path:
     """``fp8_blocks``: write the tensors an FP8 release quantises (those ``fp8_origin`` recorded
     at import, else every linear weight of the layers) as e4m3 + ``weight_scale_inv`` per
     ``fp8_blocks`` square block, with config.json's ``quantization_config``."""
@@ -283,7 +284,7 @@ def _write_hf(out_dir, family: Family, cfg: ModelConfig, hf_config: dict | None,
             bar.update(1)
 
     tensors = fp8_stream(stream(), quantised, fmt) if fmt is not None else stream()
-    path = write_hf_dir(out_dir, config, planned, tensors, shard_bytes=shard_bytes, overwrite=overwrite)
+    path = write_hf_dir(out_dir, config, planned, tensors, shard_bytes=shard_bytes, overwrite=overwrite, inputs=inputs)
     bar.close()
     return path
 
@@ -299,12 +300,13 @@ def _base_tensors(model) -> dict[str, torch.Tensor]:
 
 def to_hf(model, out_dir: str | Path, *, family: str | None = None, hf_config: dict | None = None,
           groups: ParallelGroups | None = None, overwrite: bool = False, progress: bool = False,
-          shard_bytes: int = 5 << 30, fp8_blocks: int | None = None) -> Path:
+          shard_bytes: int = 5 << 30, fp8_blocks: int | None = None, inputs=()) -> Path:
     """Write ``model`` as an HF checkpoint that ``transformers`` loads with its Auto classes.
 
     The family comes from ``family``, else from the model's HF origin (``from_hf``). Under a
     parallel layout every rank must call it (tensors are gathered); rank 0 writes.
     ``fp8_blocks``: the family's FP8 format with that block size (``megamoe.convert.quant``).
+    ``inputs``: (name, path) of what the model was read from, which ``out_dir`` must stay apart from.
     """
     origin = getattr(model, "hf_origin", None) or {}
     fam = get_family(family or origin.get("model_type"), "to_hf")
@@ -314,7 +316,7 @@ def to_hf(model, out_dir: str | Path, *, family: str | None = None, hf_config: d
     shapes = {n: (tuple(full_shape(t, groups)), t.dtype) for n, t in tensors.items()}
     return _write_hf(out_dir, fam, model.config, hf_config, shapes,
                      lambda n: gather_full(tensors[n], groups), overwrite, progress, shard_bytes,
-                     fp8_blocks, origin.get("fp8"))
+                     fp8_blocks, origin.get("fp8"), inputs)
 
 
 def open_megamoe_checkpoint(path: str | Path):
@@ -338,6 +340,8 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, *, family: str | None =
               fp8_blocks: int | None = None) -> Path:
     """A megamoe checkpoint (converted or from training) -> an HF directory (``fp8_blocks``: in
     the family's FP8 format with that block size)."""
+    inputs = [("checkpoint", ckpt_dir)]
+    check_replaceable(Path(out_dir), overwrite, is_checkpoint_dir, "checkpoint", inputs=inputs)  # before any reading
     meta, cfg, tensors, read_full = open_megamoe_checkpoint(ckpt_dir)
     origin = meta.get("hf") or {}
     if not (family or origin.get("model_type")):
@@ -348,4 +352,4 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, *, family: str | None =
     shapes = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
     return _write_hf(out_dir, fam, cfg, origin.get("config"), shapes,
                      lambda n: read_full(n).to(shapes[n][1]), overwrite, progress, shard_bytes,
-                     fp8_blocks, origin.get("fp8"))
+                     fp8_blocks, origin.get("fp8"), inputs)

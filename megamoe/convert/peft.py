@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from megamoe.convert.family import get_family
-from megamoe.core.files import AtomicDir
+from megamoe.core.files import AtomicDir, check_apart
 from megamoe.convert.table import Experts, expand
 from megamoe.core.errors import CheckpointError
 from megamoe.lora.adapters import EXPERT_WEIGHTS
@@ -191,9 +191,10 @@ def base_name(origin: dict | None, fallback: str | None = None) -> str | None:
 
 
 def write_peft(adapters: dict[str, torch.Tensor], model_config, lora: LoRAConfig, family_name: str,
-               hf_config: dict | None, out_dir: str | Path, overwrite: bool = False, base: str | None = None) -> Path:
+               hf_config: dict | None, out_dir: str | Path, overwrite: bool = False, base: str | None = None,
+               inputs=()) -> Path:
     """Write a PEFT adapter directory from full megamoe adapter tensors; ``base``: the
-    ``base_model_name_or_path`` it records."""
+    ``base_model_name_or_path`` it records; ``inputs``: (name, path) read, which it stays apart from."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
@@ -203,7 +204,7 @@ def write_peft(adapters: dict[str, torch.Tensor], model_config, lora: LoRAConfig
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=dropout, use_rslora=lora.rslora,
                         target_modules=modules or None, target_parameters=parameters or None, bias="none",
                         task_type="CAUSAL_LM", base_model_name_or_path=base)
-    with AtomicDir(out_dir, overwrite) as tmp:
+    with AtomicDir(out_dir, overwrite, inputs=inputs) as tmp:
         config.save_pretrained(str(tmp))
         save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"),
                   metadata={"format": "pt"})
@@ -247,6 +248,7 @@ def export_peft_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, family:
     from megamoe.model.build import build_model
     from megamoe.parallel.sharding import sharding
 
+    check_apart(out_dir, [("checkpoint", ckpt_dir)])  # before any reading
     ck = open_checkpoint(ckpt_dir)
     if not ck.is_lora:
         raise CheckpointError(f"{ck.path}/meta.json: not a LoRA checkpoint (no 'lora' section)")
@@ -259,7 +261,7 @@ def export_peft_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, family:
     if family is None:
         raise CheckpointError(f"{ck.path}/meta.json: no HF origin recorded; pass --family")
     return write_peft(adapters, cfg, lora, family, origin.get("config"), out_dir, overwrite,
-                      base_name(origin, ck.meta.get("lora_base")))
+                      base_name(origin, ck.meta.get("lora_base")), inputs=[("checkpoint", ckpt_dir)])
 
 
 def read_adapter_config(path: str | Path) -> dict:

@@ -27,7 +27,8 @@ from megamoe.data.records import data_error, iter_documents
 from megamoe.data.tokenizer import Tokenizer
 from megamoe.core.errors import DataError
 from megamoe.core.json_limits import JsonLimitError, loads_bounded
-from megamoe.core.files import check_replaceable, has_header, replace_dir, temp_dir_beside
+from megamoe.core.files import check_replaceable, has_header, replace_dir, temp_dir_beside, written_or_kept
+from megamoe.core.interrupt import doing
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +60,12 @@ def write_token_file(inputs: Sequence[str | Path], output: str | Path, tokenizer
         raise DataError(f"{missing[0]}: file not found")
     tmp = temp_dir_beside(out)
     try:
-        docs = encoded_documents([Path(p) for p in inputs], tokenizer, fmt, text_key, add_bos, batch_docs, progress,
-                                 split_special_tokens)
-        header = _write(tmp, tokenizer, docs, add_bos)
-        replace_dir(tmp, out)
-    except BaseException:
+        with doing(f"writing {out}", written_or_kept(out)):
+            docs = encoded_documents([Path(p) for p in inputs], tokenizer, fmt, text_key, add_bos, batch_docs, progress,
+                                     split_special_tokens)
+            header = _write(tmp, tokenizer, docs, add_bos)
+            replace_dir(tmp, out)
+    except BaseException:  # an error or an interruption (SIGTERM, Ctrl-C): no partial output
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("wrote %s: %d documents, %d tokens (%s)", out, header["num_documents"], header["num_tokens"],

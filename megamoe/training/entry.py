@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Sequence
 
 from megamoe.core.config_io import to_yaml
+from megamoe.training.run_folders import RunFolders
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +32,14 @@ def adopt_checkpoint_model(recipe, overrides: Sequence[str] = ()) -> None:
 
     from megamoe.core.config_io import config_from_dict, config_to_dict
     from megamoe.checkpoint.dcp import read_meta
+    from megamoe.checkpoint.open import Checkpoint
     from megamoe.training.guards import changed_fields
 
     source = weights_source(recipe)
     meta = read_meta(source) if source is not None else {}
     if "model" not in meta:
         return
+    Checkpoint(source, meta).config  # noqa: B018  (checks the model against the weights on disk, allocating nothing)
     mine = OmegaConf.from_dotlist([o for o in overrides if o.startswith("model.")]).get("model", {})
     model = config_from_dict(OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(meta["model"]), mine)))
     differs = [f for f, _, _ in changed_fields(config_to_dict(recipe.model), config_to_dict(model), "model")]
@@ -50,6 +54,19 @@ def adopt_checkpoint_model(recipe, overrides: Sequence[str] = ()) -> None:
 def run_training(recipe) -> dict:
     """Build tokenizer, dataset and trainer from ``recipe`` and train; returns a summary
     (last metrics and where the logs and checkpoints went) on every rank."""
+    log_dir = recipe.logging.dir or (str(Path(recipe.checkpoint.dir) / "tb") if recipe.checkpoint.dir else "runs")
+    # global rank 0 (torchrun's RANK, before the process group exists) holds checkpoint.dir
+    with RunFolders(recipe.checkpoint.dir, log_dir, holder=os.environ.get("RANK", "0") == "0") as folders:
+        trainer, history = _train(recipe, log_dir, folders)
+    last = history[-1] if history else {}
+    evals = [h["eval_loss"] for h in history if "eval_loss" in h]
+    return {"trainer": trainer, "log_dir": log_dir, "checkpoint_dir": recipe.checkpoint.dir,
+            "first_loss": history[0]["loss"] if history else None, "last": last, "steps": trainer.step,
+            "eval_loss": evals[-1] if evals else None}
+
+
+def _train(recipe, log_dir: str, folders: RunFolders):
+    """(trainer, per-step history): tokenizer, data, the trainer, its record in ``log_dir``, fit."""
     from megamoe.data import build_datasets, build_tokenizer, check_vocab
     from megamoe.training.trainer import Trainer, meta_tower
 
@@ -62,18 +79,14 @@ def run_training(recipe) -> dict:
     dataset, valid = build_datasets(recipe.data, tokenizer, image_tokens, recipe.eval.paths, recipe.eval.split,
                                     image_bounds=vision.bounds if vision is not None else None)
     trainer = Trainer(recipe)
-    log_dir = recipe.logging.dir or (str(Path(recipe.checkpoint.dir) / "tb") if recipe.checkpoint.dir else "runs")
+    start = trainer.step  # a resumed run's step: a failure before it moves on leaves nothing new
+    folders.trained = lambda: trainer.step > start
     if trainer.rank == 0:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         (Path(log_dir) / "recipe.yaml").write_text(to_yaml(recipe))
         log.info("training %d steps on %d ranks (%s); logs in %s", recipe.train.steps, trainer.world,
                  trainer.groups.describe(), log_dir)
-    history = trainer.fit(log_dir, dataset, valid)
-    last = history[-1] if history else {}
-    evals = [h["eval_loss"] for h in history if "eval_loss" in h]
-    return {"trainer": trainer, "log_dir": log_dir, "checkpoint_dir": recipe.checkpoint.dir,
-            "first_loss": history[0]["loss"] if history else None, "last": last, "steps": trainer.step,
-            "eval_loss": evals[-1] if evals else None}
+    return trainer, trainer.fit(log_dir, dataset, valid)
 
 
 def finish(summary: dict) -> None:
