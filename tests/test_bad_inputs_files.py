@@ -92,6 +92,7 @@ OVERLAP = {
                                                               *SMALL], ["checkpoint.dir", "data.paths[0]"]),
     "pretrain logging.dir inside a validation folder": ("pretrain", ["--config", "tiny_train", "eval.interval=1",
                                                                      "eval.paths=[{u}/docs]", "logging.dir={u}/docs/tb",
+                                                                     "checkpoint.dir={u}/run",
                                                                      *SMALL], ["logging.dir", "eval.paths[0]"]),
     "finetune checkpoint.dir is checkpoint.load": ("finetune", ["--config", "tiny_train", "checkpoint.load={u}/ck",
                                                                 "checkpoint.dir={u}/ck", *SMALL],

@@ -116,14 +116,16 @@ def test_bytes_entry_exploit_is_refused(tmp_path):
 
 
 def test_planner_refuses_bytes_even_past_the_metadata_check(tmp_path, monkeypatch):
-    """The second lock: with the entry check switched off, the load planner still refuses."""
+    """The second lock: with the entry check (and the files' stamps) switched off, the load
+    planner still refuses."""
     from megamoe.parallel.groups import ParallelGroups
-    from megamoe.checkpoint import safe_dcp
+    from megamoe.checkpoint import dcp, safe_dcp
     from megamoe.checkpoint.dcp import load_checkpoint
 
     path, marker = _linear_checkpoint(tmp_path), tmp_path / "pwned"
     _plant_bytes_entry(path, "model/weight", marker)
     monkeypatch.setattr(safe_dcp, "_check_entries", lambda path, md: None)
+    monkeypatch.setattr(dcp, "check_stamps", lambda path, meta: None)
     with pytest.raises(CheckpointError, match="key model/weight is a byte entry"):
         load_checkpoint(path, ParallelGroups(), [torch.nn.Linear(2, 2)])
     assert not marker.exists()
@@ -155,7 +157,7 @@ def test_dcp_failures_are_one_line(ckpts, tmp_path):
     checkpoint as base weights, another model's checkpoint, a folder that is not megamoe's."""
     bad = copy(ckpts["dense"], tmp_path / "truncated")
     part = next(bad.glob("*.distcp"))
-    part.write_bytes(part.read_bytes()[:1000])
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])  # still more bytes than parameters
     run = f"checkpoint.dir={tmp_path}/run"
     dense = ["--config", "tiny_train", "model.hidden_size=32", "train.steps=1", run, *SMALL]
     one_line_error(tool("finetune.py", *dense, f"checkpoint.load={bad}", check=False),

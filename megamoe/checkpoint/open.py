@@ -59,7 +59,8 @@ class Checkpoint:
         if folders is not None and params > held:
             raise CheckpointError(f"{self.path}/meta.json: the model it describes (hidden_size {cfg.hidden_size}, "
                                   f"vocab_size {cfg.vocab_size}) has {params:,} parameters, more than the {held:,} "
-                                  f"bytes of weights the checkpoint holds")
+                                  f"bytes of weights the checkpoint holds (truncated weight files, or a model "
+                                  f"section that is not theirs)")
 
     def weight_folders(self) -> list[Path] | None:
         """Where the model's weights are: this folder, a LoRA checkpoint's base, the HF folder of

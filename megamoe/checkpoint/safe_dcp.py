@@ -125,8 +125,12 @@ def first_failure(e: CheckpointException) -> BaseException:
 
 
 def checkpoint_error(path: Path, action: str, e: BaseException) -> CheckpointError:
-    """One line for a DCP failure: megamoe's own error as it is, else the first line of the cause."""
+    """One line for a DCP failure: megamoe's own error as it is, else the first line of the cause.
+    An interruption (SIGTERM, Ctrl-C: a KeyboardInterrupt that DCP wrapped) is raised again as
+    itself, so the command stops as interrupted, not as a failed save."""
     cause = first_failure(e) if isinstance(e, CheckpointException) else e
+    if isinstance(cause, KeyboardInterrupt):
+        raise cause
     if isinstance(cause, CheckpointError):
         return cause
     text = str(cause).strip()

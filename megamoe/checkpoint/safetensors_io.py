@@ -81,6 +81,11 @@ def read_header(path: str | Path) -> dict:
     """The safetensors header of ``path`` (names -> dtype, shape, offsets), every entry checked
     (``check_entry``) and against the file size, so a hostile or truncated shard is one line
     before any tensor is read. ``path`` must be a regular file (``megamoe.core.untrusted.member``)."""
+    return header_and_start(path)[0]
+
+
+def header_and_start(path: str | Path) -> tuple[dict, int]:
+    """(``read_header(path)``, the offset where the tensors' bytes start)."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -105,7 +110,7 @@ def read_header(path: str | Path) -> dict:
     end = max((check_entry(path, name, v) for name, v in header.items()), default=0)
     if 8 + n + end > size:
         raise CheckpointError(f"{path}: truncated ({size} bytes, header needs {8 + n + end})")
-    return header
+    return header, 8 + n
 
 
 def check_entry(path: Path, name: str, entry) -> int:

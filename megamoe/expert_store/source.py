@@ -27,17 +27,17 @@ Every file problem is one line naming the file (``CheckpointError``).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megamoe.checkpoint.safetensors_io import DTYPE_OF_CODE
+from megamoe.checkpoint.hf_io import read_weight_map
+from megamoe.checkpoint.safetensors_io import DTYPE_OF_CODE, header_and_start
 from megamoe.core.errors import CheckpointError
+from megamoe.core.untrusted import member
 from megamoe.expert_store.mapped import MappedFile
 from megamoe.layers.ops.fp8.frozen import dequantize_rows
 
@@ -60,26 +60,6 @@ class _Entry:
         return self.shape[1] * self.shape[2] * self.dtype.itemsize
 
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """(the safetensors header, offset of the data) of one file."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise CheckpointError(f"{path}: not a safetensors file (shorter than its header length)")
-            n = struct.unpack("<Q", raw)[0]
-            if n > path.stat().st_size - 8:
-                raise CheckpointError(f"{path}: not a readable safetensors file (header length {n} past its end)")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing (a file of the expert store)") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: not a safetensors file (its header is not a table)")
-    return header, 8 + n
-
-
 class DiskSource:
     """Reads experts' slices from a converted checkpoint directory (see the module docstring)."""
 
@@ -95,26 +75,20 @@ class DiskSource:
             self.files = files
             return
         index = self.root / _INDEX
-        try:
-            self.files = json.loads(index.read_text())["weight_map"]
-        except FileNotFoundError:
+        if not (index.exists() or index.is_symlink()):
             raise CheckpointError(f"{index}: missing: the expert store is a converted megamoe checkpoint "
-                                  "(megamoe-convert import-hf)") from None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a checkpoint index ({e})") from None
+                                  "(megamoe-convert import-hf)")
+        self.files = read_weight_map(self.root)
+        for shard in sorted(set(self.files.values())):  # regular files inside the checkpoint only
+            member(self.root, shard, str(index))
 
     # ---- the index -------------------------------------------------------------------------
 
     def _entry(self, key: str) -> _Entry:
         name = self.files[key]
         if name not in self._headers:
-            path = self.root / name
-            header, data = read_header(path)
-            size = path.stat().st_size
-            for k, v in header.items():  # every tensor's bytes inside the file: a truncated file fails here
-                if k != "__metadata__" and (not isinstance(v, dict) or data + v["data_offsets"][1] > size):
-                    raise CheckpointError(f"{path}: truncated or corrupt (tensor {k} ends past the file's end)")
-            self._headers[name] = (header, data)
+            # every entry checked, every tensor's bytes inside the file: a truncated file fails here
+            self._headers[name] = header_and_start(self.root / name)
         header, data = self._headers[name]
         info = header.get(key)
         if info is None or info.get("dtype") not in DTYPE_OF_CODE:

@@ -31,7 +31,6 @@ to the order of float additions).
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from torch import nn
 
 from megamoe.core.config import ExpertStoreConfig
 from megamoe.core.errors import CheckpointError, ConfigError
+from megamoe.core.untrusted import json_object
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.expert_store.slot_cache import ExpertCache
 from megamoe.expert_store.hf import hf_expert_sources, is_hf_dir
@@ -244,10 +244,7 @@ def experts_home(root: str | Path) -> str | Path:
     when imported without them (``megamoe-convert import-hf --experts-in-hf``)."""
     meta = Path(root) / "meta.json"
     if meta.is_file():
-        try:
-            hf = json.loads(meta.read_text()).get("hf") or {}
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{meta}: not readable ({e})") from None
+        hf = json_object(meta).get("hf") or {}
         if hf.get("experts_in_hf"):
             return hf["path"]
     return root
