@@ -219,11 +219,11 @@ HOSTILE = {
     "weight_map a list": (lambda u: (u / "hf/model.safetensors.index.json").write_text('{"weight_map": [1]}'),
                           ["'weight_map' is a list"]),
     "config.json nested 200000 deep": (lambda u: (u / "hf/config.json").write_text("[" * 200_000 + "]" * 200_000),
-                                       ["config.json", "nested more than 64 levels"]),
+                                       ["config.json", "nested deeper than 64 levels"]),
 }
 META = {
     "meta.json model 'x'": (edit_meta(lambda m: m.update(model="x")), ["meta.json", "'model' is 'x'"]),
-    "meta.json nested 200000 deep": (deep_meta, ["meta.json", "nested more than 64 levels"]),
+    "meta.json nested 200000 deep": (deep_meta, ["meta.json", "nested deeper than 64 levels"]),
     "meta.json hidden_size 1e7": (edit_meta(lambda m: m["model"].update(hidden_size=10_000_000)),
                                   ["meta.json", "hidden_size 10000000", "more than the"]),
     "meta.json vocab_size 1e9": (edit_meta(lambda m: m["model"].update(vocab_size=1_000_000_000)),

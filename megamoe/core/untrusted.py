@@ -6,19 +6,19 @@
   device (``/dev/zero`` never ends). One exception, for HF folders only: the Hugging Face hub
   cache's snapshot layout, whose files are symlinks into the model's own ``blobs`` folder.
 - ``read_json``: a JSON file, bounded before it is parsed (a regular file of at most
-  ``MAX_JSON_BYTES``) and after (nesting at most ``MAX_JSON_DEPTH``); every failure one line.
+  ``MAX_JSON_BYTES``) and while (``megamoe.core.json_limits``: nesting, surrogates); every
+  failure one line.
 """
 from __future__ import annotations
 
-import json
 import os
 import stat
 from pathlib import Path, PurePosixPath
 
 from megamoe.core.errors import CheckpointError, MegamoeError
+from megamoe.core.json_limits import JsonLimitError, loads_bounded
 
 MAX_JSON_BYTES = 256 << 20  # an index of a trillion-parameter release is ~10 MB
-MAX_JSON_DEPTH = 64  # configs nest a few levels; deeper is not a config
 
 
 def _hub_blob(folder: Path, real: Path) -> bool:
@@ -47,22 +47,10 @@ def member(folder: str | Path, name, what: str, hub: bool = False, error=Checkpo
     return path
 
 
-def json_depth(data) -> int:
-    """Nesting depth of parsed JSON (a scalar: 0), without recursion."""
-    depth, todo = 0, [(data, 1)]
-    while todo:
-        item, d = todo.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        depth = max(depth, d)
-        todo.extend((c, d + 1) for c in children)
-    return depth
-
-
 def read_json(path: str | Path, error: type[MegamoeError] = CheckpointError, max_bytes: int = MAX_JSON_BYTES,
-              max_depth: int = MAX_JSON_DEPTH, missing: str = "not found"):
-    """The JSON value in ``path``, bounded (size before parsing, nesting after); one-line errors."""
+              missing: str = "not found"):
+    """The JSON value in ``path``: a regular file of at most ``max_bytes``, parsed by
+    ``megamoe.core.json_limits.loads_bounded`` (nesting, surrogates); one-line errors naming it."""
     path = Path(path)
     try:
         st = os.stat(path)
@@ -73,14 +61,11 @@ def read_json(path: str | Path, error: type[MegamoeError] = CheckpointError, max
     if st.st_size > max_bytes:
         raise error(f"{path}: {st.st_size:,} bytes, more than the {max_bytes:,} a JSON file here may have")
     try:
-        data = json.loads(path.read_bytes())
-    except RecursionError:
-        raise error(f"{path}: nested more than {max_depth} levels deep") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise error(f"{path}: not valid JSON ({' '.join(str(e).split())[:200]})") from None
-    if json_depth(data) > max_depth:
-        raise error(f"{path}: nested more than {max_depth} levels deep")
-    return data
+        return loads_bounded(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except JsonLimitError as e:
+        raise error(f"{path}: {e}") from None
 
 
 def json_object(path: str | Path, error: type[MegamoeError] = CheckpointError, **kwargs) -> dict:
