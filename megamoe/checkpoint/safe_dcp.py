@@ -129,8 +129,11 @@ def checkpoint_error(path: Path, action: str, e: BaseException) -> CheckpointErr
     An interruption (SIGTERM, Ctrl-C: a KeyboardInterrupt that DCP wrapped) is raised again as
     itself, so the command stops as interrupted, not as a failed save."""
     cause = first_failure(e) if isinstance(e, CheckpointException) else e
-    if isinstance(cause, KeyboardInterrupt):
-        raise cause
+    interrupt = cause
+    while interrupt is not None and not isinstance(interrupt, KeyboardInterrupt):
+        interrupt = interrupt.__context__  # torch.save's writer fails again when a signal cuts it off
+    if interrupt is not None:
+        raise interrupt
     if isinstance(cause, CheckpointError):
         return cause
     text = str(cause).strip()
