@@ -236,8 +236,14 @@ def _steps(root: Path) -> list[Path]:
 def _prune(root: Path, keep_last: int) -> None:
     for old in _steps(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
+    remove_partial_saves(root)
+
+
+def remove_partial_saves(root: Path) -> None:
+    """Remove ``step_X.tmp`` / ``step_X.replaced`` folders in ``root`` that carry megamoe's marker
+    (its own partial saves; the run holds the folder's lock, so none is another run's)."""
     for stale in [*root.glob("step_*.tmp"), *root.glob("step_*.replaced")]:
-        if (stale / PARTIAL).is_file():  # megamoe's own partial saves only
+        if (stale / PARTIAL).is_file():
             shutil.rmtree(stale, ignore_errors=True)
 
 

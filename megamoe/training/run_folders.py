@@ -16,8 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from megamoe.checkpoint.dcp import latest_checkpoint
-from megamoe.core.files import PARTIAL, remove_stale_partials
+from megamoe.checkpoint.dcp import latest_checkpoint, remove_partial_saves
+from megamoe.core.files import remove_stale_partials
 from megamoe.core.folder_lock import FolderLock
 from megamoe.core.interrupt import doing
 
@@ -67,9 +67,7 @@ class RunFolders:
 
     def _clean_up(self) -> None:
         if self.checkpoint_dir is not None and self.checkpoint_dir.is_dir():
-            for partial in [*self.checkpoint_dir.glob("step_*.tmp"), *self.checkpoint_dir.glob("step_*.replaced")]:
-                if (partial / PARTIAL).is_file():  # this run's own (its lock keeps others out)
-                    shutil.rmtree(partial, ignore_errors=True)
+            remove_partial_saves(self.checkpoint_dir)  # this run's own (its lock keeps others out)
         if self.trained():
             return
         if self.lock is not None:
