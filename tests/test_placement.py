@@ -100,7 +100,7 @@ def test_bad_load_and_placement_files_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"model.moe.placement: layer 0 must order each of the 8 experts once"):
         load_recipe("tiny_hybrid_moe", ["model.moe.placement={'0': [0, 1, 2, 3, 4, 5, 6, 6]}"])
     with pytest.raises(ConfigError, match="group-limited routing"):
-        load_recipe("tiny_hybrid_moe", ["model.moe.placement={'0': [0, 1, 2, 3, 4, 5, 6, 7]}", "model.moe.n_group=2"])
+        load_recipe("tiny_hybrid_moe", ["model.moe.placement={'0': [0, 4, 2, 3, 1, 5, 6, 7]}", "model.moe.n_group=2"])
 
 
 def test_calibrate_command_measures_the_load_on_user_text(tmp_path):
@@ -129,3 +129,66 @@ def test_calibrate_command_measures_the_load_on_user_text(tmp_path):
                                                             // 64) * 64
     for layer, counts in load.items():
         assert imbalance(counts, placement[str(layer)], EP) <= imbalance(counts, range(E), EP)
+
+
+def test_group_limited_placement_keeps_groups_whole_and_evens_the_load():
+    """n_group=8 (DeepSeek-V3's): 64 experts, 4 ranks of 2 whole groups; 4 groups spread over 4
+    ranks each; a skewed load evened either way, every group in one block of slots."""
+    from megamoe.core.placement import split_group
+
+    load = (torch.rand(64, generator=torch.Generator().manual_seed(0)) ** 4 * 1000).tolist()
+    for ep, n_group in ((4, 8), (16, 4)):
+        order = balanced_order(load, ep, n_group)
+        assert sorted(order) == list(range(64)) and split_group(order, n_group) is None
+        assert imbalance(load, order, ep) < imbalance(load, range(64), ep)
+    with pytest.raises(ConfigError, match="do not nest"):
+        balanced_order(load[:48], 16, 12)  # 3 experts per rank, groups of 4
+
+
+def test_group_limited_placement_changes_no_output():
+    """Whole groups moved between blocks and experts moved inside their group: the same experts
+    chosen for every token (outputs and input gradients equal the unplaced layer)."""
+    from megamoe.core.placement import check_placement
+    from tests.test_moe_parallel import H, build_moe
+
+    moe = dict(num_experts=16, top_k=4, moe_ffn_hidden_size=8, score_function="sigmoid", n_group=8, topk_group=3,
+               expert_bias=True, num_shared_experts=0)
+    groups = [5, 2, 7, 0, 1, 6, 3, 4]
+    order = [2 * g + i for g in groups for i in (1, 0)]  # blocks permuted, each group's two experts swapped
+    assert check_placement({0: order}, 16, [0], n_group=8) == {0: order}
+    ref, placed = build_moe(moe), build_moe(moe)
+    with torch.no_grad():
+        for name, p in placed.named_parameters():
+            if name.startswith(("router.", "experts.")):
+                p.copy_(dict(ref.named_parameters())[name].index_select(0, torch.tensor(order)))
+        placed.router.expert_bias.copy_(ref.router.expert_bias.index_select(0, torch.tensor(order)))
+    x = torch.randn(2, 8, H, generator=torch.Generator().manual_seed(3))
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    ys = [m(xi) for m, xi in zip((ref, placed), xs)]
+    for y, xi in zip(ys, xs):
+        y.square().sum().backward()
+    assert rel_err(ys[1], ys[0]) < 1e-6 and rel_err(xs[1].grad, xs[0].grad) < 1e-6
+
+
+def calibrate_case() -> dict:
+    """Each of 2 ranks routes its own batches; the summed counts equal one process routing all."""
+    import torch.distributed as dist
+
+    from megamoe.core.config import AttentionConfig, ModelConfig, MoEConfig
+    from megamoe.model.build import build_model
+    from megamoe.model.weights import initialize
+    from megamoe.parallel.groups import ParallelGroups
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, layout="AeAe", attention=AttentionConfig(num_heads=2, num_kv_heads=2),
+                      moe=MoEConfig(num_experts=8, top_k=2, moe_ffn_hidden_size=8))
+    model = build_model(cfg)
+    initialize(model, ParallelGroups(), 0)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(4)]
+    rank = dist.get_rank()
+    return {"merged": calibrate(model, batches[rank::2], dist.group.WORLD), "alone": calibrate(model, batches)}
+
+
+def test_calibration_distributed_and_merged(pool):
+    for r in pool(2).run(calibrate_case):
+        assert r["merged"] == r["alone"] and sorted(r["merged"]) == [0, 1] and sum(r["merged"][0]) == 4 * 2 * 16 * 2

@@ -82,6 +82,11 @@ def reduce_scatter_rows(y: torch.Tensor, sizes: list[int], group) -> torch.Tenso
     return got.view(n, mine, *y.shape[1:]).sum(0)
 
 
+def _run(during) -> None:
+    if during is not None:
+        during()
+
+
 def _dropped_to(idx: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     return idx if keep is None else idx.masked_fill(~keep, -1)
 
@@ -164,15 +169,23 @@ class AllToAllDispatcher:
         self.num_local = num_experts // self.ep_size
         self.etp_rank = group_rank(groups.etp)
 
-    def __call__(self, x, weights, idx, keep, experts) -> torch.Tensor:
+    def __call__(self, x, weights, idx, keep, experts, during=None) -> torch.Tensor:
+        """``during``: run (once) while the tokens' all-to-all is in flight (the shared expert)."""
         if self.ep_size * self.etp_size == 1:
+            _run(during)
             return dispatch_local(x, weights, idx, keep, experts, self.num_experts, self.outside_graph)
         plan = self.plan(idx, keep)
         token = plan.order // idx.size(1)
         send_x = x.index_select(0, token)
         send_p = weights.reshape(-1).index_select(0, plan.order)
-        rx = comm.all_to_all(send_x, plan.out_splits, plan.in_splits, self.ep)
-        rp = comm.all_to_all(send_p, plan.out_splits, plan.in_splits, self.ep)
+        if during is None:
+            rx = comm.all_to_all(send_x, plan.out_splits, plan.in_splits, self.ep)
+            rp = comm.all_to_all(send_p, plan.out_splits, plan.in_splits, self.ep)
+        else:  # issued, the overlapped work, then waited on
+            rx, rx_pending = comm.all_to_all_start(send_x, plan.out_splits, plan.in_splits, self.ep)
+            rp, rp_pending = comm.all_to_all_start(send_p, plan.out_splits, plan.in_splits, self.ep)
+            during()
+            rx, rp = comm.all_to_all_wait(rx, rx_pending), comm.all_to_all_wait(rp, rp_pending)
         if self.etp_size > 1:  # every etp rank computes its f-slice for all the etp group's rows
             rx, rp = gather_rows(rx, plan.etp_sizes, self.etp), gather_rows(rp, plan.etp_sizes, self.etp)
         y = experts(rx, plan.perm, plan.expert_counts, rp.index_select(0, plan.perm), rx.size(0))
@@ -213,7 +226,8 @@ class AllGatherDispatcher:
         self.num_local = num_experts // groups.size("ep")
         self.first = groups.rank("ep") * self.num_local
 
-    def __call__(self, x, weights, idx, keep, experts) -> torch.Tensor:
+    def __call__(self, x, weights, idx, keep, experts, during=None) -> torch.Tensor:
+        _run(during)  # (not overlapped: the gathers are one collective each way)
         if self.size == 1:
             return dispatch_local(x, weights, idx, keep, experts, self.num_experts, self.outside_graph)
         sizes, counts = self.exchange_counts(idx, keep)

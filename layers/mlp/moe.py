@@ -68,14 +68,19 @@ class MoELayer(nn.Module):
         ids = None if info is None else info.token_ids
         if ids is not None and self.sp:  # [b, s] -> this rank's sequence shard, as x
             ids = ids.chunk(self.tp_size, dim=1)[group_rank(self.tp)] if ids.size(1) != x.size(1) else ids
-        out = self.routed(x, ids)
-        if self.shared_experts is not None:
-            out = self.shared_experts.add_to(out, x, self.shared_gate)
-        return out
+        if self.shared_experts is None:
+            return self.routed(x, ids)
+        if not self.cfg.shared_expert_overlap:
+            return self.shared_experts.add_to(self.routed(x, ids), x, self.shared_gate)
+        shared: list[torch.Tensor] = []  # computed by the dispatcher while its all-to-all is in flight
+        out = self.routed(x, ids, during=lambda: shared.append(self.shared_experts.add_to(torch.zeros_like(x), x,
+                                                                                             self.shared_gate)))
+        return out + shared[0]
 
-    def routed(self, x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    def routed(self, x: torch.Tensor, ids: torch.Tensor | None = None, during=None) -> torch.Tensor:
         """The routed experts' part: [b, s, h] -> [b, s, h] (with its aux losses attached);
-        ids [b, s]: the tokens' ids (hash routing)."""
+        ids [b, s]: the tokens' ids (hash routing); ``during``: work the dispatcher runs while
+        its token exchange is in flight (once, in any case)."""
         split = self.split_tokens and self._can_split(x)
         if split:
             x = comm.scatter_to(x, 1, self.tp)
@@ -83,7 +88,7 @@ class MoELayer(nn.Module):
         b, s, h = x.shape
         flat = x.reshape(b * s, h)
         routing = self.router(flat, b, None if ids is None else ids.reshape(-1))
-        y = self.dispatch(flat, routing.weights, routing.idx, routing.keep, self.experts).view(b, s, h)
+        y = self.dispatch(flat, routing.weights, routing.idx, routing.keep, self.experts, during).view(b, s, h)
         y = attach_aux_loss(y, routing.aux_loss, self.router.aux_loss_scale)
         return comm.gather_from(y, 1, self.tp) if split else y
 

@@ -6,11 +6,14 @@ per-stage memory per rank; or place experts over EP ranks from their measured lo
     megamoe-plan --config moe_1t --world-size 1024 --long-context parallel.tp=8 parallel.ep=64
     megamoe-plan experts --load LOAD.json --ep 8 [--out PLACEMENT.json]
     megamoe-plan experts --calibrate HF_DIR --text FILE --ep 8 [--seq-len 512] [--tokenizer SPEC] [--save-load LOAD.json]
+    torchrun --nproc-per-node 4 -m megamoe.commands.plan experts --calibrate HF_DIR --text FILE --ep 8   # distributed
 
 ``experts`` reads tokens per expert per MoE layer (JSON {"layers": {"3": [...], ...}}, or a
 calibration pass of an HF model over a text file with its tokenizer), prints each layer's
 busiest-rank load (max/mean) before and after, and writes the placement that
-``megamoe-convert import-hf --placement`` applies (docs/moe.md).
+``megamoe-convert import-hf --placement`` applies (docs/moe.md). With group-limited routing
+(``--n-group``, or the calibrated model's ``n_group``) groups stay whole. Under torchrun each
+rank routes its share of the text's sequences and the counts are summed (rank 0 writes).
 """
 import sys
 
@@ -33,10 +36,15 @@ def experts(argv: list[str]) -> None:
     p.add_argument("--seq-len", type=number_in(int, 2), default=512, help="with --calibrate: tokens per sequence")
     p.add_argument("--save-load", help="with --calibrate: also write the measured load here")
     p.add_argument("--ep", type=number_in(int, 1), required=True, help="expert-parallel ranks")
+    p.add_argument("--n-group", type=number_in(int, 1), help="expert groups of group-limited routing, kept whole "
+                   "(default: the calibrated model's n_group, else 1)")
     p.add_argument("--out", help="write the placement here (JSON)")
     args = p.parse_args(argv)
+    n_group = args.n_group or 1
     if args.calibrate:
-        load = _calibrate(args)
+        load, n_group, main_rank = _calibrate(args)
+        if not main_rank:
+            return
         if args.save_load:
             write_json(args.save_load, load)
     else:
@@ -44,7 +52,7 @@ def experts(argv: list[str]) -> None:
     placement = {}
     print(f"{'layer':>5} {'experts':>8} {'busiest/mean before':>20} {'after':>7}")
     for layer, counts in sorted(load.items()):
-        order = balanced_order(counts, args.ep)
+        order = balanced_order(counts, args.ep, n_group)
         placement[layer] = order
         print(f"{layer:>5} {len(counts):>8} {imbalance(counts, range(len(counts)), args.ep):>20.3f} "
               f"{imbalance(counts, order, args.ep):>7.3f}")
@@ -53,10 +61,13 @@ def experts(argv: list[str]) -> None:
         print(f"wrote {args.out} (megamoe-convert import-hf HF_DIR OUT --placement {args.out})")
 
 
-def _calibrate(args) -> dict:
+def _calibrate(args) -> tuple[dict, int, bool]:
+    """(tokens per expert per MoE layer, the placement's n_group, whether this rank reports)."""
+    import os
     from pathlib import Path
 
     import torch
+    import torch.distributed as dist
 
     from megamoe.convert import from_hf
     from megamoe.data.tokenizer import load_tokenizer
@@ -74,7 +85,16 @@ def _calibrate(args) -> dict:
     if n == 0:
         raise ConfigError(f"{args.text}: {ids.numel()} tokens, fewer than one --seq-len={args.seq_len} sequence")
     batches = ids[:n * args.seq_len].view(n, args.seq_len).split(4)
-    return calibrate(from_hf(args.calibrate), batches)
+    group, rank = None, 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: each rank its share, summed
+        from megamoe.parallel.groups import init_distributed
+
+        rank, world = init_distributed(device="cpu")
+        group, batches = dist.group.WORLD, batches[rank::world]
+    model = from_hf(args.calibrate)
+    load = calibrate(model, batches, group)
+    moe = model.config.moe
+    return load, args.n_group or (moe.n_group if moe is not None else 1), rank == 0
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,7 +15,11 @@ a placement is a property of how weights are laid out, like TP or EP sharding:
 
 These are the rules (validation, the JSON files, the permutation of a tensor); choosing an
 order from measured load is ``megamoe.planning.placement``. Group-limited routing
-(``n_group > 1``) ties experts to contiguous groups, so it takes no placement.
+(``n_group > 1``) picks each token's best groups of contiguous slots, and a group's score does
+not depend on where the group sits: a placement that keeps every group in one block of slots
+(whole groups moved between blocks, experts moved inside their group) routes every token to
+the same experts. Blocks are contiguous slots, and EP ranks and nodes hold contiguous slots, so
+such a placement keeps each group on as few ranks (and nodes) as before.
 """
 from __future__ import annotations
 
@@ -69,10 +73,8 @@ def read_placement(path: str | Path) -> dict[int, list[int]]:
 
 def check_placement(placement: dict, num_experts: int, moe_layers: Sequence[int], n_group: int = 1,
                     path: str = "model.moe.placement") -> dict[int, list[int]]:
-    """{layer: order} with int keys, every order a permutation of the experts of a MoE layer."""
-    if placement and n_group > 1:
-        raise ConfigError(f"{path}: group-limited routing (n_group={n_group}) ties experts to their groups; "
-                          "it takes no placement")
+    """{layer: order} with int keys, every order a permutation of the experts of a MoE layer
+    (with group-limited routing, one that keeps each group in one block of slots)."""
     out = {}
     for key, order in (placement or {}).items():
         layer = int(key)
@@ -81,7 +83,22 @@ def check_placement(placement: dict, num_experts: int, moe_layers: Sequence[int]
         if sorted(order) != list(range(num_experts)):
             raise ConfigError(f"{path}: layer {layer} must order each of the {num_experts} experts once")
         out[layer] = [int(e) for e in order]
+        split = split_group(out[layer], n_group)
+        if split is not None:
+            raise ConfigError(f"{path}: layer {layer} splits expert group {split} over slot blocks (group-limited "
+                              f"routing, n_group={n_group}: each group's {num_experts // n_group} experts must fill "
+                              "one block of slots)")
     return out
+
+
+def split_group(order: Sequence[int], n_group: int) -> int | None:
+    """The first expert group that ``order`` does not keep in one block of slots, else None."""
+    size = len(order) // n_group
+    for start in range(0, len(order), size):
+        groups = {int(e) // size for e in order[start:start + size]}
+        if len(groups) > 1:
+            return min(groups)
+    return None
 
 
 # ---- applying it to tensors --------------------------------------------------------------------

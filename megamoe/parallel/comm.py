@@ -12,6 +12,7 @@ function                      forward                  backward
 ``gather_reduce_scatter``     all-gather (dim)         reduce-scatter
 ``reduce_scatter_to``         reduce-scatter (dim)     all-gather
 ``all_to_all``                all-to-all (splits)      all-to-all (reversed)
+``all_to_all_start/wait``     all-to-all, async        all-to-all (reversed)
 ============================  =======================  ==========================
 
 ``gather_from`` is for outputs every rank then uses identically (its gradient is the same
@@ -327,6 +328,50 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(g, in_splits, out_splits, ctx.group, ctx.tag), None, None, None
 
 
+class Pending:
+    """An all-to-all in flight (``all_to_all_start``): its output buffer is not to be read before
+    ``all_to_all_wait``; the time from issue to completion is recorded at the wait."""
+
+    def __init__(self, work, key: str | None, nbytes: int):
+        self.work, self.key, self.nbytes, self.t0 = work, key, nbytes, time.perf_counter()
+        self.rec = _RECORDER.get()
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.rec is not None:
+            self.rec.add(self.key, self.nbytes, time.perf_counter() - self.t0)
+
+
+class _AllToAllStart(torch.autograd.Function):
+    """Issue the all-to-all and return its (unfilled) output buffer; backward: the reverse
+    all-to-all (synchronous)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, box):
+        ctx.splits, ctx.group, ctx.tag = (out_splits, in_splits), group, current_tag()
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        work = dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits,
+                                      input_split_sizes=in_splits, group=group, async_op=True)
+        box.append(Pending(work, sample_key("all_to_all", group, _nbytes(x)), _nbytes(x)))
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(g, in_splits, out_splits, ctx.group, ctx.tag), None, None, None, None
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, pending):
+        pending.wait()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
 # ---- public API: no-ops for a group of one -----------------------------------------------
 
 def copy_to(x: torch.Tensor, group) -> torch.Tensor:
@@ -355,6 +400,21 @@ def reduce_scatter_to(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     return x if group_size(group) == 1 else _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+def all_to_all_start(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+    """``all_to_all`` issued asynchronously: (output buffer, pending); read the buffer only
+    through ``all_to_all_wait(buffer, pending)``. The backward is the plain reverse all-to-all."""
+    if group_size(group) == 1:
+        return x, None
+    box: list = []
+    out = _AllToAllStart.apply(x, out_splits, in_splits, group, box)
+    return out, box[0]
+
+
+def all_to_all_wait(out: torch.Tensor, pending) -> torch.Tensor:
+    """The output of ``all_to_all_start`` once it has arrived."""
+    return out if pending is None else _Wait.apply(out, pending)
 
 
 def all_gather_tensor(x: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -4,6 +4,10 @@ The load comes from a calibration pass (``calibrate``: tokens routed to each exp
 some batches) saved as JSON ``{"layers": {"3": [tokens per expert, ...], ...}}``;
 ``balanced_order`` assigns the heaviest experts first, each to the least loaded rank with a
 free slot (LPT with equal capacities), which bounds the busiest rank's load near the mean.
+With group-limited routing (``n_group``) it keeps every group in one block of slots
+(``megamoe.core.placement``): whole groups go to ranks by the same rule when a rank holds whole
+groups, and a group spread over several ranks balances its experts over them.
+Calibration can run distributed: each rank routes its own batches and the counts are summed.
 """
 from __future__ import annotations
 
@@ -13,14 +17,17 @@ import torch
 
 from megamoe.core.errors import ConfigError
 from megamoe.model.moe_controls import routers
+from megamoe.parallel import comm
 
 
-def balanced_order(load: Sequence[float], ep: int) -> list[int]:
+def balanced_order(load: Sequence[float], ep: int, n_group: int = 1) -> list[int]:
     """Expert ids in slot order: heaviest first, each to the least-loaded rank with room
-    (ties: the lower rank); within a rank, ascending ids."""
+    (ties: the lower rank); within a rank, ascending ids. ``n_group`` > 1: groups kept whole."""
     n = len(load)
     if ep < 1 or n % ep:
         raise ConfigError(f"--ep={ep} must divide the {n} experts")
+    if n_group > 1:
+        return _group_order(load, ep, n_group)
     per, totals = n // ep, [0.0] * ep
     ranks: list[list[int]] = [[] for _ in range(ep)]
     for e in sorted(range(n), key=lambda i: (-float(load[i]), i)):
@@ -28,6 +35,22 @@ def balanced_order(load: Sequence[float], ep: int) -> list[int]:
         ranks[r].append(e)
         totals[r] += float(load[e])
     return [e for r in ranks for e in sorted(r)]
+
+
+def _group_order(load: Sequence[float], ep: int, n_group: int) -> list[int]:
+    n = len(load)
+    size, per = n // n_group, n // ep
+    if n % n_group == 0 and per % size == 0:  # a rank holds whole groups: place groups as units
+        sums = [sum(float(x) for x in load[g * size:(g + 1) * size]) for g in range(n_group)]
+        groups = balanced_order(sums, ep)
+        return [g * size + i for g in groups for i in range(size)]
+    if n % n_group == 0 and size % per == 0:  # a group spans size/per ranks: balance inside it
+        out = []
+        for g in range(n_group):
+            inner = balanced_order(load[g * size:(g + 1) * size], size // per)
+            out += [g * size + e for e in inner]
+        return out
+    raise ConfigError(f"--ep={ep}: {per} experts per rank and groups of {size} (n_group={n_group}) do not nest")
 
 
 def rank_loads(load: Sequence[float], order: Sequence[int], ep: int) -> list[float]:
@@ -43,9 +66,10 @@ def imbalance(load: Sequence[float], order: Sequence[int], ep: int) -> float:
 
 
 @torch.no_grad()
-def calibrate(model, batches) -> dict[int, list[float]]:
+def calibrate(model, batches, group=None) -> dict[int, list[float]]:
     """Tokens routed to each expert (slot order of ``model``) per MoE layer, over ``batches``
-    of input ids [b, s], in eval mode."""
+    of input ids [b, s], in eval mode; ``group``: this rank's counts summed with those of the
+    group's other ranks (each routing its own batches through the same model)."""
     counts: dict[int, torch.Tensor] = {}
 
     def hook(router, inputs, out):
@@ -63,4 +87,7 @@ def calibrate(model, batches) -> dict[int, list[float]]:
         for h in handles:
             h.remove()
         model.train(was_training)
+    for r in sorted(routers(model), key=lambda r: r.layer_number):  # every rank, every layer, same order
+        total = counts.get(r.layer_number, torch.zeros(r.cfg.num_experts, dtype=torch.float64))
+        counts[r.layer_number] = comm.all_reduce_tensor(torch.as_tensor(total, dtype=torch.float64), group)
     return {layer: c.tolist() for layer, c in sorted(counts.items())}
