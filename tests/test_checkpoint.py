@@ -125,7 +125,7 @@ def test_bad_checkpoint_dirs(tmp_path):
     with pytest.raises(CheckpointError, match="meta.json missing"):
         read_meta(tmp_path)
     (tmp_path / "meta.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="corrupted"):
+    with pytest.raises(CheckpointError, match="meta.json: invalid JSON"):
         read_meta(tmp_path)
 
 

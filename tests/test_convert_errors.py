@@ -68,7 +68,7 @@ def truncate(d: Path) -> None:
 
 CASES = {
     "missing config": (lambda d: (d / "config.json").unlink(), "config.json: not found"),
-    "config not json": (lambda d: (d / "config.json").write_text("{oops"), "config.json: not valid JSON"),
+    "config not json": (lambda d: (d / "config.json").write_text("{oops"), "config.json: invalid JSON"),
     "unknown model_type": (lambda d: edit_config(d, model_type="gpt_neox_9000"),
                            "model_type='gpt_neox_9000' is not supported"),
     "missing config field": (lambda d: edit_config(d, num_attention_heads=None), "'num_attention_heads' is missing"),
