@@ -269,7 +269,7 @@ def test_bad_stores_fail_in_one_line_naming_the_file(tmp_path):
     path = os.path.join(store_dir, shard)
     with open(path, "r+b") as f:  # truncated: the last tensor's bytes end past the file's end
         f.truncate(os.path.getsize(path) - 100)
-    with pytest.raises(CheckpointError, match=f"{shard}: truncated or corrupt") as e:
+    with pytest.raises(CheckpointError, match=f"{shard}: truncated") as e:
         open_expert_store([model], model.groups, store_dir)
     assert "\n" not in str(e.value)
     with open(path, "r+b") as f:
