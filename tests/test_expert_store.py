@@ -274,10 +274,10 @@ def test_bad_stores_fail_in_one_line_naming_the_file(tmp_path):
     assert "\n" not in str(e.value)
     with open(path, "r+b") as f:
         f.write(b"\xff" * 16)
-    with pytest.raises(CheckpointError, match=f"{shard}: not a readable safetensors file"):
+    with pytest.raises(CheckpointError, match=f"{shard}: not a valid safetensors file"):
         open_expert_store([model], model.groups, store_dir)
     os.remove(path)
-    with pytest.raises(CheckpointError, match=f"{shard}: missing"):
+    with pytest.raises(CheckpointError, match=f"{shard}: file not found"):
         open_expert_store([model], model.groups, store_dir)
 
 
