@@ -140,8 +140,8 @@ class OutsideGraph:
     def __init__(self, dispatcher):
         self.dispatcher, self.call = dispatcher, torch.compiler.disable(dispatcher.__call__)
 
-    def __call__(self, x, weights, idx, keep, experts) -> torch.Tensor:
-        return self.call(x, weights, idx, keep, experts)
+    def __call__(self, x, weights, idx, keep, experts, during=None) -> torch.Tensor:
+        return self.call(x, weights, idx, keep, experts, during)
 
     def __getattr__(self, name):
         return getattr(self.dispatcher, name)
