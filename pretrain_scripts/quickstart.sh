@@ -49,10 +49,10 @@ python tools/pretrain.py --config "$CONFIG" checkpoint.dir="$OUT" logging.dir="$
 phase_done
 
 echo "[quickstart] 3/4 export to Hugging Face format"
-python tools/convert.py export-hf "$OUT" "$OUT/hf" --family qwen3_5_moe --overwrite
+python tools/convert.py export-hf "$OUT" "${OUT}_hf" --family qwen3_5_moe --overwrite
 phase_done
 echo "[quickstart] 4/4 caption $EVAL_IMAGES new images (seed $EVAL_SEED, never used in training) with transformers"
-MEGAMOE_FUSION=off python tools/captions.py "$OUT/hf" --log-dir "$OUT/tb" --images "$EVAL_IMAGES" --seed "$EVAL_SEED"
+MEGAMOE_FUSION=off python tools/captions.py "${OUT}_hf" --log-dir "$OUT/tb" --images "$EVAL_IMAGES" --seed "$EVAL_SEED"
 phase_done
 read_clock
 awk -v a="$START" -v b="$NOW" -v x="$START_CPU" -v y="$CPU" \
@@ -71,4 +71,4 @@ print(f"  this machine:       fp32 matmul {rate:.0f} GFLOP/s on {torch.get_num_t
 PY
 echo "  TensorBoard logs:   tensorboard --logdir $OUT/tb"
 echo "  checkpoints:        $OUT/step_*"
-echo "  HF checkpoint:      $OUT/hf"
+echo "  HF checkpoint:      ${OUT}_hf"

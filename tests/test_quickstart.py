@@ -56,7 +56,7 @@ def test_quickstart_trains_exports_and_reports_held_out_accuracy(tmp_path):
     acc = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
     acc.Reload()
     assert [(e.step, round(e.value, 6)) for e in acc.Scalars("eval/caption_exact")] == [(16, round(right / total, 6))]
-    report = verify(out / "hf", new_tokens=8)  # transformers and megamoe agree on the exported weights
+    report = verify(tmp_path / "quickstart_hf", new_tokens=8)  # transformers and megamoe agree on the exported weights
     assert report.ok, str(report)
 
 
