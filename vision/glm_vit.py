@@ -70,9 +70,7 @@ class GlmVitEncoder(NativeVit):
                  norm_eps: float = 1e-5, bias: bool = True, rope_temperature: float = 10000.0, device=None, dtype=None):
         super().__init__()
         dd = {"device": device, "dtype": dtype}
-        if embed_dim % num_heads or (embed_dim // num_heads) % 4:
-            raise ValueError(f"embed_dim={embed_dim} / num_heads={num_heads} must be a head size divisible by 4")
-        self.init_common(embed_dim, num_heads, depth, patch_size, rope_temperature)
+        self.init_common(embed_dim, num_heads, depth, patch_size, rope_temperature, head_multiple=4)
         self.patch_embed = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
                                       bias=True, strict_img_size=False, output_fmt="NHWC", **dd)
         self.blocks = nn.ModuleList([GlmVitBlock(embed_dim, num_heads, mlp_hidden_dim, swiglu_limit, norm_eps, bias, **dd)

@@ -47,9 +47,7 @@ class KimiVitEncoder(NativeVit):
                  device=None, dtype=None):
         super().__init__()
         dd = {"device": device, "dtype": dtype}
-        if embed_dim % num_heads or (embed_dim // num_heads) % 4:
-            raise ValueError(f"embed_dim={embed_dim} / num_heads={num_heads} must be a head size divisible by 4")
-        self.init_common(embed_dim, num_heads, depth, patch_size, rope_temperature)
+        self.init_common(embed_dim, num_heads, depth, patch_size, rope_temperature, head_multiple=4)
         norm_layer = partial(LayerNorm, eps=norm_eps)
         self.patch_embed = PatchEmbed(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim,
                                       bias=True, strict_img_size=False, output_fmt="NHWC", **dd)

@@ -79,9 +79,7 @@ class MiniMaxVitEncoder(NativeVit):
                  device=None, dtype=None):
         super().__init__()
         dd = {"device": device, "dtype": dtype}
-        if embed_dim % num_heads or (embed_dim // num_heads) % 2:
-            raise ValueError(f"embed_dim={embed_dim} / num_heads={num_heads} must be an even head size")
-        self.init_common(embed_dim, num_heads, depth, patch_size, rope_temperature)
+        self.init_common(embed_dim, num_heads, depth, patch_size, rope_temperature, head_multiple=2)
         self.patch_size, self.img_size = patch_size, img_size
         norm_layer = partial(LayerNorm, eps=norm_eps)
         # the released Conv3d weight [d, C, T, p, p]; an image's T frames are identical

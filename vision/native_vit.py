@@ -31,7 +31,12 @@ def pretrained_cfg(input_size: int, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), *
 class NativeVit(nn.Module):
     output_fmt: str = "NHWC"
 
-    def init_common(self, embed_dim: int, num_heads: int, depth: int, patch_size: int, rope_temperature: float):
+    def init_common(self, embed_dim: int, num_heads: int, depth: int, patch_size: int, rope_temperature: float,
+                    head_multiple: int = 2):
+        # the 2-D rotary embedding splits a head into (row, column) halves, each rotated in pairs
+        if embed_dim % num_heads or (embed_dim // num_heads) % head_multiple:
+            raise ValueError(f"embed_dim={embed_dim} / num_heads={num_heads} must be a head size divisible by "
+                             f"{head_multiple}")
         self.num_classes, self.num_prefix_tokens = 0, 0
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.head_dim, self.rope_temperature = embed_dim // num_heads, rope_temperature

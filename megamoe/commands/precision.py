@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from megamoe.commands.cli import number_in, parallel_flags, parallel_from_args, run_main, streamed_groups, tool_parser
-from megamoe.core.dtypes import SHORT
+from megamoe.core.dtypes import REFERENCE, SHORT
 from megamoe.core.errors import ConfigError
 
 
@@ -42,7 +42,7 @@ def parser():
                    help="compare layer by layer, each layer read from the HF folder only while it runs")
     p.add_argument("--backend", help="--streamed: the backend the compared run uses (default: the config's)")
     p.add_argument("--fp8", help="--streamed: the FP8 recipe of the compared run's GEMMs (as train.fp8)")
-    p.add_argument("--reference-dtype", choices=("fp32", "fp64"), default="fp32",
+    p.add_argument("--reference-dtype", choices=tuple(REFERENCE), default="fp32",
                    help="--streamed: dtype of the local-backend reference")
     parallel_flags(p)
     return p
@@ -75,8 +75,6 @@ def hf_comparison(model, hf_dir: str, ids: torch.Tensor, fp32):
     return ours, Capture([t.float() for t in theirs], {})
 
 
-REFERENCE_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-
 
 def streamed(args, names: list[str]) -> None:
     """The layer-streamed report: each dtype on --backend/--fp8 against the reference."""
@@ -92,7 +90,7 @@ def streamed(args, names: list[str]) -> None:
     candidates = {f"{name} {what} vs {against}": dict(backend=args.backend, dtype=SHORT[name], fp8=args.fp8)
                   for name in names}
     reports = streamed_reports(args.model_dir, candidates, groups=streamed_groups(args),
-                               reference=args.reference or "local", reference_dtype=REFERENCE_DTYPES[args.reference_dtype],
+                               reference=args.reference or "local", reference_dtype=REFERENCE[args.reference_dtype],
                                batch=args.batch, prompt_len=args.prompt_len, seed=args.seed)
     if reports is None:  # not a reporting rank
         return

@@ -22,7 +22,7 @@ from megamoe.core.errors import CheckpointError, ConfigError
 from megamoe.core.files import AtomicDir, check_replaceable, is_checkpoint_dir
 from megamoe.lora.adapters import adapter_of, has_lora
 from megamoe.model.build import build_model, stage_cut
-from megamoe.core.config_io import config_from_dict, config_to_dict
+from megamoe.core.config_io import config_to_dict
 from megamoe.parallel.groups import ParallelGroups
 from megamoe.checkpoint.pieces import GROUPS
 from megamoe.parallel.record import is_expert_param
