@@ -56,6 +56,14 @@ class LayerState(dict):
             mask = causal_mask(q_lat.size(1), c.size(1), device=q_lat.device)
         return core(q_lat, q_rope, c, k_rope, scale, mask)
 
+    def append_prefill(self, cp, local: dict[str, torch.Tensor], gathered: dict[str, torch.Tensor] | None = None) -> None:
+        """A prefill under context parallelism (``cp``, a ``ContextShard``): ``local`` holds this rank's
+        chunks of each time-axis tensor [b, s_local, ...]. This cache keeps the whole sequence on
+        every rank: the all-gathered ``gathered`` (or ``local`` gathered here) appended along time
+        (a ``ContextSplitCache`` keeps only ``local``: ``megamoe.layers.cache.split``)."""
+        for name, x in local.items():
+            self.append_time(name, (cp.gather(x) if gathered is None else gathered[name]).detach())
+
     def append_entries(self, name: str, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append each row's ``valid`` [b, n] entries of ``x`` [b, n, ...] after the row's own (an
         axis of its own, not time: DeepSeek-V4's compressed entries complete at different steps in

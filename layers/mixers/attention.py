@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.layers.cache.decode import append_kv, trim_kv
+from megamoe.layers.cache.decode import trim_kv
 from megamoe.core.config import AttentionConfig
 from megamoe.core.errors import ConfigError
 from megamoe.layers.spec import BuildContext, ForwardInfo, ModuleSpec, register_mixer
@@ -101,9 +101,9 @@ class SelfAttention(nn.Module):
             if self.window:  # 'S': later queries look back at most window - 1 keys
                 trim_kv(state, self.window - 1)
         else:  # training / scoring: under CP ring attention, packed documents masked
-            if info.cache is not None:  # prefill under CP: the cache gets every rank's keys
+            if info.cache is not None:  # prefill under CP: every rank's keys, or this rank's (a split cache)
                 state = info.cache.layer(self.layer_number)
-                append_kv(state, cp.gather(k), cp.gather(v))
+                state.append_prefill(cp, {"k": k, "v": v})
                 if self.window:
                     trim_kv(state, self.window - 1)
             out = self.core(q, k, v, cp=cp, documents=info.documents)

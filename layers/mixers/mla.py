@@ -168,7 +168,11 @@ class MultiLatentAttention(nn.Module):
         # keys and values, and never expands the whole sequence's heads on one rank.
         q_lat = self.absorbed_query(q_nope)
         if cp is not None:
-            c_all, kr_all = self.cached_latents(comm.copy_to(c, self.tp_group), k_rope, info)
+            c = comm.copy_to(c, self.tp_group)
+            c_all, kr_all = cp.gather(c), cp.gather(k_rope)
+            if info.cache is not None:  # a prefill: every rank's latents, or this rank's (a split cache)
+                info.cache.layer(self.layer_number).append_prefill(cp, {"c": c, "k_rope": k_rope},
+                                                                   {"c": c_all, "k_rope": kr_all})
             o_lat = tiled_latent_attention(self.latent_core, q_lat, q_rope, c_all, kr_all, self.scale,
                                            cp.local_index(x.device), info.documents)
         else:  # the cache is outside autograd and shared by every rank's heads: it keeps values

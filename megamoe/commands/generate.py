@@ -178,21 +178,10 @@ def load_for_layout(args):
     return model, None if args.compile else StageForward(model, groups), dist.get_rank() == 0
 
 
-def cache_factory(kind: str, block_size: int):
-    """--kv-cache: the decode cache ``stream`` makes for the batch."""
-    import functools
-
-    from megamoe.layers.cache.decode import InferenceCache
-    from megamoe.layers.cache.paged import PagedCache
-
-    if kind == "contiguous":
-        return InferenceCache
-    return functools.partial(PagedCache, block_size=block_size, kv_dtype="fp32" if kind == "paged" else kind)
-
-
 def decode_lines(model, prompts: list[list[int]], tok, args, images, forward=None):
     """Decode the prompts as one batch; yield the lines to print (with --stream one per token as
     it comes, then one line per prompt)."""
+    from megamoe.inference.distributed import cache_factory
     from megamoe.inference.generate import stream
     from megamoe.inference.speculative import SpeculativeStats, stream_speculative
 
@@ -205,7 +194,7 @@ def decode_lines(model, prompts: list[list[int]], tok, args, images, forward=Non
         steps = stream(model, prompts, args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, eos_token_id=eos, seed=args.seed, images=images,
                        prefill_chunk=args.prefill_chunk or None,
-                       cache_factory=cache_factory(args.kv_cache, args.block_size), forward=forward,
+                       cache_factory=cache_factory(args.kv_cache, args.block_size, forward), forward=forward,
                        compile=args.compile)
     for rows, tokens in steps:
         for r, t in zip(rows.tolist(), tokens.tolist()):

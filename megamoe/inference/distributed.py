@@ -15,12 +15,16 @@ so every rank picks the same token from the same logits (sampling draws from one
 every rank). Each stage keeps its own decode cache. TP ranks gather logits as in training;
 EP/ETP ranks all-to-all their tokens inside MoE layers as in training.
 
-Context parallelism (``--cp``) splits the prefill: each CP rank runs its two chunks of the
-prompt as in training (ring attention, state passing, all-gathered latents), and every mixer
-leaves the whole prompt's state in each rank's cache (keys and values all-gathered, linear
-states passed on to the end), so the decode steps run without CP, the same on every CP rank.
-The prompt's last token is the last local token of CP rank 0, whose logits are broadcast over
-the CP group; stages send their local chunks' hidden states. Prompts must have equal length.
+Context parallelism (``--cp``) splits the prefill and the cache: each CP rank runs its two
+chunks of the prompt as in training (ring attention, state passing, all-gathered latents). With
+the split caches (``cache_factory``; ``megamoe.layers.cache.split``) the softmax (A, S) and MLA (M)
+layers keep only this rank's chunks of the keys, and each later token is kept by rank
+``position % CP``; a decode step runs the same on every CP rank, each attends over its own keys
+and one all-gather a layer merges the ranks' parts by their log-sum-exps. Linear mixers' states
+and the other mixers' caches (D, R, I, B, V4) hold the whole prompt on every rank (all-gathered,
+or passed on to the end), as the plain caches keep every mixer's. The prompt's last token is the
+last local token of CP rank 0, whose logits are broadcast over the CP group; stages send their
+local chunks' hidden states. Prompts must have equal length.
 
 Sequence parallelism is not used for decoding: a step feeds one token per row, which cannot be
 split over TP ranks. Its weights are those of TP alone, so a TP+SP checkpoint decodes at the
@@ -28,11 +32,16 @@ same tp without SP.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from megamoe.core.config import ParallelConfig
 from megamoe.core.errors import ConfigError
+from megamoe.layers.cache.decode import InferenceCache
+from megamoe.layers.cache.paged import PagedCache
+from megamoe.layers.cache.split import ContextSplitCache, PagedContextSplitCache
 from megamoe.parallel import comm
 from megamoe.parallel.groups import ParallelGroups, build_groups, init_distributed
 
@@ -89,3 +98,16 @@ class StageForward:
         if not last_only:
             return shard.gather(local, 1)
         return comm.broadcast_tensor(local[:, -1:].contiguous(), 0, self.model.groups.cp)
+
+
+def cache_factory(kind: str = "contiguous", block_size: int = 16, forward: "StageForward | None" = None):
+    """The decode cache ``stream`` makes for a batch (``megamoe-generate --kv-cache``): "contiguous",
+    "paged", "int8" or "fp8" (paged blocks). Under CP (``forward`` a ``StageForward`` of a layout
+    with cp > 1) the softmax/MLA keys are split over the CP ranks (``megamoe.layers.cache.split``)."""
+    group = forward.groups.cp if forward is not None and forward.groups.size("cp") > 1 else None
+    if kind == "contiguous":
+        return InferenceCache if group is None else functools.partial(ContextSplitCache, group=group)
+    paged = dict(block_size=block_size, kv_dtype="fp32" if kind == "paged" else kind)
+    if group is None:
+        return functools.partial(PagedCache, **paged)
+    return functools.partial(PagedContextSplitCache, group=group, **paged)

@@ -297,8 +297,9 @@ class LanguageModel(nn.Module):
     def sequence_shard(self, seq_len: int, cache=None) -> ContextShard | None:
         """This rank's share of a sequence of ``seq_len`` tokens under CP; None without CP. With a
         decode cache CP applies to its first forward only (the prefill: every mixer leaves the
-        whole sequence's state in the cache); the decode steps after it run without CP, the same
-        on every CP rank."""
+        whole sequence's state in the cache, or, in a split cache, softmax/MLA keep their rank's
+        share); the forwards after it run the same on every CP rank (a split cache merges the
+        ranks' attention inside)."""
         if self.cp_size == 1 or (cache is not None and cache.seen > 0):
             return None
         if cache is not None and cache.pad is not None:

@@ -47,8 +47,9 @@ TILE = 1024  # tokens per side of a score tile
 def context_shard(info):
     """The forward's ``ContextShard`` when it spans more than one rank, else None. With a decode
     cache this is a prefill under CP (the model sets ``cp`` only for a cache's first forward, rows
-    of equal length): the mixer attends as in training and appends the whole sequence's
-    (all-gathered) keys to the cache, so the decode steps that follow run without CP."""
+    of equal length): the mixer attends as in training and hands its keys to the cache
+    (``LayerState.append_prefill``: all-gathered, or this rank's share in a split cache), so the
+    decode steps that follow run the same on every CP rank."""
     cp = info.cp
     if cp is None or cp.size == 1:
         return None

@@ -8,7 +8,9 @@ log-sum-exps, as ring attention's chunks do:
 
     lse = log(e^lse_a + e^lse_b)    out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b
 
-so the result is the softmax over every key, whatever the tiling. The references are
+so the result is the softmax over every key, whatever the tiling. ``partial_attention`` and
+``partial_latent_attention`` stop before the last step and return (out, lse): decoding under
+context parallelism (``megamoe.layers.cache.split``) merges them over the CP ranks' key sets. The references are
 ``CoreAttention`` and ``latent_attention`` on all the keys at once; ``tests/test_paged_cache.py``
 compares them forward and backward.
 """
@@ -33,22 +35,47 @@ def merge(acc, part):
     return out, lse
 
 
+def partial_attention(q: torch.Tensor, tiles: Iterable, scale: float, kernel=MATH, dv: int | None = None):
+    """Softmax attention with GQA over key tiles, not yet normalised across other key sets:
+    q [b, t, hq, d]; each tile (k [b, n, hk, d], v [b, n, hk, dv], mask [1|b, t, n] bool, True = may
+    attend, or None: every key) -> (out fp32 [b, hq, t, dv], lse fp32 [b, hq, t]), ready to ``merge``
+    with another key set's. No tile (``dv`` given): out 0 and lse -inf, which merges as nothing."""
+    qh, acc = q.transpose(1, 2), None
+    for k, v, mask in tiles:
+        mask = None if mask is None else mask.unsqueeze(1)
+        acc = merge(acc, kernel.forward(qh, k.transpose(1, 2), v.transpose(1, 2), scale, False, mask))
+    return acc if acc is not None else empty_part(qh, dv)
+
+
+def partial_latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, tiles: Iterable, scale: float):
+    """MLA's absorbed attention (``latent_attention``) over latent tiles, not yet normalised: one key
+    head shared by every query head, keys (c, k_rope), values c. q_lat [b, s, H, r], q_rope
+    [b, s, H, dr]; each tile (c [b, n, r], k_rope [b, n, dr], mask [1|b, s, n] or None) ->
+    (out fp32 [b, H, s, r], lse fp32 [b, H, s])."""
+    q, acc = torch.cat([q_lat, q_rope], -1).transpose(1, 2), None
+    for c, k_rope, mask in tiles:
+        k = torch.cat([c, k_rope], -1).unsqueeze(1)  # [b, 1, n, r + dr]
+        mask = None if mask is None else mask.unsqueeze(1)
+        acc = merge(acc, MATH.forward(q, k, c.unsqueeze(1), scale, False, mask))
+    return acc if acc is not None else empty_part(q, q_lat.size(-1))
+
+
+def empty_part(qh: torch.Tensor, dv: int):
+    """The (out, lse) of no keys for queries qh [b, H, t, d]: out 0 [b, H, t, dv], lse -inf."""
+    lse = torch.full(qh.shape[:3], float("-inf"), dtype=torch.float32, device=qh.device)
+    return qh.new_zeros(*qh.shape[:3], dv, dtype=torch.float32), lse
+
+
 def tiled_attention(q: torch.Tensor, tiles: Iterable, scale: float, kernel=MATH) -> torch.Tensor:
     """Softmax attention with GQA over key tiles: q [b, t, hq, d]; each tile (k [b, n, hk, d],
     v [b, n, hk, dv], mask [1|b, t, n] bool, True = may attend) -> [b, t, hq, dv] in q's dtype."""
-    qh, acc = q.transpose(1, 2), None
-    for k, v, mask in tiles:
-        acc = merge(acc, kernel.forward(qh, k.transpose(1, 2), v.transpose(1, 2), scale, False, mask.unsqueeze(1)))
-    return acc[0].transpose(1, 2).to(q.dtype)
+    return partial_attention(q, tiles, scale, kernel)[0].transpose(1, 2).to(q.dtype)
 
 
 def tiled_latent_attention_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, tiles: Iterable,
                                   scale: float) -> torch.Tensor:
     """MLA's absorbed attention (``latent_attention``) over latent tiles: one key head shared by
     every query head, keys (c, k_rope), values c. q_lat [b, s, H, r], q_rope [b, s, H, dr]; each
-    tile (c [b, n, r], k_rope [b, n, dr], mask [1|b, s, n]) -> [b, s, H, r] in c's dtype."""
-    q, acc, dtype = torch.cat([q_lat, q_rope], -1).transpose(1, 2), None, q_lat.dtype
-    for c, k_rope, mask in tiles:
-        k = torch.cat([c, k_rope], -1).unsqueeze(1)  # [b, 1, n, r + dr]
-        acc, dtype = merge(acc, MATH.forward(q, k, c.unsqueeze(1), scale, False, mask.unsqueeze(1))), c.dtype
-    return acc[0].transpose(1, 2).to(dtype)
+    tile (c [b, n, r], k_rope [b, n, dr], mask [1|b, s, n]) -> [b, s, H, r] in q_lat's dtype (the
+    latents')."""
+    return partial_latent_attention(q_lat, q_rope, tiles, scale)[0].transpose(1, 2).to(q_lat.dtype)

@@ -1,0 +1,190 @@
+"""Decoding under context parallelism with the KV cache split by sequence over the CP ranks.
+
+A ``ContextSplitCache`` (contiguous) or ``PagedContextSplitCache`` (paged blocks, fp32, int8 or
+fp8) is made with the CP group. Softmax attention (A, S) and MLA (M) keep in it only this
+rank's share of the sequence's keys (MLA: latents), each with its global position:
+
+- the prefill's own shard stays where it was computed: CP rank r keeps its chunks r and
+  2·CP-1-r (``append_prefill``), nothing is all-gathered into the cache;
+- every later token (decode steps, later prefill chunks) is kept by rank ``position % CP``
+  (round-robin, so the ranks' shares stay within one token of each other).
+
+A forward after the prefill runs the same on every CP rank (every rank has every query): each
+rank attends its queries over its own keys (a tile kernel per ``TILE_TOKENS`` keys, masks from
+global positions: causal, sliding window) and gets an unnormalised part (out [b, H, t, dv], lse
+[b, H, t]); one all-gather of [b, H, t, dv + 1] per layer brings every rank's part, and each
+rank merges them in rank order by their log-sum-exps (``tiled.merge``), so every rank ends the
+layer with the same output, that of attention over the whole cache.
+
+A sliding window (S) drops the keys the window has passed on each rank (``keep_last``).
+Other mixers' time-axis tensors (DSA's latents and indexer keys, block-sparse attention, V4's
+compressed entries) and linear mixers' states stay as the plain caches keep them: the whole
+sequence on every rank (replicated), computed identically on every CP rank.
+"""
+from __future__ import annotations
+
+import torch
+
+from megamoe.core.errors import ConfigError
+from megamoe.layers.cache.decode import InferenceCache, LayerState
+from megamoe.layers.cache.paged import TILE_TOKENS, PagedCache, PagedLayerState
+from megamoe.layers.ops.attention.context import allowed_mask
+from megamoe.layers.ops.attention.tiled import merge, partial_attention, partial_latent_attention
+from megamoe.parallel import comm
+from megamoe.parallel.groups import group_rank, group_size
+
+
+class SplitKeys:
+    """The split part of a layer state (a mixin before ``LayerState`` or ``PagedLayerState``):
+    ``positions`` [n] (CPU, increasing) are the global positions of the n keys this rank holds.
+    Storage comes from the class it is mixed into: ``put(name, x)`` appends x [b, t, ...] after
+    the held keys, ``held(name, a, e)`` reads held keys a..e-1 [b, e - a, ...], ``drop(n)`` forgets
+    the first n."""
+
+    def split_init(self, cache) -> None:
+        self.cache = cache
+        self.positions = torch.zeros(0, dtype=torch.long)
+        self.split_names: tuple[str, ...] = ()
+        self.end = 0  # positions below it have been seen (the sliding window counts back from it)
+
+    def append_prefill(self, cp, local: dict[str, torch.Tensor], gathered=None) -> None:
+        """This rank's chunks [b, s_local, ...] stay here (``gathered`` is not needed)."""
+        for name, x in local.items():
+            self.put(name, x.detach())
+        self.split_names, self.end = tuple(local), cp.seq_len
+        self.positions = torch.cat([self.positions, cp.local_index()])
+
+    def keep_own(self, new: dict[str, torch.Tensor], t: int) -> torch.Tensor:
+        """Keep the new time steps this rank owns (position % CP); -> the queries' positions [t]."""
+        c = self.cache
+        q_pos = torch.arange(c.seen, c.seen + t)
+        mine = (q_pos % c.cp_size == c.cp_rank).nonzero().squeeze(1)
+        if mine.numel():
+            for name, x in new.items():
+                self.put(name, x.detach().index_select(1, mine.to(x.device)))
+        self.split_names, self.end = tuple(new), c.seen + t
+        self.positions = torch.cat([self.positions, q_pos[mine]])
+        return q_pos
+
+    def tiles(self, names: tuple[str, ...], q_pos: torch.Tensor, window: int, device):
+        """The held keys ``TILE_TOKENS`` at a time: (each name's [b, n, ...], mask [1, t, n] or None
+        where every key is visible to every query); a tile no query may see is skipped."""
+        for a in range(0, self.positions.numel(), TILE_TOKENS):
+            e = min(self.positions.numel(), a + TILE_TOKENS)
+            mask = allowed_mask(q_pos, self.positions[a:e], window)
+            if not bool(mask.any()):
+                continue
+            yield (*(self.held(name, a, e) for name in names), None if bool(mask.all()) else mask.to(device))
+
+    def attend_kv(self, cache, q, k, v, core, window: int = 0) -> torch.Tensor:
+        """q [b, t, hq, d] over the keys of every rank (k, v [b, t, hk, d]: this step's) -> [b, t, hq, dv]."""
+        q_pos = self.keep_own({"k": k, "v": v}, q.size(1))
+        part = partial_attention(q, self.tiles(("k", "v"), q_pos, window, q.device), core.scale, core.tiles,
+                                 dv=v.size(-1))
+        return cache.merge_ranks(part).transpose(1, 2).to(q.dtype)
+
+    def attend_latent(self, cache, q_lat, q_rope, c, k_rope, core, scale: float) -> torch.Tensor:
+        """MLA's absorbed attention over the latents of every rank -> [b, s, H, r]."""
+        q_pos = self.keep_own({"c": c, "k_rope": k_rope}, q_lat.size(1))
+        part = partial_latent_attention(q_lat, q_rope, self.tiles(("c", "k_rope"), q_pos, 0, q_lat.device), scale)
+        return cache.merge_ranks(part).transpose(1, 2).to(q_lat.dtype)
+
+    def keep_last(self, names: tuple[str, ...], keep: int) -> None:
+        """Sliding window: forget the held keys more than ``keep`` positions before ``end``."""
+        if not set(names) <= set(self.split_names):
+            return super().keep_last(names, keep)
+        n = int((self.positions < self.end - keep).sum())
+        if n:
+            self.drop(n)
+            self.positions = self.positions[n:]
+
+
+class SplitLayerState(SplitKeys, LayerState):
+    """Contiguous storage: each split name is one tensor [b, n, ...] of the held keys."""
+
+    def __init__(self, cache):
+        super().__init__()
+        self.split_init(cache)
+
+    def put(self, name: str, x: torch.Tensor) -> None:
+        LayerState.append_time(self, name, x)
+
+    def held(self, name: str, a: int, e: int) -> torch.Tensor:
+        return self[name][:, a:e]
+
+    def drop(self, n: int) -> None:
+        for name in self.split_names:
+            self[name] = self[name][:, n:]
+
+
+class PagedSplitLayerState(SplitKeys, PagedLayerState):
+    """Paged storage: a ``BlockStore`` per split name whose slots are the held keys in order
+    (``offset`` slots dropped from the front, their whole blocks freed)."""
+
+    def __init__(self, cache):
+        super().__init__(cache)
+        self.split_init(cache)
+        self.offset = 0
+
+    def put(self, name: str, x: torch.Tensor) -> None:
+        self.store(name, x).append(x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device))
+
+    def held(self, name: str, a: int, e: int) -> torch.Tensor:
+        store = self.stores[name]
+        return store.read(self.offset + a, self.offset + e, torch.zeros(len(store.lengths), dtype=torch.long))
+
+    def drop(self, n: int) -> None:
+        self.offset += n
+        for name in self.split_names:
+            store = self.stores[name]
+            for row in range(len(store.tables)):
+                store.drop_before(row, self.offset)
+
+
+class ContextSplit:
+    """What both split caches add to their cache class (a mixin before it)."""
+
+    def split_over(self, group) -> None:
+        self.group, self.cp_size, self.cp_rank = group, group_size(group), group_rank(group)
+        if self.pad is not None:
+            raise ConfigError(f"parallel.cp={self.cp_size}: decoding with the cache split over CP needs prompts of "
+                              f"equal length (this batch is left-padded)")
+
+    def merge_ranks(self, part) -> torch.Tensor:
+        """This rank's (out [b, H, t, dv], lse [b, H, t]) -> the merged out over every CP rank's keys
+        (fp32, [b, H, t, dv], the same on every rank): one all-gather of [b, H, t, dv + 1]."""
+        out, lse = part
+        if self.cp_size == 1:
+            return out
+        parts = comm.all_gather_tensor(torch.cat([out, lse.unsqueeze(-1)], -1).unsqueeze(0), 0, self.group)
+        acc = None
+        for p in parts:  # in rank order on every rank: bitwise the same result everywhere
+            acc = merge(acc, (p[..., :-1], p[..., -1]))
+        return acc[0]
+
+    def snapshot(self):
+        raise ConfigError("a decode cache split over CP cannot be rolled back: speculative decoding runs in one "
+                          "process")
+
+
+class ContextSplitCache(ContextSplit, InferenceCache):
+    """``InferenceCache`` whose A/S/M keys are split over the CP ``group`` (module docstring)."""
+
+    def __init__(self, batch_size: int, pad: torch.Tensor | None = None, *, group=None):
+        super().__init__(batch_size, pad)
+        self.split_over(group)
+
+    def new_state(self, layer_number) -> LayerState:
+        return SplitLayerState(self)
+
+
+class PagedContextSplitCache(ContextSplit, PagedCache):
+    """``PagedCache`` (blocks; fp32, int8 or fp8) whose A/S/M keys are split over the CP ``group``."""
+
+    def __init__(self, batch_size: int, pad: torch.Tensor | None = None, *, group=None, block_size: int = 16,
+                 kv_dtype: str = "fp32"):
+        super().__init__(batch_size, pad, block_size=block_size, kv_dtype=kv_dtype)
+        self.split_over(group)
+
+    def new_state(self, layer_number) -> LayerState:
+        return PagedSplitLayerState(self)

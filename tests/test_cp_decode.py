@@ -1,0 +1,121 @@
+"""Decoding under context parallelism with the KV cache split by sequence (``megamoe.layers.cache.split``).
+
+A model with softmax (A), sliding-window (S) and MLA (M) layers, a DSA (D) layer (whole cache on
+every rank) and a Gated DeltaNet (G, replicated state) prefills two 12-token prompts split over
+CP=2 (alone and with TP=2) and decodes with the cache split: every step's logits equal the
+single-process run's (fp32, 1e-5 relative) with the contiguous and the paged cache (int8 within
+the paged cache's stated tolerance), the greedy tokens are the same, and each CP rank holds
+exactly half the A/S/M keys' bytes of the single-process cache. Key tiles are cut small
+(``TILE_TOKENS``) so each rank merges several tiles, masked ones among them.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.mixer_utils import tiny_model
+from tests.numerics import rel_err
+
+LAYOUT = "AdSdMdDdGd"
+SPLIT_LAYERS = (0, 1, 2)  # A, S, M: their keys are split over CP
+PROMPTS = [[5, 9, 13, 2, 40, 7, 3, 8, 21, 33, 17, 4], [11, 4, 6, 50, 3, 9, 12, 30, 31, 32, 33, 34]]  # 12 = 3 * 2 * CP
+STEPS = 6  # 18 cached positions: 9 on each CP rank
+BLOCK = 3  # paged blocks of 3 tokens: a rank's 9 A/M positions fill 3 blocks, the whole 18 fill 6
+INT8_REL = 1e-2  # tests/test_paged_cache.py's tolerance for 8-bit keys
+
+
+def build(groups=None):
+    from megamoe.model.build import build_model
+    from megamoe.model.weights import initialize
+    from megamoe.parallel.groups import ParallelGroups
+
+    model = build_model(tiny_model(LAYOUT), groups).eval()
+    initialize(model, groups or ParallelGroups(), seed=0)
+    return model
+
+
+@torch.no_grad()
+def decode_logits(forward, cache, steps: int = STEPS, feed: torch.Tensor | None = None) -> torch.Tensor:
+    """[steps + 1, b, V]: the prompts' last logits, then greedy steps (the cache keeps 12 + steps);
+    ``feed`` [steps + 1, b, V]: feed its greedy tokens instead of our own (8-bit keys may flip one)."""
+    from megamoe.inference.generate import prefill
+
+    out = [prefill(forward, torch.tensor(PROMPTS), cache, None)]
+    for i in range(steps):
+        token = (out if feed is None else feed)[i].argmax(-1, keepdim=True)
+        out.append(forward(token, cache=cache)[:, -1].float())
+    return torch.stack(out)
+
+
+def held_bytes(cache, layers=SPLIT_LAYERS) -> int:
+    """Bytes of the time-axis tensors the ``layers`` keep: a contiguous cache's tensors, a paged
+    cache's blocks in use."""
+    states = [cache.layer(n) for n in layers]
+    if hasattr(cache, "kv_bytes"):
+        return sum(s.bytes_in_use() for state in states for s in state.stores.values())
+    return sum(t.numel() * t.element_size() for state in states for t in state.tensors())
+
+
+def decode_split(layout: dict, want: torch.Tensor) -> dict:
+    from megamoe.core.config import ParallelConfig
+    from megamoe.inference.distributed import StageForward, cache_factory, inference_groups
+    from megamoe.inference.generate import generate_batch
+    from megamoe.layers.cache import split
+
+    split.TILE_TOKENS = 4  # several key tiles per rank (the default 512 would be one)
+    groups = inference_groups(ParallelConfig(**layout))
+    model = build(groups)
+    forward = StageForward(model, groups)
+    out = {}
+    for kind in ("contiguous", "paged", "int8"):
+        cache = cache_factory(kind, BLOCK, forward)(len(PROMPTS))
+        out[kind] = decode_logits(forward, cache, feed=want if kind == "int8" else None)
+        out[kind + " bytes"] = held_bytes(cache)
+    out["greedy"] = generate_batch(model, PROMPTS, STEPS, forward=forward, cache_factory=cache_factory("paged", BLOCK,
+                                                                                                       forward))
+    return out
+
+
+@pytest.mark.parametrize("n,layout", [(2, dict(cp=2)), (4, dict(cp=2, tp=2))], ids=["cp2", "cp2-tp2"])
+def test_split_cache_decodes_the_single_process_logits(pool, n, layout):
+    from megamoe.inference.generate import generate_batch
+    from megamoe.layers.cache.decode import InferenceCache
+    from megamoe.layers.cache.paged import PagedCache
+
+    single = build()
+    whole, paged = InferenceCache(len(PROMPTS)), PagedCache(len(PROMPTS), block_size=BLOCK)
+    want = decode_logits(single, whole)
+    assert rel_err(decode_logits(single, paged), want) <= 1e-5
+    tokens = generate_batch(single, PROMPTS, STEPS)
+    for rank, got in enumerate(pool(n).run(decode_split, layout, want)):
+        for kind in ("contiguous", "paged"):
+            err = rel_err(got[kind], want)
+            assert err <= 1e-5, f"rank {rank}, {kind} cache: logits relative error {err:.2e}"
+        assert rel_err(got["int8"], want) <= INT8_REL, f"rank {rank}"
+        assert got["greedy"] == tokens, f"rank {rank}"
+        if "tp" not in layout:  # each CP rank holds half the keys: 9 of the 18 positions, 1 of S's 2
+            assert 2 * got["contiguous bytes"] == held_bytes(whole), f"rank {rank}"
+            assert 2 * got["paged bytes"] == held_bytes(paged, (0, 2)) + 2 * held_bytes(paged, (1,)), f"rank {rank}"
+
+
+def test_split_cache_of_one_rank_is_the_plain_cache(monkeypatch):
+    """Without CP the split caches keep every key on the one rank and attend through the same
+    partial-and-merge path (the prompt as one multi-token forward, causal and window masks from
+    positions, tiles of 4 keys): the logits are the plain cache's. Left padding and rolling back
+    (speculative decoding) are refused in one line."""
+    from megamoe.core.errors import ConfigError
+    from megamoe.layers.cache import split
+    from megamoe.layers.cache.decode import InferenceCache
+
+    monkeypatch.setattr(split, "TILE_TOKENS", 4)
+    model = build()
+    want = decode_logits(model, InferenceCache(len(PROMPTS)), steps=3)
+    for cache in (split.ContextSplitCache(len(PROMPTS)), split.PagedContextSplitCache(len(PROMPTS), block_size=BLOCK)):
+        assert rel_err(decode_logits(model, cache, steps=3), want) <= 1e-5, type(cache).__name__
+    with pytest.raises(ConfigError, match="equal length") as e:
+        split.ContextSplitCache(2, pad=torch.tensor([2, 0]))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="rolled back"):
+        split.ContextSplitCache(2).snapshot()
