@@ -2,9 +2,9 @@
 
 A model with softmax (A), sliding-window (S) and MLA (M) layers, a DSA (D) layer (whole cache on
 every rank) and a Gated DeltaNet (G, replicated state) prefills two 12-token prompts split over
-CP=2 (alone and with TP=2) and decodes with the cache split: every step's logits equal the
-single-process run's (fp32, 1e-5 relative) with the contiguous and the paged cache (int8 within
-the paged cache's stated tolerance), the greedy tokens are the same, and each CP rank holds
+CP=2 (alone, with TP=2 and with PP=2) and decodes with the cache split: every step's logits equal the
+single-process run's (fp32, 1e-5 relative) with the contiguous and the paged cache (int8 and fp8
+within the paged cache's stated tolerance), the greedy tokens are the same, and each CP rank holds
 exactly half the A/S/M keys' bytes of the single-process cache. Key tiles are cut small
 (``TILE_TOKENS``) so each rank merges several tiles, masked ones among them.
 """
@@ -23,15 +23,16 @@ SPLIT_LAYERS = (0, 1, 2)  # A, S, M: their keys are split over CP
 PROMPTS = [[5, 9, 13, 2, 40, 7, 3, 8, 21, 33, 17, 4], [11, 4, 6, 50, 3, 9, 12, 30, 31, 32, 33, 34]]  # 12 = 3 * 2 * CP
 STEPS = 6  # 18 cached positions: 9 on each CP rank
 BLOCK = 3  # paged blocks of 3 tokens: a rank's 9 A/M positions fill 3 blocks, the whole 18 fill 6
-INT8_REL = 1e-2  # tests/test_paged_cache.py's tolerance for 8-bit keys
+INT8_REL = 1e-2  # tests/test_paged_cache.py's tolerance for 8-bit keys (int8 and fp8)
 
 
-def build(groups=None):
-    from megamoe.model.build import build_model
+def build(groups=None, pp: int = 1):
+    from megamoe.model.build import build_model, stage_cut
     from megamoe.model.weights import initialize
     from megamoe.parallel.groups import ParallelGroups
 
-    model = build_model(tiny_model(LAYOUT), groups).eval()
+    cfg = tiny_model(LAYOUT)
+    model = build_model(cfg, groups, **stage_cut(cfg, (groups.rank("pp") if pp > 1 else 0, pp))).eval()
     initialize(model, groups or ParallelGroups(), seed=0)
     return model
 
@@ -66,19 +67,20 @@ def decode_split(layout: dict, want: torch.Tensor) -> dict:
 
     split.TILE_TOKENS = 4  # several key tiles per rank (the default 512 would be one)
     groups = inference_groups(ParallelConfig(**layout))
-    model = build(groups)
+    model = build(groups, layout.get("pp", 1))
     forward = StageForward(model, groups)
     out = {}
-    for kind in ("contiguous", "paged", "int8"):
+    for kind in ("contiguous", "paged", "int8", "fp8"):
         cache = cache_factory(kind, BLOCK, forward)(len(PROMPTS))
-        out[kind] = decode_logits(forward, cache, feed=want if kind == "int8" else None)
+        out[kind] = decode_logits(forward, cache, feed=want if kind in ("int8", "fp8") else None)
         out[kind + " bytes"] = held_bytes(cache)
     out["greedy"] = generate_batch(model, PROMPTS, STEPS, forward=forward, cache_factory=cache_factory("paged", BLOCK,
                                                                                                        forward))
     return out
 
 
-@pytest.mark.parametrize("n,layout", [(2, dict(cp=2)), (4, dict(cp=2, tp=2))], ids=["cp2", "cp2-tp2"])
+@pytest.mark.parametrize("n,layout", [(2, dict(cp=2)), (4, dict(cp=2, tp=2)), (4, dict(cp=2, pp=2))],
+                         ids=["cp2", "cp2-tp2", "cp2-pp2"])
 def test_split_cache_decodes_the_single_process_logits(pool, n, layout):
     from megamoe.inference.generate import generate_batch
     from megamoe.layers.cache.decode import InferenceCache
@@ -93,9 +95,10 @@ def test_split_cache_decodes_the_single_process_logits(pool, n, layout):
         for kind in ("contiguous", "paged"):
             err = rel_err(got[kind], want)
             assert err <= 1e-5, f"rank {rank}, {kind} cache: logits relative error {err:.2e}"
-        assert rel_err(got["int8"], want) <= INT8_REL, f"rank {rank}"
+        for kind in ("int8", "fp8"):
+            assert rel_err(got[kind], want) <= INT8_REL, f"rank {rank}, {kind} cache"
         assert got["greedy"] == tokens, f"rank {rank}"
-        if "tp" not in layout:  # each CP rank holds half the keys: 9 of the 18 positions, 1 of S's 2
+        if layout == dict(cp=2):  # each CP rank holds half the keys: 9 of the 18 positions, 1 of S's 2
             assert 2 * got["contiguous bytes"] == held_bytes(whole), f"rank {rank}"
             assert 2 * got["paged bytes"] == held_bytes(paged, (0, 2)) + 2 * held_bytes(paged, (1,)), f"rank {rank}"
 
