@@ -91,6 +91,10 @@ class Recipe:
         if self.train.indexer.mode is not None and self.lora is not None:
             raise ConfigError(f"train.indexer.mode={self.train.indexer.mode!r} is invalid with a lora section: the "
                               "indexer trains its own weights (full fine-tuning), not adapters")
+        moe = self.model.moe
+        if self.lora is not None and moe is not None and moe.redundant_experts:
+            raise ConfigError(f"model.moe.redundant_experts={moe.redundant_experts} is invalid with a lora section: "
+                              "adapters on replicated experts are not supported (fine-tune without replicas)")
         if world_size is not None:
             self.parallel.validate(world_size)
             self.train.micro_batches(self.parallel.dp(world_size))

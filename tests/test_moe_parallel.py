@@ -59,7 +59,9 @@ def reduced_grad(p, groups):
     return gather_full(p, groups, g)
 
 
-def parity_case(config: str, parallel: dict, sp: bool = False, dispatcher: str = "alltoall") -> dict:
+def parity_case(config: str, parallel: dict, sp: bool = False, dispatcher: str = "alltoall",
+                extra: dict | None = None) -> dict:
+    """``extra``: MoE settings of the parallel model only (redundant experts: tests/test_replicas.py)."""
     from megamoe.model.moe_controls import moe_metrics
     from megamoe.parallel.groups import build_groups
     from megamoe.model.weights import finalize_grads
@@ -67,7 +69,7 @@ def parity_case(config: str, parallel: dict, sp: bool = False, dispatcher: str =
     moe = dict(CONFIGS[config], dispatcher=dispatcher)
     groups = build_groups(ParallelConfig(**parallel, sequence_parallel=sp))
     data = batches(groups.size("dp"))
-    ref, model = build_moe(moe), build_moe(moe, groups, sp)
+    ref, model = build_moe(moe), build_moe(dict(moe, **(extra or {})), groups, sp)
     ref_x = [x.clone().requires_grad_(True) for x, _ in data]
     ref_y = [ref(x) for x in ref_x]
     sum((y * g).sum() for y, (_, g) in zip(ref_y, data)).backward()
@@ -93,6 +95,11 @@ def parity_case(config: str, parallel: dict, sp: bool = False, dispatcher: str =
         if key in theirs:
             errs[key] = rel_err(torch.tensor(mine[key]), torch.tensor(theirs[key]))
     errs["_dropped"] = theirs["dropped_tokens"]
+    if model.replicas is not None:  # this rank's pairs that went to a replica slot
+        with torch.no_grad():
+            slots = model.replicas.route(model.router(x_local.reshape(-1, H), B).idx)
+        per = model.replicas.num_slots // groups.size("ep")
+        errs["_replica_pairs"] = int((slots % per >= per - len(model.replicas.arrival)).sum())
     if groups.tp_size > 1 and not sp:  # decoding-like: a sequence that does not split over TP
         model.eval(), ref.eval()
         with torch.no_grad():

@@ -51,6 +51,11 @@ def test_tensorboard_scalars_heatmaps_and_latency_histograms(pool, tmp_path):
     pngs = sorted((tmp_path / "expert_load").glob("*.png"))
     assert [p.name for p in pngs] == ["step_00000002.png", "step_00000004.png"]
     check_expert_figure(pngs[-1], layers=[0, 2, 3], experts=4, ep=2)
+    # and its counts as the load file the expert planner reads (megamoe-plan experts --load)
+    from megamoe.core.placement import read_load
+
+    load = read_load(tmp_path / "expert_load" / "step_00000004.json")
+    assert sorted(load) == [0, 2, 3] and all(len(v) == 4 and sum(v) > 0 for v in load.values())
 
 
 def check_expert_figure(path, layers: list[int], experts: int, ep: int) -> None:

@@ -15,6 +15,9 @@ plain TP SwiGLU on the residual stream, as attention's MLP would be.
 Inference with a sequence that does not split over TP (decoding one token at TP>1) routes
 the replicated tokens on every TP rank: the result is the same, the expert work repeats.
 
+With ``model.moe.redundant_experts=N`` the hottest experts have copies on other EP ranks and each
+pair goes to one copy (``megamoe.layers.mlp.replicas``); the outputs do not change.
+
 Letter ``h`` is the same layer routed by token id (``HashRouter``, DeepSeek-V4's first layers):
 the router's scores weight the experts a frozen table gives each token; it reads the token ids
 of its own tokens (``ForwardInfo.token_ids``, cut like the tokens).
@@ -35,6 +38,7 @@ from megamoe.parallel.sharding import mark_init, mark_tp_partial_grad, normal_in
 from megamoe.layers.spec import BuildContext, ForwardInfo, ModuleSpec, register_mlp
 from megamoe.layers.mlp.dispatch import DISPATCHERS
 from megamoe.layers.mlp.dense import glu_of
+from megamoe.layers.mlp.replicas import ExpertReplicas
 from megamoe.layers.mlp.router import HashRouter, TopKRouter, attach_aux_loss
 
 
@@ -50,7 +54,10 @@ class MoELayer(nn.Module):
                                                    kernel=cfg.expert_kernel,
                                                    active_fraction=cfg.top_k / cfg.num_experts,
                                                    glu=glu_of(cfg), store=cfg.expert_store)
-        self.dispatch = DISPATCHERS[cfg.dispatcher](cfg.num_experts, ctx.groups)
+        # redundant hot experts: the dispatcher works on the E + N slots (megamoe.layers.mlp.replicas)
+        self.replicas = ExpertReplicas.of(cfg.num_experts, cfg.replica_experts(layer_number), ctx.groups)
+        slots = cfg.num_experts if self.replicas is None else self.replicas.num_slots
+        self.dispatch = DISPATCHERS[cfg.dispatcher](slots, ctx.groups)
         shared = cfg.shared_ffn()
         self.shared_experts = (ctx.backend.shared_expert(ctx, MLPConfig(ffn_hidden_size=shared,
                                                                         swiglu_limit=cfg.swiglu_limit,
@@ -88,7 +95,10 @@ class MoELayer(nn.Module):
         b, s, h = x.shape
         flat = x.reshape(b * s, h)
         routing = self.router(flat, b, None if ids is None else ids.reshape(-1))
-        y = self.dispatch(flat, routing.weights, routing.idx, routing.keep, self.experts, during).view(b, s, h)
+        idx, experts = routing.idx, self.experts
+        if self.replicas is not None:  # each pair to one copy of its expert; the replicas' weights fetched
+            idx, experts = self.replicas.route(idx, routing.keep), self.replicas.bind(self.experts)
+        y = self.dispatch(flat, routing.weights, idx, routing.keep, experts, during).view(b, s, h)
         y = attach_aux_loss(y, routing.aux_loss, self.router.aux_loss_scale)
         return comm.gather_from(y, 1, self.tp) if split else y
 

@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("tp", "ep", "etp", "pp"):
         imp.add_argument(f"--{flag}", type=number_in(int, 1), default=1,
                          help=f"split the checkpoint for parallel.{flag}")
-    imp.add_argument("--placement", help="expert placement JSON (megamoe-plan experts --out) to lay the experts out by")
+    imp.add_argument("--placement", help="expert placement JSON (megamoe-plan experts --out) to lay the experts out by "
+                     "(with its replicas of hot experts, if it lists any)")
     imp.add_argument("--experts-in-hf", action="store_true",
                      help="leave the routed experts in HF_DIR (not read, not written): runs with tiered experts "
                           "(model.moe.expert_store.budget_mib, --expert-budget) read them from there")
@@ -81,12 +82,13 @@ def main(argv: list[str] | None = None) -> None:
         out = export_peft_checkpoint(args.ckpt_dir, args.out_dir, family=args.family, overwrite=args.overwrite)
         print(f"wrote PEFT adapter {out} (peft.PeftModel.from_pretrained(hf_model, '{out}'))")
     elif args.command == "import-hf":
-        from megamoe.core.placement import read_placement
+        from megamoe.core.placement import read_placement, read_replicas
 
         placement = read_placement(args.placement) if args.placement else None
+        replicas = read_replicas(args.placement) if args.placement else None
         out = import_hf(args.hf_dir, args.out_dir, tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp,
                         overwrite=args.overwrite, shard_bytes=int(args.shard_gib * 2**30), placement=placement,
-                        experts=not args.experts_in_hf, keep_fp8=args.keep_fp8)
+                        experts=not args.experts_in_hf, keep_fp8=args.keep_fp8, replicas=replicas)
         print(f"wrote megamoe checkpoint {out} (load it with checkpoint.load={out})")
     else:
         out = export(args)

@@ -5,6 +5,7 @@ per-stage memory per rank; or place experts over EP ranks from their measured lo
     megamoe-plan --config hybrid_vl_1t --world-size 1024 --gpu-mem 141GiB [--nodes 128] [lora.rank=16 ...]
     megamoe-plan --config moe_1t --world-size 1024 --long-context parallel.tp=8 parallel.ep=64
     megamoe-plan experts --load LOAD.json --ep 8 [--out PLACEMENT.json]
+    megamoe-plan experts --load LOAD.json --ep 8 --redundant 8 [--ep-per-node 8] [--out PLACEMENT.json]
     megamoe-plan experts --calibrate HF_DIR --text FILE --ep 8 [--seq-len 512] [--tokenizer SPEC] [--save-load LOAD.json]
     torchrun --nproc-per-node 4 -m megamoe.commands.plan experts --calibrate HF_DIR --text FILE --ep 8   # distributed
 
@@ -12,7 +13,10 @@ per-stage memory per rank; or place experts over EP ranks from their measured lo
 calibration pass of an HF model over a text file with its tokenizer), prints each layer's
 busiest-rank load (max/mean) before and after, and writes the placement that
 ``megamoe-convert import-hf --placement`` applies (docs/moe.md). With group-limited routing
-(``--n-group``, or the calibrated model's ``n_group``) groups stay whole. Under torchrun each
+(``--n-group``, or the calibrated model's ``n_group``) groups stay whole. ``--redundant N``
+also gives the N hottest experts (by load per copy) a copy in N extra slots, N/ep per rank
+(``model.moe.redundant_experts``), and prints the busiest rank after that too; with groups, a
+group's copies stay on its node (``--ep-per-node``). Under torchrun each
 rank routes its share of the text's sequences and the counts are summed (rank 0 writes).
 """
 import sys
@@ -25,7 +29,7 @@ from megamoe.recipe import load_train_recipe
 
 def experts(argv: list[str]) -> None:
     from megamoe.core.placement import read_load, write_json
-    from megamoe.planning.placement import balanced_order, imbalance
+    from megamoe.planning.placement import balanced_order, imbalance, replicated_placement
 
     p = tool_parser("Place experts over EP ranks from their measured load")
     src = p.add_mutually_exclusive_group(required=True)
@@ -38,6 +42,10 @@ def experts(argv: list[str]) -> None:
     p.add_argument("--ep", type=number_in(int, 1), required=True, help="expert-parallel ranks")
     p.add_argument("--n-group", type=number_in(int, 1), help="expert groups of group-limited routing, kept whole "
                    "(default: the calibrated model's n_group, else 1)")
+    p.add_argument("--redundant", type=number_in(int, 0), default=0, metavar="N",
+                   help="replicas of hot experts in N extra slots, N/ep per rank (model.moe.redundant_experts)")
+    p.add_argument("--ep-per-node", type=number_in(int, 1), help="with --redundant and groups: EP ranks per node "
+                   "(a group's replicas stay on its node; default: --ep, one node)")
     p.add_argument("--out", help="write the placement here (JSON)")
     args = p.parse_args(argv)
     n_group = args.n_group or 1
@@ -49,15 +57,20 @@ def experts(argv: list[str]) -> None:
             write_json(args.save_load, load)
     else:
         load = read_load(args.load)
-    placement = {}
-    print(f"{'layer':>5} {'experts':>8} {'busiest/mean before':>20} {'after':>7}")
+    placement, replicas = {}, {}
+    print(f"{'layer':>5} {'experts':>8} {'busiest/mean before':>20} {'after':>7}"
+          + (f" {'with ' + str(args.redundant) + ' replicas':>16}" if args.redundant else ""))
     for layer, counts in sorted(load.items()):
         order = balanced_order(counts, args.ep, n_group)
+        line = (f"{layer:>5} {len(counts):>8} {imbalance(counts, range(len(counts)), args.ep):>20.3f} "
+                f"{imbalance(counts, order, args.ep):>7.3f}")
+        if args.redundant:
+            order, replicas[layer] = replicated_placement(counts, args.ep, args.redundant, n_group, args.ep_per_node)
+            line += f" {imbalance(counts, order, args.ep, replicas[layer]):>16.3f}"
         placement[layer] = order
-        print(f"{layer:>5} {len(counts):>8} {imbalance(counts, range(len(counts)), args.ep):>20.3f} "
-              f"{imbalance(counts, order, args.ep):>7.3f}")
+        print(line)
     if args.out:
-        write_json(args.out, placement)
+        write_json(args.out, placement, replicas)
         print(f"wrote {args.out} (megamoe-convert import-hf HF_DIR OUT --placement {args.out})")
 
 

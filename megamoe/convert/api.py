@@ -111,10 +111,11 @@ class HFWeights:
     the streamed comparison (``megamoe.diagnostics.streamed``) one layer at a time.
     ``keep_fp8``: an FP8 checkpoint's weights stay e4m3 (``cfg.fp8_base`` set)."""
 
-    def __init__(self, hf_dir: str | Path, *, placement: dict | None = None, keep_fp8: bool = False):
+    def __init__(self, hf_dir: str | Path, *, placement: dict | None = None, keep_fp8: bool = False,
+                 replicas: dict | None = None):
         self.path = Path(hf_dir)
         self.ck, self.family, self.cfg = open_hf(hf_dir)
-        _set_placement(self.cfg, placement)
+        _set_placement(self.cfg, placement, replicas)
         self.entries, self.produce_fp8 = _plan(self.ck, self.family, self.cfg, keep_fp8)
 
     def fill(self, tensors: dict[str, torch.Tensor], groups: ParallelGroups, progress: bool = False) -> None:
@@ -139,10 +140,11 @@ class HFWeights:
 
 def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequence_parallel: bool = False,
             device=None, progress: bool = False, fp8: str | None = None, placement: dict | None = None,
-            pipeline: tuple[int, int] = (0, 1), keep_fp8: bool = False):
+            pipeline: tuple[int, int] = (0, 1), keep_fp8: bool = False, replicas: dict | None = None):
     """A megamoe model holding an HF checkpoint's weights (this rank's shards under ``groups``);
     ``fp8``: the backend's FP8 recipe (as ``train.fp8``); ``placement``: {layer: expert order}
-    laid out over the EP slots (``megamoe.core.placement``; recorded in ``model.moe.placement``).
+    laid out over the EP slots (``megamoe.core.placement``; recorded in ``model.moe.placement``);
+    ``replicas``: {layer: [HF expert ids]} copied into redundant slots (``model.moe.redundant_experts``).
     ``pipeline`` (stage, stages): build and load only that pipeline stage's layers (``stage_cut``);
     tensors of other stages are never read. Each tensor is read, sliced to this rank's shard and
     dropped before the next, so the whole model is never in one process.
@@ -151,7 +153,7 @@ def from_hf(hf_dir: str | Path, groups: ParallelGroups | None = None, *, sequenc
     so ``to_hf`` can write the same family back. ``keep_fp8``: an FP8 checkpoint's weights stay
     e4m3 with their block scales (``model.fp8_base``, ``megamoe.model.fp8_base``).
     """
-    weights = HFWeights(hf_dir, placement=placement, keep_fp8=keep_fp8)
+    weights = HFWeights(hf_dir, placement=placement, keep_fp8=keep_fp8, replicas=replicas)
     groups = groups or ParallelGroups()
     model = build_model(weights.cfg, groups, sequence_parallel=sequence_parallel, device=device, fp8=fp8,
                         **stage_cut(weights.cfg, pipeline))
@@ -174,9 +176,12 @@ def _plan(ck, family: Family, cfg: ModelConfig, keep_fp8: bool):
 
 def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
               shard_bytes: int = 2 << 30, overwrite: bool = False, progress: bool = True,
-              placement: dict | None = None, experts: bool = True, keep_fp8: bool = False) -> Path:
+              placement: dict | None = None, experts: bool = True, keep_fp8: bool = False,
+              replicas: dict | None = None) -> Path:
     """Convert an HF directory into a megamoe checkpoint (optionally split for a TP/PP/EP layout;
-    ``placement``: {layer: expert order} over the EP slots, see ``megamoe.core.placement``).
+    ``placement``: {layer: expert order} over the EP slots, ``replicas``: {layer: [HF expert ids]}
+    in redundant slots, see ``megamoe.core.placement``; both recorded in the checkpoint's config).
+    Replicas are no tensors of their own: the checkpoint holds each expert once.
     ``experts=False``: the routed experts stay in ``hf_dir`` only (never read here); runs with
     tiered experts (``model.moe.expert_store``) read them from there (``megamoe.expert_store.hf``).
     ``keep_fp8``: an FP8 checkpoint's weights are written as e4m3 + block scales
@@ -185,7 +190,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, tp: int = 1, pp: int =
     inputs = [("HF_DIR", hf_dir)]
     check_replaceable(Path(out_dir), overwrite, is_checkpoint_dir, "checkpoint", inputs=inputs)  # before any reading
     ck, family, cfg = open_hf(hf_dir)
-    _set_placement(cfg, placement)
+    _set_placement(cfg, placement, replicas)
     parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp)
     layout = validate_model_parallel(cfg, parallel)
     entries, produce_fp8 = _plan(ck, family, cfg, keep_fp8)
@@ -230,13 +235,18 @@ def _placement(cfg: ModelConfig) -> dict:
     return (cfg.moe.placement or {}) if cfg.moe is not None else {}
 
 
-def _set_placement(cfg: ModelConfig, placement: dict | None) -> None:
-    """Record an expert placement in the config the weights will be laid out by."""
-    if not placement:
+def _set_placement(cfg: ModelConfig, placement: dict | None, replicas: dict | None = None) -> None:
+    """Record an expert placement (and the replicas of redundant slots) in the config the weights
+    will be laid out by."""
+    if not placement and not replicas:
         return
     if cfg.moe is None:
         raise ConfigError("placement: the model has no routed experts")
-    cfg.moe.placement = {str(k): [int(e) for e in v] for k, v in placement.items()}
+    if placement:
+        cfg.moe.placement = {str(k): [int(e) for e in v] for k, v in placement.items()}
+    if replicas:
+        cfg.moe.replicas = {str(k): [int(e) for e in v] for k, v in replicas.items()}
+        cfg.moe.redundant_experts = len(next(iter(cfg.moe.replicas.values())))
     cfg.validate()
 
 

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 from megamoe.core.dtypes import DTYPES
 from megamoe.core.errors import ConfigError
 from megamoe.core.layout import MIXERS, MLPS, MOE_LETTERS, LayerKind, Layout, parse_layout
-from megamoe.core.placement import check_placement
+from megamoe.core.placement import check_placement, check_replicas, default_replicas, layer_entry, router_index
 
 FUSION_MODES = ("auto", "on", "off")  # megamoe.layers.ops.fusion.Fusion's modes (a backend's policy)
 
@@ -623,6 +623,11 @@ class MoEConfig:
     # expert placement {layer: order}: slot s (EP rank s // (E/ep)) holds the HF checkpoint's
     # expert order[s]; applied by the converter (megamoe.core.placement). None: slot s holds expert s
     placement: Optional[Dict[str, List[int]]] = None
+    # redundant hot experts (DeepSeek's EPLB): N extra expert slots, N/ep on each EP rank, slot i
+    # holding a copy of HF expert replicas[layer][i] (default: spread, default_replicas); the tokens
+    # routed to an expert are split among its copies (megamoe.layers.mlp.replicas)
+    redundant_experts: int = 0
+    replicas: Optional[Dict[str, List[int]]] = None
     # where frozen experts live (LoRA fine-tuning, inference): see ExpertStoreConfig
     expert_store: ExpertStoreConfig = field(default_factory=ExpertStoreConfig)
 
@@ -630,6 +635,13 @@ class MoEConfig:
         """Width of the fused shared-expert SwiGLU (0 without shared experts)."""
         per = self.shared_expert_ffn_hidden_size or self.moe_ffn_hidden_size
         return per * self.num_shared_experts
+
+    def replica_experts(self, layer: int) -> Optional[List[int]]:
+        """Router indices of the experts that ``layer``'s N extra slots copy (None: no replicas)."""
+        if not self.redundant_experts:
+            return None
+        ids = layer_entry(self.replicas, layer) or default_replicas(self.num_experts, self.redundant_experts)
+        return router_index(ids, layer_entry(self.placement, layer))
 
     def validate(self, hidden_size: int, path: str = "model.moe") -> None:
         for name in ("num_experts", "top_k", "moe_ffn_hidden_size", "n_group", "topk_group",
@@ -667,6 +679,11 @@ class MoEConfig:
         check_choice(f"{path}.expert_kernel", self.expert_kernel, ("auto", "grouped_mm", "loop", "reference"))
         check_swiglu(path, self.swiglu_limit, self.swiglu_alpha)
         self.expert_store.validate(f"{path}.expert_store")
+        n = self.redundant_experts
+        check(isinstance(n, int) and n >= 0, f"{path}.redundant_experts", n, "must be an integer >= 0")
+        check(not self.replicas or n > 0, f"{path}.replicas", "{...}", "needs redundant_experts > 0")
+        check(not n or self.expert_store.budget_mib is None, f"{path}.redundant_experts", n,
+              "replicas of experts kept in a store (model.moe.expert_store.budget_mib) are not supported")
 
     def validate_parallel(self, parallel: "ParallelConfig", path: str = "model.moe") -> None:
         check(self.num_experts % parallel.ep == 0, f"{path}.num_experts", self.num_experts,
@@ -675,6 +692,8 @@ class MoEConfig:
               self.moe_ffn_hidden_size, f"must be divisible by parallel.etp={parallel.etp}")
         check(self.shared_ffn() % parallel.tp == 0, f"{path}.shared_expert_ffn_hidden_size",
               self.shared_ffn(), f"(times num_shared_experts) must be divisible by parallel.tp={parallel.tp}")
+        check(self.redundant_experts % parallel.ep == 0, f"{path}.redundant_experts", self.redundant_experts,
+              f"must be divisible by parallel.ep={parallel.ep} (each EP rank holds the same number of replicas)")
 
 
 @dataclass
@@ -840,8 +859,15 @@ class ModelConfig:
             moe_layers = [i for i, k in enumerate(layout.layers) if k.mlp in MOE_LETTERS]
             check_placement(self.moe.placement, self.moe.num_experts, moe_layers, self.moe.n_group,
                             f"{path}.moe.placement")
+        if self.moe is not None and self.moe.replicas:
+            moe_layers = [i for i, k in enumerate(layout.layers) if k.mlp in MOE_LETTERS]
+            check_replicas(self.moe.replicas, self.moe.redundant_experts, self.moe.num_experts, moe_layers,
+                           f"{path}.moe.replicas")
         if self.fp8_base is not None:
             self.fp8_base.validate(f"{path}.fp8_base")
+            check(self.moe is None or not self.moe.redundant_experts, f"{path}.moe.redundant_experts",
+                  self.moe and self.moe.redundant_experts, "replicas of a frozen FP8 base (model.fp8_base) are not "
+                  "supported")
         if self.vision is not None:
             self.vision.validate(self.hidden_size, f"{path}.vision")
             check(self.vision.image_token_id < self.vocab_size, f"{path}.vision.image_token_id",

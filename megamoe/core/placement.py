@@ -63,12 +63,45 @@ def read_load(path: str | Path) -> dict[int, list[float]]:
     return load
 
 
-def write_json(path: str | Path, layers: dict[int, list]) -> None:
-    Path(path).write_text(json.dumps({"layers": {str(k): list(v) for k, v in sorted(layers.items())}}) + "\n")
+def write_json(path: str | Path, layers: dict[int, list], replicas: dict[int, list] | None = None) -> None:
+    """{"layers": {layer: list}} (a load or a placement), with a placement's "replicas" {layer: list}."""
+    data = {"layers": {str(k): list(v) for k, v in sorted(layers.items())}}
+    if replicas:
+        data["replicas"] = {str(k): list(v) for k, v in sorted(replicas.items())}
+    tmp = Path(f"{path}.tmp")  # never a half-written file
+    tmp.write_text(json.dumps(data) + "\n")
+    tmp.replace(path)
+
+
+def logical_load(load: dict, placement: dict | None) -> dict[int, list[float]]:
+    """Tokens per slot {layer: [...]} (a placed model's router order) -> per HF expert, as a load
+    file holds them (a training run's counts planned like a calibration's)."""
+    out = {}
+    for layer, counts in load.items():
+        order, counts = layer_entry(placement, layer), [float(c) for c in counts]
+        if order is not None:
+            counts = [counts[order.index(e)] for e in range(len(counts))]
+        out[int(layer)] = counts
+    return out
 
 
 def read_placement(path: str | Path) -> dict[int, list[int]]:
     return _read_layers(path, "placement")
+
+
+def read_replicas(path: str | Path) -> dict[int, list[int]] | None:
+    """A placement file's "replicas" ({layer: [expert ids of the redundant slots]}), None if it has none;
+    every layer the same number (``model.moe.redundant_experts``)."""
+    data = json.loads(Path(path).read_text())  # read_placement has checked the file
+    replicas = data.get("replicas")
+    if replicas is None:
+        return None
+    if not isinstance(replicas, dict) or not all(
+            str(k).isdigit() and isinstance(v, list) and all(isinstance(e, int) for e in v) for k, v in replicas.items()):
+        raise ConfigError(f'{path}: "replicas" must be {{"<layer>": [expert ids], ...}}')
+    if len({len(v) for v in replicas.values()}) > 1:
+        raise ConfigError(f"{path}: every layer's replicas must have the same length (model.moe.redundant_experts)")
+    return {int(k): v for k, v in replicas.items()}
 
 
 def check_placement(placement: dict, num_experts: int, moe_layers: Sequence[int], n_group: int = 1,
@@ -129,3 +162,59 @@ def to_logical(name: str, full: torch.Tensor, placement: dict) -> torch.Tensor:
     inverse = torch.empty(len(order), dtype=torch.long)
     inverse[torch.tensor(order)] = torch.arange(len(order))
     return full.index_select(0, inverse)
+
+
+# ---- redundant experts (replicas of hot experts) ------------------------------------------------
+#
+# ``model.moe.redundant_experts=N`` adds N expert slots, N/ep on each EP rank, each holding a copy
+# of an expert (``model.moe.replicas`` {layer: [N HF expert ids]}, entry i on EP rank i // (N/ep)).
+# Rank r then holds S/ep = E/ep + N/ep slots, global slot ids r*S/ep ..: first its E/ep own
+# experts (the placement's block), then its N/ep replicas. Only the E experts are parameters
+# (checkpoints and HF files hold each expert once); ``megamoe.layers.mlp.replicas`` fills the
+# replica slots from their owners in every forward.
+
+def default_replicas(num_experts: int, n: int) -> list[int]:
+    """Replicas without a measured load: spread over the ids, each half the id range away from its
+    expert, so that an extra slot rarely lands on the rank that owns its expert."""
+    return [(i * num_experts // n + num_experts // 2) % num_experts for i in range(n)]
+
+
+def check_replicas(replicas: dict | None, n: int, num_experts: int, moe_layers: Sequence[int],
+                   path: str = "model.moe.replicas") -> dict[int, list[int]]:
+    """{layer: [n expert ids]} with int keys; every layer a MoE layer, every id an expert."""
+    out = {}
+    for key, ids in (replicas or {}).items():
+        layer = int(key)
+        if layer not in moe_layers:
+            raise ConfigError(f"{path}: layer {layer} is not a MoE layer (MoE layers: {list(moe_layers)})")
+        if not isinstance(ids, (list, tuple)) or len(ids) != n or not all(
+                isinstance(e, int) and 0 <= e < num_experts for e in ids):
+            raise ConfigError(f"{path}: layer {layer} must list model.moe.redundant_experts={n} expert ids in "
+                              f"[0, {num_experts})")
+        out[layer] = [int(e) for e in ids]
+    return out
+
+
+def layer_entry(table: dict | None, layer: int):
+    """``table``'s entry for ``layer`` (keys are ints, or strings as in YAML and meta.json)."""
+    table = table or {}
+    return table.get(layer, table.get(str(layer)))
+
+
+def router_index(experts: Sequence[int], order: Sequence[int] | None) -> list[int]:
+    """HF expert ids -> their indices in the router (slots of the placement ``order``)."""
+    if order is None:
+        return [int(e) for e in experts]
+    where = {int(e): s for s, e in enumerate(order)}
+    return [where[int(e)] for e in experts]
+
+
+def replica_slots(num_experts: int, replicas: Sequence[int], ep: int) -> list[list[int]]:
+    """The global slot ids of each expert's copies (router indices; its own slot first), for
+    ``replicas`` (router indices, entry i on EP rank i // (N/ep)) over ``ep`` ranks."""
+    own, extra = num_experts // ep, len(replicas) // ep
+    per_rank = own + extra
+    slots = [[(e // own) * per_rank + e % own] for e in range(num_experts)]
+    for i, e in enumerate(replicas):
+        slots[e].append((i // extra) * per_rank + own + i % extra)
+    return slots

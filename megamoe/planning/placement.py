@@ -8,9 +8,12 @@ With group-limited routing (``n_group``) it keeps every group in one block of sl
 (``megamoe.core.placement``): whole groups go to ranks by the same rule when a rank holds whole
 groups, and a group spread over several ranks balances its experts over them.
 Calibration can run distributed: each rank routes its own batches and the counts are summed.
+``replicated_placement`` also chooses the experts that redundant slots copy (``model.moe.redundant_experts``,
+``megamoe.layers.mlp.replicas``), copy by copy where it most relieves the busiest rank, as DeepSeek's EPLB.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Sequence
 
 import torch
@@ -53,14 +56,18 @@ def _group_order(load: Sequence[float], ep: int, n_group: int) -> list[int]:
     raise ConfigError(f"--ep={ep}: {per} experts per rank and groups of {size} (n_group={n_group}) do not nest")
 
 
-def rank_loads(load: Sequence[float], order: Sequence[int], ep: int) -> list[float]:
-    per = len(order) // ep
-    return [sum(float(load[e]) for e in order[r * per:(r + 1) * per]) for r in range(ep)]
+def rank_loads(load: Sequence[float], order: Sequence[int], ep: int, replicas: Sequence[int] = ()) -> list[float]:
+    """The load each EP rank computes: the experts of its own slots (``order``) and of its extra
+    slots (``replicas``, n/ep per rank), an expert's load split evenly over its copies."""
+    copies = Counter(order) + Counter(replicas)
+    own, extra = len(order) // ep, len(replicas) // ep
+    held = [[*order[r * own:(r + 1) * own], *replicas[r * extra:(r + 1) * extra]] for r in range(ep)]
+    return [sum(float(load[e]) / copies[e] for e in experts) for experts in held]
 
 
-def imbalance(load: Sequence[float], order: Sequence[int], ep: int) -> float:
+def imbalance(load: Sequence[float], order: Sequence[int], ep: int, replicas: Sequence[int] = ()) -> float:
     """Busiest EP rank's load / the mean rank load (1 = perfectly even)."""
-    per_rank = rank_loads(load, order, ep)
+    per_rank = rank_loads(load, order, ep, replicas)
     mean = sum(per_rank) / ep
     return max(per_rank) / mean if mean else 1.0
 
@@ -91,3 +98,60 @@ def calibrate(model, batches, group=None) -> dict[int, list[float]]:
         total = counts.get(r.layer_number, torch.zeros(r.cfg.num_experts, dtype=torch.float64))
         counts[r.layer_number] = comm.all_reduce_tensor(torch.as_tensor(total, dtype=torch.float64), group)
     return {layer: c.tolist() for layer, c in sorted(counts.items())}
+
+
+# ---- redundant experts -------------------------------------------------------------------------
+
+def replicated_placement(load: Sequence[float], ep: int, n: int, n_group: int = 1,
+                         ep_per_node: int | None = None) -> tuple[list[int], list[int]]:
+    """(order, replicas): the experts in slot order and the ``n`` experts the extra slots copy
+    (entry i on EP rank i // (n/ep)), both as ids of ``load``. The own slots as ``balanced_order``
+    (groups whole with ``n_group``); then, one copy at a time, the (expert, rank with a free extra
+    slot and no copy of it) that leaves the lowest busiest rank (then the lowest sum of squared
+    rank loads), an expert's load split evenly over its copies (DeepSeek's EPLB, greedy; where no
+    copy helps, a second slot for an expert of that rank alone, which changes nothing). With
+    groups a copy stays on its group's node (``ep_per_node`` consecutive EP ranks; default: all
+    on one node), so a token's experts stay on as many nodes as without copies."""
+    if ep < 2 or n % ep:
+        raise ConfigError(f"--redundant={n} needs --ep > 1 dividing it (each EP rank holds n/ep replicas)")
+    own, extra = len(load) // ep, n // ep
+    node = (ep_per_node or ep) if n_group > 1 else ep
+    order = balanced_order(load, ep, n_group)
+    holders = [[] for _ in load]  # ranks holding a copy of each expert, its own rank first
+    for s, e in enumerate(order):
+        holders[e].append(s // own)
+    totals, extras = rank_loads(load, order, ep), [[] for _ in range(ep)]
+    for _ in range(n):
+        e, t = _best_copy(load, holders, totals, [len(x) < extra for x in extras], node)
+        share, fewer = float(load[e]) / (len(holders[e]) + 1), float(load[e]) / len(holders[e])
+        for r in holders[e]:
+            totals[r] -= fewer - share
+        totals[t] += share
+        holders[e].append(t)
+        extras[t].append(e)
+    return order, [e for r in extras for e in sorted(r)]
+
+
+def _best_copy(load, holders, totals, free: list[bool], node: int) -> tuple[int, int]:
+    """The (expert, rank) whose new copy leaves the lowest (busiest rank, sum of squares)."""
+    ranked = sorted(range(len(totals)), key=lambda r: -totals[r])
+    best = None
+    for e, held in enumerate(holders):
+        share = float(load[e]) / (len(held) + 1)
+        less = float(load[e]) / len(held) - share  # what each holder gives up
+        for t in range(len(totals)):
+            if not free[t] or t // node != held[0] // node:
+                continue
+            if held == [t]:  # a second slot for an expert of t alone changes no load: where nothing helps
+                best = min(best or (totals[ranked[0]], 0.0, e, t), (totals[ranked[0]], 0.0, e, t))
+                continue
+            if t in held:
+                continue
+            rest = next((totals[r] for r in ranked if r != t and r not in held), 0.0)
+            peak = max(rest, totals[t] + share, *(totals[r] - less for r in held))
+            squares = sum(less * less - 2 * totals[r] * less for r in held) + share * share + 2 * totals[t] * share
+            if best is None or (peak, squares, e, t) < best:
+                best = (peak, squares, e, t)
+    if best is None:
+        raise ConfigError("--redundant: no expert has a rank left for another copy (fewer replicas, or more ranks)")
+    return best[2], best[3]

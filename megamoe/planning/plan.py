@@ -111,7 +111,12 @@ def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, 
 
     Tiered experts (``model.moe.expert_store.budget_mib``): their weights stay in the store
     (``stored``: the bytes a rank's store holds, on disk or, with the ``host`` tier, in host
-    memory) and a stage holding any counts ``min(budget, stored)`` resident instead."""
+    memory) and a stage holding any counts ``min(budget, stored)`` resident instead.
+
+    Redundant experts (``model.moe.redundant_experts=N``): each MoE layer's N/ep replica slots
+    hold weights fetched from their owners for the micro-batch (``megamoe.layers.mlp.replicas``),
+    kept for its backward: N/E of the rank's routed-expert bytes per layer, counted with the
+    activations of every micro-batch in flight."""
     import math
 
     from megamoe.planning.activations import stage_activations
@@ -121,8 +126,9 @@ def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, 
     stages = layout.stages(parallel.pp * parallel.vpp)
     g = _grid(parallel, world_size)
     model = model if model is not None else planned_model(cfg, lora)
-    rows = [dict(layers=ids, params=0.0, weights=0.0, grads=0.0, optim=0.0, activations=0.0, stored=0.0)
-            for ids in stages]
+    rows = [dict(layers=ids, params=0.0, weights=0.0, grads=0.0, optim=0.0, activations=0.0, stored=0.0,
+                 replicas=0.0) for ids in stages]
+    replicated = cfg.moe.redundant_experts / cfg.moe.num_experts if cfg.moe is not None else 0.0
     fp8_scales = scale_names(model)
     for name, p in model.named_parameters():
         rules = sharding(p)
@@ -130,6 +136,8 @@ def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, 
         copied = name == "embedding.weight" and (cfg.tie_embeddings or cfg.mtp is not None)
         for i in {_stage_of(name, stages), *([len(stages) - 1] if copied else [])}:  # the last stage's copy
             _count(rows[i], p, local, g, zero1, scales=name in fp8_scales)
+        if replicated and name.endswith(("experts.gate_up_weight", "experts.down_weight")):
+            rows[_stage_of(name, stages)]["replicas"] += local * replicated * p.element_size()
     acts = stage_activations(cfg, stages, micro_batch, seq_len // parallel.cp, tp=parallel.tp,
                              sp=parallel.sequence_parallel, etp=parallel.etp, act=activation_bytes, recompute=recompute,
                              mtp=mtp, cp=parallel.cp)
@@ -140,7 +148,7 @@ def stage_memory(cfg: ModelConfig, parallel, world_size: int, micro_batch: int, 
         in_flight = parallel.pp - i % parallel.pp if parallel.pp > 1 else 1
         if micro_batches is not None:
             in_flight = min(in_flight, micro_batches)
-        row["activations"] = in_flight * a["kept"] + a["transient"] + a["working"]
+        row["activations"] = in_flight * (a["kept"] + row["replicas"]) + a["transient"] + a["working"]
         row["device"] = row["weights"] + row["grads"] + row["activations"] + (0 if offload else row["optim"])
         row["host"] = (row["optim"] if offload else 0.0) + (row["stored"] if store and store.tier == "host" else 0.0)
     return rows

@@ -179,11 +179,15 @@ class Monitor:
 
     def _expert_figure(self, step: int, expert_load: dict[int, torch.Tensor]) -> None:
         """The figure as an image event and as ``expert_load/step_XXXXXXXX.png`` beside the events."""
+        from megamoe.core.placement import logical_load, write_json
         from megamoe.training.figures import expert_load_figure, save_png
 
         load = {n: t.detach().double().cpu().numpy() for n, t in expert_load.items()}
         img, meta = expert_load_figure(load, step, **self.figure_info)
         save_png(img, meta, self.dir / "expert_load" / f"step_{step:08d}.png")
+        # the same counts as a load file in HF expert order: megamoe-plan experts --load FILE [--redundant N]
+        write_json(self.dir / "expert_load" / f"step_{step:08d}.json",
+                   logical_load({n: v.tolist() for n, v in load.items()}, self.figure_info.get("placement")))
         hwc = np.asarray(img.convert("RGB"))
         for sink in self.sinks:
             sink.image("moe/expert_load", hwc, step)
