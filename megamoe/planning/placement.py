@@ -105,17 +105,27 @@ def calibrate(model, batches, group=None) -> dict[int, list[float]]:
 def replicated_placement(load: Sequence[float], ep: int, n: int, n_group: int = 1,
                          ep_per_node: int | None = None) -> tuple[list[int], list[int]]:
     """(order, replicas): the experts in slot order and the ``n`` experts the extra slots copy
-    (entry i on EP rank i // (n/ep)), both as ids of ``load``. The own slots as ``balanced_order``
-    (groups whole with ``n_group``); then, one copy at a time, the (expert, rank with a free extra
-    slot and no copy of it) that leaves the lowest busiest rank (then the lowest sum of squared
-    rank loads), an expert's load split evenly over its copies (DeepSeek's EPLB, greedy; where no
-    copy helps, a second slot for an expert of that rank alone, which changes nothing). With
-    groups a copy stays on its group's node (``ep_per_node`` consecutive EP ranks; default: all
-    on one node), so a token's experts stay on as many nodes as without copies."""
+    (entry i on EP rank i // (n/ep)), both as ids of ``load``; of two greedy constructions (as
+    DeepSeek's EPLB), the one with the lower busiest rank, an expert's load split evenly over its
+    copies: ``_copies_on_top`` (the own slots as ``balanced_order``, then copies where they most
+    relieve the busiest rank) and ``_copies_first`` (copies counted first, then every copy packed
+    by its share). With groups (``n_group``) the own slots keep groups whole and a copy stays on
+    its group's node (``ep_per_node`` consecutive EP ranks; default: all on one node), so a
+    token's experts stay on as many nodes as without copies."""
     if ep < 2 or n % ep:
         raise ConfigError(f"--redundant={n} needs --ep > 1 dividing it (each EP rank holds n/ep replicas)")
-    own, extra = len(load) // ep, n // ep
     node = (ep_per_node or ep) if n_group > 1 else ep
+    tries = [_copies_on_top(load, ep, n, n_group, node)]
+    if node >= ep:  # counts copies over all ranks: no node to keep them on
+        tries.append(_copies_first(load, ep, n, n_group))
+    return min(tries, key=lambda t: imbalance(load, t[0], ep, t[1]))
+
+
+def _copies_on_top(load, ep: int, n: int, n_group: int, node: int) -> tuple[list[int], list[int]]:
+    """``balanced_order``, then one copy at a time the (expert, rank with a free extra slot and no
+    copy of it, on the expert's node) that leaves the lowest busiest rank, then the lowest sum of
+    squared rank loads; where no copy helps, a second slot for an expert of that rank alone."""
+    own, extra = len(load) // ep, n // ep
     order = balanced_order(load, ep, n_group)
     holders = [[] for _ in load]  # ranks holding a copy of each expert, its own rank first
     for s, e in enumerate(order):
@@ -129,6 +139,28 @@ def replicated_placement(load: Sequence[float], ep: int, n: int, n_group: int = 
         totals[t] += share
         holders[e].append(t)
         extras[t].append(e)
+    return order, [e for r in extras for e in sorted(r)]
+
+
+def _copies_first(load, ep: int, n: int, n_group: int) -> tuple[list[int], list[int]]:
+    """Copies counted first (each to the expert with the most load per copy, at most one per
+    rank), the own slots by ``balanced_order`` of the shares, then the other copies, largest share
+    first, each to the least-loaded rank with a free extra slot (and no copy of it, if any)."""
+    own, extra = len(load) // ep, n // ep
+    copies = [1] * len(load)
+    for _ in range(n):
+        e = max((i for i in range(len(load)) if copies[i] < ep), key=lambda i: (float(load[i]) / copies[i], -i))
+        copies[e] += 1
+    share = [float(load[e]) / copies[e] for e in range(len(load))]
+    order = balanced_order(share, ep, n_group)
+    totals, extras = rank_loads(share, order, ep), [[] for _ in range(ep)]
+    held = [{s // own} for s in sorted(range(len(order)), key=lambda s: order[s])]  # by expert
+    for e in sorted((e for e in range(len(load)) for _ in range(copies[e] - 1)), key=lambda e: (-share[e], e)):
+        free = [r for r in range(ep) if len(extras[r]) < extra]
+        r = min([r for r in free if r not in held[e]] or free, key=lambda r: (totals[r], r))
+        extras[r].append(e)
+        held[e].add(r)
+        totals[r] += share[e]
     return order, [e for r in extras for e in sorted(r)]
 
 
