@@ -329,8 +329,8 @@ class _AllToAll(torch.autograd.Function):
 
 
 class Pending:
-    """An all-to-all in flight (``all_to_all_start``): its output buffer is not to be read before
-    ``all_to_all_wait``; the time from issue to completion is recorded at the wait."""
+    """A collective in flight (``all_to_all_start``, ``all_reduce_start``): its output buffer is
+    not to be read before ``wait``; the time from issue to completion is recorded at the wait."""
 
     def __init__(self, work, key: str | None, nbytes: int):
         self.work, self.key, self.nbytes, self.t0 = work, key, nbytes, time.perf_counter()
@@ -427,6 +427,15 @@ def all_reduce_tensor(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Ten
     if group_size(group) > 1:
         _timed("all_reduce", group, _nbytes(x), None, _all_reduce_impl, x, group, op)
     return x
+
+
+def all_reduce_start(x: torch.Tensor, group, tag: str | None = None) -> Pending | None:
+    """``all_reduce_tensor`` issued asynchronously (in place): ``x`` holds the sum only after
+    ``pending.wait()``; None for a group of one (nothing to wait for). Timed from issue to wait."""
+    if group_size(group) == 1:
+        return None
+    work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return Pending(work, sample_key("all_reduce", group, _nbytes(x), tag), _nbytes(x))
 
 
 def broadcast_tensor(x: torch.Tensor, src: int, group) -> torch.Tensor:

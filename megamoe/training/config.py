@@ -10,6 +10,7 @@ FP8_CHOICES = ("torch", "delayed", "current", "blockwise", "mxfp8")
 GUARDED = ("model", "lora", "data", "eval", "train", "optim")  # the sections resume guards compare
 INDEXER_MODES = ("warmup", "sparse")
 WANDB_MODES = ("online", "offline", "disabled")
+GRAD_BUCKET_ELEMENTS = 1 << 24  # gradient elements summed per data-parallel collective (train.grad_bucket_size)
 
 
 @dataclass
@@ -79,10 +80,15 @@ class TrainConfig:
     # multi-token-prediction loss weight lambda (DeepSeek-V3): + lambda * the mean over model.mtp's
     # depths of each depth's cross-entropy; 0: the MTP depths do not train (frozen)
     mtp_loss_weight: float = 0.0
+    # sum each bucket of data-parallel gradients as soon as backward has finished it (asynchronous,
+    # from backward hooks, in the last micro-batch), overlapped with the rest of the backward;
+    # false: all of them after the whole backward (the reference; the same sums, bitwise)
+    overlap_grad_reduce: bool = True
+    grad_bucket_size: int = GRAD_BUCKET_ELEMENTS  # gradient elements per data-parallel bucket
 
     def validate(self, path: str = "train") -> None:
         self.indexer.validate(f"{path}.indexer")
-        for name in ("steps", "micro_batch_size", "global_batch_size", "nan_max_consecutive"):
+        for name in ("steps", "micro_batch_size", "global_batch_size", "nan_max_consecutive", "grad_bucket_size"):
             check_positive(f"{path}.{name}", getattr(self, name))
         check(self.collective_timeout_s > 0, f"{path}.collective_timeout_s", self.collective_timeout_s, "must be > 0")
         check_choice(f"{path}.precision", self.precision, PRECISIONS)

@@ -1,15 +1,18 @@
 """Gradient synchronisation and the global gradient norm over the whole grid.
 
-Order after backward: TP-partial grads summed over TP (``finalize_grads``), the embedding's
+Order (``sync_grads``, after backward; ``megamoe.training.grad_overlap`` issues the same
+data-parallel sums from backward hooks instead): TP-partial grads summed over TP (``finalize_grads``), the embedding's
 grads summed over the first and last pipeline stage where the last holds a copy (tied to the
 output layer, or read by the multi-token-prediction depths), then dense grads summed over the
-data(-context)-parallel group and expert grads over the expert-data-parallel group. The
+data(-context)-parallel group and expert grads over the expert-data-parallel group, in the
+buckets of ``plan_buckets``. The
 loss is normalised by the global token count, so sums (not averages) make every layout
 equal the single-process run.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,11 +23,76 @@ from megamoe.parallel.groups import ParallelGroups
 from megamoe.parallel.record import is_expert_param  # noqa: F401  (also imported from here)
 from megamoe.parallel.sharding import sharding
 from megamoe.model.weights import finalize_grads
+from megamoe.training.config import GRAD_BUCKET_ELEMENTS
 
-BUCKET_ELEMENTS = 1 << 24
+BUCKET_ELEMENTS = GRAD_BUCKET_ELEMENTS  # elements per gradient bucket (train.grad_bucket_size)
 
 
-def _materialize(params) -> list[torch.Tensor]:
+@dataclass
+class GradBucket:
+    """Gradients reduced together over one data-parallel group: one flat tensor per dtype."""
+
+    params: list[torch.Tensor]  # in the order backward finishes them (the model's order reversed)
+    group: object  # dp_cp for dense parameters, edp for routed experts
+    # holds a parameter that is first summed over another group after backward (the embedding
+    # shared by the first and last stage, a parameter of several chunks): launched after backward
+    deferred: bool = False
+
+
+def plan_buckets(parts: list[nn.Module], groups: ParallelGroups, limit: int = BUCKET_ELEMENTS) -> list[GradBucket]:
+    """The data-parallel gradient buckets of ``parts``' trainable parameters, in launch order:
+    parameters of ``forward_order`` walked backwards (the order backward finishes them), dense and
+    expert parameters in separate buckets, each closed once it holds ``limit`` elements. The
+    reduction after backward (``sync_grads``) and the one from backward hooks
+    (``megamoe.training.grad_overlap``) sum the same flat tensors, so they agree bitwise."""
+    counts: dict[int, int] = {}
+    for part in parts:
+        for p in part.parameters():
+            counts[id(p)] = counts.get(id(p), 0) + 1
+    late = {id(p) for p in tied_params(parts, groups)} | {i for i, n in counts.items() if n > 1}
+    out: list[GradBucket] = []
+    open_: dict[bool, tuple[GradBucket, list[int]]] = {}  # expert? -> (bucket, [elements])
+    for p in reversed(forward_order(parts)):
+        expert = is_expert_param(p)
+        if expert not in open_:
+            open_[expert] = (GradBucket([], groups.edp if expert else groups.dp_cp), [0])
+        bucket, size = open_[expert]
+        bucket.params.append(p)
+        bucket.deferred |= id(p) in late
+        size[0] += p.numel()
+        if size[0] >= limit:
+            out.append(open_.pop(expert)[0])
+    return out + [b for b, _ in open_.values()]
+
+
+INPUT_SIDE = ("vision", "embedding")  # a part's modules forward runs first, though registered after its layers
+
+
+def forward_order(parts: list[nn.Module]) -> list[torch.Tensor]:
+    """The trainable parameters of ``parts`` about in the order forward first uses them (backward
+    finishes them in reverse): each part's vision tower and embedding, then the rest as
+    registered (its layers in order, the final norm, the output layer, the MTP depths)."""
+    seen, out = set(), []
+    for part in parts:
+        first = [m for m in (getattr(part, name, None) for name in INPUT_SIDE) if isinstance(m, nn.Module)]
+        for module in first + [part]:
+            for p in module.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+    return out
+
+
+def tied_params(parts: list[nn.Module], groups: ParallelGroups) -> list[torch.Tensor]:
+    """The embedding weights summed over the first and last pipeline stage (tied to the output
+    layer, or read by the multi-token-prediction depths) before the data-parallel sum."""
+    cfg = parts[0].config
+    if comm.group_size(groups.embd) == 1 or not (cfg.tie_embeddings or cfg.mtp is not None):
+        return []
+    return [p for part in parts for n, p in part.named_parameters() if n == "embedding.weight"]
+
+
+def materialize_grads(params) -> list[torch.Tensor]:
     """Zero grads for params that got none (e.g. an expert without tokens), so every DP
     replica reduces the same tensors."""
     out = []
@@ -34,6 +102,14 @@ def _materialize(params) -> list[torch.Tensor]:
                 p.grad = torch.zeros_like(p)
             out.append(p.grad)
     return out
+
+
+def by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` split by dtype (first-seen order; each list keeps theirs): a bucket's flat tensors."""
+    out: dict = {}
+    for x in tensors:
+        out.setdefault(x.dtype, []).append(x)
+    return list(out.values())
 
 
 def all_reduce_bucketed(tensors: list[torch.Tensor], group) -> None:
@@ -46,46 +122,31 @@ def all_reduce_bucketed(tensors: list[torch.Tensor], group) -> None:
             bucket.append(t)
             count += t.numel()
         if bucket and (t is None or count >= BUCKET_ELEMENTS):
-            by_dtype: dict = {}
-            for x in bucket:
-                by_dtype.setdefault(x.dtype, []).append(x)
-            for same in by_dtype.values():
-                flat = _flatten_dense_tensors(same)
-                comm.all_reduce_tensor(flat, group)
-                for x, y in zip(same, _unflatten_dense_tensors(flat, same)):
-                    x.copy_(y)
+            _reduce_now(bucket, group)
             bucket, count = [], 0
 
 
-def sync_grads(parts: list[nn.Module], groups: ParallelGroups) -> None:
-    """Everything that makes local grads equal the single-process grads of this rank's shards."""
+def _reduce_now(grads: list[torch.Tensor], group) -> None:
+    """Sum ``grads`` over ``group`` now: one flat tensor per dtype."""
+    for same in by_dtype(grads):
+        flat = _flatten_dense_tensors(same)
+        comm.all_reduce_tensor(flat, group)
+        for x, y in zip(same, _unflatten_dense_tensors(flat, same)):
+            x.copy_(y)
+
+
+def sync_grads(parts: list[nn.Module], groups: ParallelGroups, bucket_elements: int = BUCKET_ELEMENTS) -> None:
+    """Everything that makes local grads equal the single-process grads of this rank's shards,
+    after the whole backward (the reference of ``train.overlap_grad_reduce``)."""
     with comm.tag_scope("grad_sync"):  # names these collectives in the communication monitor
-        _sync_grads(parts, groups)
-
-
-def _sync_grads(parts: list[nn.Module], groups: ParallelGroups) -> None:
-    for part in parts:
-        finalize_grads(part, groups)
-    cfg = parts[0].config
-    if groups.embd is not None and (cfg.tie_embeddings or cfg.mtp is not None):
-        # the first stage's embedding and the last stage's copy (its output weight, or what the MTP reads) are one tensor
-        tied = [p for part in parts for n, p in part.named_parameters() if n == "embedding.weight"]
-        all_reduce_bucketed(_materialize(tied), groups.embd)
-    params = unique_params(parts)
-    dense = [p for p in params if not is_expert_param(p)]
-    experts = [p for p in params if is_expert_param(p)]
-    all_reduce_bucketed(_materialize(dense), groups.dp_cp)
-    all_reduce_bucketed(_materialize(experts), groups.edp)
-
-
-def unique_params(parts: list[nn.Module]) -> list[torch.Tensor]:
-    seen, out = set(), []
-    for part in parts:
-        for p in part.parameters():
-            if id(p) not in seen and p.requires_grad:
-                seen.add(id(p))
-                out.append(p)
-    return out
+        for part in parts:
+            finalize_grads(part, groups)
+        tied = tied_params(parts, groups)
+        all_reduce_bucketed(materialize_grads(tied), groups.embd)
+        for bucket in plan_buckets(parts, groups, bucket_elements):
+            grads = materialize_grads(bucket.params)
+            if comm.group_size(bucket.group) > 1:
+                _reduce_now(grads, bucket.group)
 
 
 def _counts_here(name: str, p: torch.Tensor, groups: ParallelGroups, part) -> bool:

@@ -9,6 +9,8 @@ there (the full labels, cut by the model's ``loss_sum``).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from contextlib import contextmanager
 from typing import Callable
 
@@ -79,22 +81,42 @@ def stage_examples(chunk: LanguageModel, micro_batch: int, seq_len: int, device,
     return inp, out
 
 
+@functools.cache
+def _stage_class():
+    """``PipelineStage`` running each backward inside ``backward_scope(last_backward)``: the
+    schedule knows which backward of a step is a stage's last (the one whose gradients are final)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class ScopedStage(PipelineStage):
+        backward_scope = None
+
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+            scope = self.backward_scope(last_backward) if self.backward_scope else contextlib.nullcontext()
+            with scope:
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+
+    return ScopedStage
+
+
 def build_schedule(chunks: list[LanguageModel], ids: list[int], n_stages: int, groups: ParallelGroups,
                    n_microbatches: int, loss_fn: Callable, device: torch.device, micro_batch: int, seq_len: int,
-                   logits_dtype: torch.dtype = torch.float32):
+                   logits_dtype: torch.dtype = torch.float32, backward_scope: Callable | None = None):
     """A 1F1B (one chunk per rank) or interleaved 1F1B schedule over the pp group, and the
-    ``StageModule`` of each chunk.
+    ``StageModule`` of each chunk. ``backward_scope(last)``: a context around each backward of a
+    stage, ``last`` for its last micro-batch (the overlapped gradient sums).
 
     Gradients are not rescaled by the schedule: ``loss_fn`` already divides by the global
     token count.
     """
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
 
     stages, modules = [], [StageModule(c) for c in chunks]
     for m, c, i in zip(modules, chunks, ids):
         inp, out = stage_examples(c, micro_batch, seq_len, device, logits_dtype)
-        stages.append(PipelineStage(m, stage_index=i, num_stages=n_stages, device=device,
-                                    input_args=(inp,), output_args=(out,), group=groups.pp))
+        stage = _stage_class()(m, stage_index=i, num_stages=n_stages, device=device,
+                               input_args=(inp,), output_args=(out,), group=groups.pp)
+        stage.backward_scope = backward_scope
+        stages.append(stage)
     if len(stages) == 1:
         return Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False), modules
     return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False), modules

@@ -31,6 +31,7 @@ from megamoe.parallel.topology import node_size
 from megamoe.core.config_io import config_to_dict
 from megamoe.checkpoint import dcp as ckpt
 from megamoe.training.config import TrainConfig
+from megamoe.training.grad_overlap import OverlappedGradSync
 from megamoe.training.grads import clip_grads, global_grad_norm, sync_grads
 from megamoe.training.faults import describe, is_collective_failure
 from megamoe.training.guards import CheckpointMismatch, check_unchanged, run_record
@@ -115,6 +116,9 @@ class Trainer:
         self.expert_store = self._open_expert_store()
         named = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.optimizer = DistributedOptimizer(named, self.groups, self.optim_cfg, offload=self.train.optimizer_offload)
+        # data-parallel gradient sums from backward hooks (after freezing: trainable parameters only)
+        self.grad_sync = (OverlappedGradSync(self.chunks, self.groups, self.train.grad_bucket_size)
+                          if self.train.overlap_grad_reduce else None)
         self._maybe_resume()
         self.after_step_hooks: list[Callable[[Trainer], None]] = []
         # communication latencies on every latency_interval-th step; None: no timing code at all
@@ -313,18 +317,23 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         if self.n_stages == 1:
             chunk = self.chunks[0]
-            for mb in micro:
+            for i, mb in enumerate(micro):
                 ids, extra = self._stage_inputs(mb)
                 with self._autocast():
                     logits = chunk.forward_stage(ids, **extra, **self.mtp.targets(mb, self.device))
                 s = self._loss_sum(logits, mb["labels"].to(self.device))
-                (s / total_tokens).backward()
+                with self._backward_scope(i == len(micro) - 1):
+                    (s / total_tokens).backward()
                 loss_sum += s.detach().double().cpu()
             return loss_sum
         losses = self._pipeline_run(micro, lambda logits, labels: self._loss_sum(logits, labels) / total_tokens)
         for x in losses:
             loss_sum += x.detach().double().cpu() * total_tokens.double().cpu()
         return loss_sum
+
+    def _backward_scope(self, last: bool):
+        """Around a micro-batch's backward: the overlapped gradient sums act in the last one."""
+        return self.grad_sync.last_backward(last) if self.grad_sync is not None else contextlib.nullcontext()
 
     @torch.no_grad()
     def forward_loss(self, micro: list[dict]) -> torch.Tensor:
@@ -349,7 +358,8 @@ class Trainer:
             bf16 = self.device.type == "cuda" and self.train.precision in ("auto", "bf16")
             self._schedule, self._stage_modules = build_schedule(
                 self.chunks, self.stage_ids, self.n_stages, self.groups, self.n_micro, loss_fn, self.device,
-                self.train.micro_batch_size, self.recipe.data.seq_len, torch.bfloat16 if bf16 else torch.float32)
+                self.train.micro_batch_size, self.recipe.data.seq_len, torch.bfloat16 if bf16 else torch.float32,
+                backward_scope=self._backward_scope)
         self._schedule._loss_fn = loss_fn  # the token count differs per step
         # keyword inputs ride along per micro-batch: the first stage's images (the vision tower runs
         # inside it) and, on every stage, packed documents and their positions
@@ -391,10 +401,15 @@ class Trainer:
                             f"answers data.seq_len truncates away?)")
         self.mtp.start_step(micro)  # each MTP depth's target count (a collective over dp)
         self.optimizer.zero_grad()
+        if self.grad_sync is not None:
+            self.grad_sync.start_step()  # gradients accumulate in its buckets' buffers
         self.phase = "forward/backward"
         loss_sum = self._forward_backward(micro, total_tokens.to(self.device))
         self.phase = "gradient sync"
-        sync_grads(self.chunks, self.groups)
+        if self.grad_sync is not None:
+            self.grad_sync.finish()  # what backward hooks left, then wait for every bucket
+        else:
+            sync_grads(self.chunks, self.groups, self.train.grad_bucket_size)
         self.phase = "gradient norm"
         norm = global_grad_norm(self.chunks, self.groups)
         self.phase = "optimizer step"
