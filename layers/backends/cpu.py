@@ -97,6 +97,13 @@ class FusedSharedExpert(SharedExpert):
         return shared_swiglu_add(out.reshape(-1, h), x.reshape(-1, h), self.linear_fc1.weight, self.linear_fc2.weight,
                                  gate_w, self.glu, self.fusion.active(x.device)).view(x.shape)
 
+    def two_parts(self, x: torch.Tensor, gate_w: torch.Tensor | None):
+        """Fused: all of it in the first part (one op), the second hands it over."""
+        if not self.fuses(x):
+            return super().two_parts(x, gate_w)
+        done: list[torch.Tensor] = []
+        return (lambda: done.append(self.add_to(torch.zeros_like(x), x, gate_w))), done.pop
+
 
 def accelerated_kernel(device: torch.device, dtype: torch.dtype) -> str:
     """``cpu``'s and ``cuda``'s ``auto`` expert kernel: torch's grouped GEMM on an accelerator

@@ -82,9 +82,19 @@ def reduce_scatter_rows(y: torch.Tensor, sizes: list[int], group) -> torch.Tenso
     return got.view(n, mine, *y.shape[1:]).sum(0)
 
 
+def _phases(during) -> tuple:
+    """``during`` as (work while the dispatch all-to-all is in flight, work while the combine's
+    is): None, one callable (the dispatch's), or a pair."""
+    if during is None or callable(during):
+        return during, None
+    return tuple(during)
+
+
 def _run(during) -> None:
-    if during is not None:
-        during()
+    """All of ``during`` now (a path without an all-to-all to overlap), in order."""
+    for work in _phases(during):
+        if work is not None:
+            work()
 
 
 def _dropped_to(idx: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -147,6 +157,15 @@ class OutsideGraph:
         return getattr(self.dispatcher, name)
 
 
+def _exchange(tensors: list[torch.Tensor], out_splits: list[int], in_splits: list[int], group, during=None):
+    """The all-to-all of each tensor; with ``during``: all issued, ``during()``, all waited on."""
+    if during is None:
+        return [comm.all_to_all(t, out_splits, in_splits, group) for t in tensors]
+    started = [comm.all_to_all_start(t, out_splits, in_splits, group) for t in tensors]
+    during()
+    return [comm.all_to_all_wait(out, pending) for out, pending in started]
+
+
 @dataclass
 class ExchangePlan:
     """One layer's token exchange, decided once per forward (host lists are what the collectives
@@ -170,27 +189,24 @@ class AllToAllDispatcher:
         self.etp_rank = group_rank(groups.etp)
 
     def __call__(self, x, weights, idx, keep, experts, during=None) -> torch.Tensor:
-        """``during``: run (once) while the tokens' all-to-all is in flight (the shared expert)."""
+        """``during``: work run (once) while the all-to-alls are in flight (the shared expert):
+        one callable for the dispatch's, or a pair (the dispatch's, the combine's). Each
+        overlapped all-to-all is issued, the work runs, then it is waited on; backward mirrors
+        it (``comm.all_to_all_start``), so the work's backward overlaps the reverse all-to-all."""
         if self.ep_size * self.etp_size == 1:
             _run(during)
             return dispatch_local(x, weights, idx, keep, experts, self.num_experts, self.outside_graph)
+        first, second = _phases(during)
         plan = self.plan(idx, keep)
         token = plan.order // idx.size(1)
         send_x = x.index_select(0, token)
         send_p = weights.reshape(-1).index_select(0, plan.order)
-        if during is None:
-            rx = comm.all_to_all(send_x, plan.out_splits, plan.in_splits, self.ep)
-            rp = comm.all_to_all(send_p, plan.out_splits, plan.in_splits, self.ep)
-        else:  # issued, the overlapped work, then waited on
-            rx, rx_pending = comm.all_to_all_start(send_x, plan.out_splits, plan.in_splits, self.ep)
-            rp, rp_pending = comm.all_to_all_start(send_p, plan.out_splits, plan.in_splits, self.ep)
-            during()
-            rx, rp = comm.all_to_all_wait(rx, rx_pending), comm.all_to_all_wait(rp, rp_pending)
+        rx, rp = _exchange([send_x, send_p], plan.out_splits, plan.in_splits, self.ep, first)
         if self.etp_size > 1:  # every etp rank computes its f-slice for all the etp group's rows
             rx, rp = gather_rows(rx, plan.etp_sizes, self.etp), gather_rows(rp, plan.etp_sizes, self.etp)
         y = experts(rx, plan.perm, plan.expert_counts, rp.index_select(0, plan.perm), rx.size(0))
         y = reduce_scatter_rows(y, plan.etp_sizes, self.etp)
-        back = comm.all_to_all(y, plan.in_splits, plan.out_splits, self.ep)
+        back, = _exchange([y], plan.in_splits, plan.out_splits, self.ep, second)
         return x.new_zeros(x.shape).index_add(0, token, back)
 
     def plan(self, idx: torch.Tensor, keep: torch.Tensor | None) -> ExchangePlan:

@@ -79,15 +79,18 @@ class MoELayer(nn.Module):
             return self.routed(x, ids)
         if not self.cfg.shared_expert_overlap:
             return self.shared_experts.add_to(self.routed(x, ids), x, self.shared_gate)
-        shared: list[torch.Tensor] = []  # computed by the dispatcher while its all-to-all is in flight
-        out = self.routed(x, ids, during=lambda: shared.append(self.shared_experts.add_to(torch.zeros_like(x), x,
-                                                                                             self.shared_gate)))
+        # computed by the dispatcher while its all-to-alls are in flight: fc1 during the dispatch's,
+        # fc2 during the combine's (and in backward the other way round)
+        first, second = self.shared_experts.two_parts(x, self.shared_gate)
+        shared: list[torch.Tensor] = []
+        out = self.routed(x, ids, during=(first, lambda: shared.append(second())))
         return out + shared[0]
 
     def routed(self, x: torch.Tensor, ids: torch.Tensor | None = None, during=None) -> torch.Tensor:
         """The routed experts' part: [b, s, h] -> [b, s, h] (with its aux losses attached);
         ids [b, s]: the tokens' ids (hash routing); ``during``: work the dispatcher runs while
-        its token exchange is in flight (once, in any case)."""
+        its token exchange is in flight (once, in any case): a callable, or a pair (during the
+        dispatch, during the combine)."""
         split = self.split_tokens and self._can_split(x)
         if split:
             x = comm.scatter_to(x, 1, self.tp)

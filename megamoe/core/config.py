@@ -615,7 +615,8 @@ class MoEConfig:
     capacity_factor: Optional[float] = None  # None: dropless; else tokens per expert per rank cap
     drop_policy: str = "probs"  # with a capacity: keep the highest-weight (probs) or earliest (position)
     dispatcher: str = "alltoall"  # token exchange over the expert grid: alltoall | allgather
-    # alltoall: run the shared expert while the tokens' all-to-all is in flight (issued async, waited after)
+    # alltoall: the shared expert's fc1 runs while the dispatch all-to-alls are in flight, its fc2 while the
+    # combine's is (issued async, waited after; backward mirrored)
     shared_expert_overlap: bool = False
     expert_kernel: str = "auto"  # auto | grouped_mm | loop | reference (see megamoe.layers.ops.grouped_gemm)
     swiglu_limit: Optional[float] = None  # routed and shared experts: clamp as MLPConfig.swiglu_limit (GLM-5)

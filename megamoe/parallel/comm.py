@@ -12,7 +12,7 @@ function                      forward                  backward
 ``gather_reduce_scatter``     all-gather (dim)         reduce-scatter
 ``reduce_scatter_to``         reduce-scatter (dim)     all-gather
 ``all_to_all``                all-to-all (splits)      all-to-all (reversed)
-``all_to_all_start/wait``     all-to-all, async        all-to-all (reversed)
+``all_to_all_start/wait``     all-to-all, async        reverse all-to-all, async
 ============================  =======================  ==========================
 
 ``gather_from`` is for outputs every rank then uses identically (its gradient is the same
@@ -332,43 +332,69 @@ class Pending:
     """A collective in flight (``all_to_all_start``, ``all_reduce_start``): its output buffer is
     not to be read before ``wait``; the time from issue to completion is recorded at the wait."""
 
-    def __init__(self, work, key: str | None, nbytes: int):
+    def __init__(self, work, key: str | None, nbytes: int, keep: torch.Tensor | None = None):
         self.work, self.key, self.nbytes, self.t0 = work, key, nbytes, time.perf_counter()
         self.rec = _RECORDER.get()
+        self.keep = keep  # the input, alive until the collective is done
+        self.a2a = None  # an all-to-all's (out_splits, in_splits, group)
+        self.reverse = None  # its backward in flight: (buffer, Pending)
 
     def wait(self) -> None:
         self.work.wait()
+        self.keep = None
         if self.rec is not None:
             self.rec.add(self.key, self.nbytes, time.perf_counter() - self.t0)
 
 
+def _all_to_all_issue(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+                      tag: str | None = None) -> tuple[torch.Tensor, Pending]:
+    """``_all_to_all`` issued asynchronously: (its output buffer, the pending collective)."""
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    work = dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group,
+                                  async_op=True)
+    return out, Pending(work, sample_key("all_to_all", group, _nbytes(x), tag), _nbytes(x), keep=x)
+
+
 class _AllToAllStart(torch.autograd.Function):
-    """Issue the all-to-all and return its (unfilled) output buffer; backward: the reverse
-    all-to-all (synchronous)."""
+    """Issue the all-to-all and return its (unfilled) output buffer. Backward: the reverse
+    all-to-all, which ``_Wait``'s backward issued asynchronously (backward runs the two nodes in
+    the reverse order of forward, so the work between them overlaps it again); waited here."""
 
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group, box):
         ctx.splits, ctx.group, ctx.tag = (out_splits, in_splits), group, current_tag()
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        work = dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits,
-                                      input_split_sizes=in_splits, group=group, async_op=True)
-        box.append(Pending(work, sample_key("all_to_all", group, _nbytes(x)), _nbytes(x)))
+        out, pending = _all_to_all_issue(x, out_splits, in_splits, group)
+        pending.a2a = (out_splits, in_splits, group)  # for _Wait's backward
+        ctx.pending = pending
+        box.append(pending)
         return out
 
     @staticmethod
     def backward(ctx, g):
         out_splits, in_splits = ctx.splits
-        return _all_to_all(g, in_splits, out_splits, ctx.group, ctx.tag), None, None, None, None
+        started, ctx.pending.reverse = ctx.pending.reverse, None
+        if started is None:  # (the output's gradient did not come through _Wait)
+            return _all_to_all(g, in_splits, out_splits, ctx.group, ctx.tag), None, None, None, None
+        buffer, pending = started
+        pending.wait()
+        return buffer, None, None, None, None
 
 
 class _Wait(torch.autograd.Function):
+    """Wait for the all-to-all; backward: issue its reverse asynchronously (``_AllToAllStart``)."""
+
     @staticmethod
     def forward(ctx, out, pending):
+        ctx.pending, ctx.tag = pending, current_tag()
         pending.wait()
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, g):
+        out_splits, in_splits, group = ctx.pending.a2a
+        buffer, pending = _all_to_all_issue(g, in_splits, out_splits, group, ctx.tag)
+        ctx.pending.reverse = (buffer, pending)
         return g, None
 
 
@@ -404,7 +430,9 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 
 def all_to_all_start(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
     """``all_to_all`` issued asynchronously: (output buffer, pending); read the buffer only
-    through ``all_to_all_wait(buffer, pending)``. The backward is the plain reverse all-to-all."""
+    through ``all_to_all_wait(buffer, pending)``. The backward mirrors it: the reverse all-to-all
+    is issued asynchronously where the wait was and waited where the issue was, so what ran in
+    between in forward overlaps it in backward too (autograd runs nodes in reverse creation order)."""
     if group_size(group) == 1:
         return x, None
     box: list = []
