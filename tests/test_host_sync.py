@@ -36,12 +36,13 @@ def test_counter_sees_each_kind_with_its_tag():
 def test_local_moe_layer_syncs_once():
     from tests.test_moe_parallel import CONFIGS, H, build_moe
 
-    for config in ("softmax", "sigmoid"):  # dropless, and with capacity drops
-        layer = build_moe(dict(CONFIGS[config]))
+    copies = dict(redundant_experts=2, replicas={"0": [1, 5]})  # redundant experts add none
+    for config, extra in (("softmax", {}), ("sigmoid", {}), ("sigmoid", copies)):  # dropless, capacity drops
+        layer = build_moe(dict(CONFIGS[config], **extra))
         x = torch.randn(2, 8, H, requires_grad=True)
         with HostSyncCounter() as c:
             layer(x).sum().backward()
-        assert c.count(LAYERS) == 1, f"{config}:\n{c.table()}"
+        assert c.count(LAYERS) == 1, f"{config} {extra}:\n{c.table()}"
 
 
 def _micro(trainer) -> list[dict]:
@@ -55,7 +56,8 @@ def _micro(trainer) -> list[dict]:
 def step_syncs() -> dict:
     """EP=2: the layers' syncs in one training step (after a warm-up step) per MoE layer and
     micro-batch, with the table of every sync of the step; then one forward and backward of a MoE
-    layer with the allgather dispatcher at EP=2 and the alltoall one at ETP=2."""
+    layer with the allgather dispatcher at EP=2, the alltoall one at ETP=2 and at EP=2 with redundant
+    experts."""
     from megamoe.parallel.groups import build_groups
     from megamoe.training.trainer import Trainer
     from tests.test_moe_parallel import CONFIGS, H, build_moe
@@ -68,11 +70,14 @@ def step_syncs() -> dict:
     with HostSyncCounter() as c:
         trainer.train_step(micro)
     out = {"step": (c.count(LAYERS) / (2 * trainer.n_micro), trainer.n_micro, c.table())}
-    for parallel, dispatcher in ((dict(ep=2), "allgather"), (dict(etp=2), "alltoall")):
-        layer = build_moe(dict(CONFIGS["sigmoid"], dispatcher=dispatcher), build_groups(ParallelConfig(**parallel)))
+    copies = dict(redundant_experts=2, replicas={"0": [5, 0]})  # each rank a copy of the other's expert
+    for parallel, dispatcher, extra in ((dict(ep=2), "allgather", {}), (dict(etp=2), "alltoall", {}),
+                                        (dict(ep=2), "alltoall", copies)):
+        layer = build_moe(dict(CONFIGS["sigmoid"], dispatcher=dispatcher, **extra),
+                          build_groups(ParallelConfig(**parallel)))
         with HostSyncCounter() as c:
             layer(torch.randn(2, 8, H, requires_grad=True)).sum().backward()
-        out[f"{parallel} {dispatcher}"] = (c.count(LAYERS), 1, c.table())
+        out[f"{parallel} {dispatcher} {extra}"] = (c.count(LAYERS), 1, c.table())
     return out
 
 
