@@ -67,14 +67,16 @@ def test_replicated_layer_equals_the_unreplicated_one(config, monkeypatch):
         assert (p.grad is None) == (q.grad is None) and (q.grad is None or rel_err(p.grad, q.grad) < REL), name
 
 
-def replica_case(config: str, parallel: dict, dispatcher: str, replicas: list[int]) -> dict:
-    return parity_case(config, parallel, dispatcher=dispatcher, extra=replicated(replicas))
+def replica_case(config: str, parallel: dict, dispatcher: str, replicas: list[int], overlap: bool = False) -> dict:
+    """``overlap``: the shared expert overlapped with the all-to-alls (model.moe.shared_expert_overlap)."""
+    return parity_case(config, parallel, dispatcher=dispatcher,
+                       extra=dict(replicated(replicas), shared_expert_overlap=overlap))
 
 
 @pytest.mark.parametrize("case", [
-    ("softmax", dict(ep=2), "alltoall", [5, 0]),
+    ("softmax", dict(ep=2), "alltoall", [5, 0], True),
     ("sigmoid", dict(ep=2), "allgather", [1, 6]),
-], ids=["ep2-alltoall", "ep2-allgather-capacity"])
+], ids=["ep2-alltoall-overlap", "ep2-allgather-capacity"])
 def test_replicas_at_ep2_equal_one_process(pool, case):
     results = pool(2).run(replica_case, *case)
     check(results)
