@@ -224,6 +224,7 @@ def test_plan_import_export_and_checkpoint_with_replicas(tmp_path, capsys):
     from megamoe.commands.plan import main as plan
     from megamoe.convert import from_hf
     from megamoe.convert.api import open_megamoe_checkpoint
+    from megamoe.core.config import ExpertStoreConfig
     from megamoe.core.config_io import config_to_dict
     from megamoe.core.placement import write_json
     from megamoe.inference.load import load_model
@@ -251,6 +252,9 @@ def test_plan_import_export_and_checkpoint_with_replicas(tmp_path, capsys):
     ids = _batches()[0]
     with torch.no_grad():
         assert rel_err(model(ids), plain(ids)) < REL
+    tiered = load_model(tmp_path / "ckpt", expert_store=ExpertStoreConfig(budget_mib=1))  # decoding from a store
+    with torch.no_grad():
+        assert tiered.layers["1"].mlp.replicas is None and rel_err(tiered(ids), plain(ids)) < REL
     convert(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "back")])
     back = load_file(str(tmp_path / "back" / "model.safetensors"))
     assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)

@@ -47,6 +47,8 @@ def load_model(path: str | Path, *, merge: bool = True, base: str | Path | None 
                               f"{ck.meta['hf']['path']}: give --expert-budget (tiered experts read them from there)")
     if tiered and config.moe is not None:
         config.moe.expert_store = expert_store
+        # redundant experts change no value and a store serves each expert once: decode without copies
+        config.moe.redundant_experts, config.moe.replicas = 0, None
     model = build_model(config, groups, **stage_cut(config, stage))
     weights = ck if not ck.is_lora else load_lora(model, ck, base, merge and not tiered)
     if not ck.is_lora:
