@@ -1,11 +1,11 @@
 """Decoding under context parallelism with the KV cache split by sequence (``megamoe.layers.cache.split``).
 
-A model with softmax (A), sliding-window (S) and MLA (M) layers, a DSA (D) layer (whole cache on
-every rank) and a Gated DeltaNet (G, replicated state) prefills two 12-token prompts split over
-CP=2 (alone, with TP=2 and with PP=2) and decodes with the cache split: every step's logits equal the
-single-process run's (fp32, 1e-5 relative) with the contiguous and the paged cache (int8 and fp8
-within the paged cache's stated tolerance), the greedy tokens are the same, and each CP rank holds
-exactly half the A/S/M keys' bytes of the single-process cache. Key tiles are cut small
+A model with softmax (A), sliding-window (S), MLA (M) and DSA (D, R, I) layers and a Gated
+DeltaNet (G, replicated state) prefills two 12-token prompts split over CP=2 (alone, with TP=2
+and with PP=2) and decodes with the cache split: every step's logits equal the single-process
+run's (fp32, 1e-5 relative) with the contiguous and the paged cache (int8 and fp8 within the
+paged cache's stated tolerance), the greedy tokens are the same, and each CP rank holds exactly
+half the split keys' bytes of the single-process cache. Key tiles are cut small
 (``TILE_TOKENS``) so each rank merges several tiles, masked ones among them.
 """
 from __future__ import annotations
@@ -18,11 +18,12 @@ import torch
 from tests.mixer_utils import tiny_model
 from tests.numerics import rel_err
 
-LAYOUT = "AdSdMdDdGd"
-SPLIT_LAYERS = (0, 1, 2)  # A, S, M: their keys are split over CP
+LAYOUT = "AdSdDdRdMdIdGd"
+SPLIT_LAYERS, WINDOW_LAYER = (0, 1, 2, 3, 4, 5), 1  # A, S, D, R, M, I: their keys / latents are split over CP
+SPLIT_NAMES = ("k", "v", "c", "k_rope")  # (DSA's indexer keys stay whole on every rank)
 PROMPTS = [[5, 9, 13, 2, 40, 7, 3, 8, 21, 33, 17, 4], [11, 4, 6, 50, 3, 9, 12, 30, 31, 32, 33, 34]]  # 12 = 3 * 2 * CP
 STEPS = 6  # 18 cached positions: 9 on each CP rank
-BLOCK = 3  # paged blocks of 3 tokens: a rank's 9 A/M positions fill 3 blocks, the whole 18 fill 6
+BLOCK = 3  # paged blocks of 3 tokens: a rank's 9 positions fill 3 blocks, the whole 18 fill 6
 INT8_REL = 1e-2  # tests/test_paged_cache.py's tolerance for 8-bit keys (int8 and fp8)
 
 
@@ -51,12 +52,13 @@ def decode_logits(forward, cache, steps: int = STEPS, feed: torch.Tensor | None 
 
 
 def held_bytes(cache, layers=SPLIT_LAYERS) -> int:
-    """Bytes of the time-axis tensors the ``layers`` keep: a contiguous cache's tensors, a paged
-    cache's blocks in use."""
+    """Bytes of the split keys the ``layers`` keep: a contiguous cache's tensors, a paged cache's
+    blocks in use."""
     states = [cache.layer(n) for n in layers]
     if hasattr(cache, "kv_bytes"):
-        return sum(s.bytes_in_use() for state in states for s in state.stores.values())
-    return sum(t.numel() * t.element_size() for state in states for t in state.tensors())
+        return sum(s.bytes_in_use() for state in states for name, s in state.stores.items() if name in SPLIT_NAMES)
+    return sum(state[name].numel() * state[name].element_size() for state in states for name in SPLIT_NAMES
+               if name in state)
 
 
 def decode_split(layout: dict, want: torch.Tensor) -> dict:
@@ -100,7 +102,8 @@ def test_split_cache_decodes_the_single_process_logits(pool, n, layout):
         assert got["greedy"] == tokens, f"rank {rank}"
         if layout == dict(cp=2):  # each CP rank holds half the keys: 9 of the 18 positions, 1 of S's 2
             assert 2 * got["contiguous bytes"] == held_bytes(whole), f"rank {rank}"
-            assert 2 * got["paged bytes"] == held_bytes(paged, (0, 2)) + 2 * held_bytes(paged, (1,)), f"rank {rank}"
+            unwindowed = [n for n in SPLIT_LAYERS if n != WINDOW_LAYER]  # (S: one block of 3 on every rank)
+            assert 2 * got["paged bytes"] == held_bytes(paged, unwindowed) + 2 * held_bytes(paged, (WINDOW_LAYER,))
 
 
 def test_split_cache_of_one_rank_is_the_plain_cache(monkeypatch):

@@ -1,8 +1,8 @@
 """Decoding under context parallelism with the KV cache split by sequence over the CP ranks.
 
 A ``ContextSplitCache`` (contiguous) or ``PagedContextSplitCache`` (paged blocks, fp32, int8 or
-fp8) is made with the CP group. Softmax attention (A, S) and MLA (M) keep in it only this
-rank's share of the sequence's keys (MLA: latents), each with its global position:
+fp8) is made with the CP group. Softmax attention (A, S), MLA (M) and DSA (D, R, I) keep in it
+only this rank's share of the sequence's keys (MLA, DSA: latents), each with its global position:
 
 - the prefill's own shard stays where it was computed: CP rank r keeps its chunks r and
   2·CP-1-r (``append_prefill``), nothing is all-gathered into the cache;
@@ -16,10 +16,14 @@ global positions: causal, sliding window) and gets an unnormalised part (out [b,
 rank merges them in rank order by their log-sum-exps (``tiled.merge``), so every rank ends the
 layer with the same output, that of attention over the whole cache.
 
+DSA (D, R, I) splits its latents the same way; its indexer keys (and I's pool gates, a few
+numbers a token) stay whole on every rank, so every rank selects the same top-k over the whole
+sequence, then attends over the selected latents it holds (``attend_selected``), merged as above.
+
 A sliding window (S) drops the keys the window has passed on each rank (``keep_last``).
-Other mixers' time-axis tensors (DSA's latents and indexer keys, block-sparse attention, V4's
-compressed entries) and linear mixers' states stay as the plain caches keep them: the whole
-sequence on every rank (replicated), computed identically on every CP rank.
+Other mixers' time-axis tensors (DSA's indexer keys, block-sparse attention, V4's compressed
+entries) and linear mixers' states stay as the plain caches keep them: the whole sequence on
+every rank (replicated), computed identically on every CP rank.
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ from megamoe.core.errors import ConfigError
 from megamoe.layers.cache.decode import InferenceCache, LayerState
 from megamoe.layers.cache.paged import TILE_TOKENS, PagedCache, PagedLayerState
 from megamoe.layers.ops.attention.context import allowed_mask
-from megamoe.layers.ops.attention.tiled import merge, partial_attention, partial_latent_attention
+from megamoe.layers.ops.attention.tiled import (empty_part, merge, partial_attention, partial_latent_attention,
+                                                partial_sparse_latent_attention)
 from megamoe.parallel import comm
 from megamoe.parallel.groups import group_rank, group_size
 
@@ -87,6 +92,22 @@ class SplitKeys:
         """MLA's absorbed attention over the latents of every rank -> [b, s, H, r]."""
         q_pos = self.keep_own({"c": c, "k_rope": k_rope}, q_lat.size(1))
         part = partial_latent_attention(q_lat, q_rope, self.tiles(("c", "k_rope"), q_pos, 0, q_lat.device), scale)
+        return cache.merge_ranks(part).transpose(1, 2).to(q_lat.dtype)
+
+    def attend_selected(self, cache, q_lat, q_rope, c, k_rope, idx, core, scale: float) -> torch.Tensor:
+        """DSA's attention over the selected latents of every rank: idx [b, t, K] are global positions
+        (the indexer selects over its keys, kept whole on every rank); this rank attends over those
+        it holds (the math partial: ``core``'s fused kernel returns no lse) -> [b, t, H, r]."""
+        self.keep_own({"c": c, "k_rope": k_rope}, q_lat.size(1))
+        n = self.positions.numel()
+        if n == 0:
+            part = empty_part(q_lat.transpose(1, 2), q_lat.size(-1))
+        else:
+            held = self.positions.to(idx.device)
+            slot = torch.searchsorted(held, idx.clamp(min=0)).clamp(max=n - 1)
+            local = torch.where((idx >= 0) & (held[slot] == idx), slot, -1)  # [b, t, K] into the held keys
+            part = partial_sparse_latent_attention(q_lat, q_rope, self.held("c", 0, n), self.held("k_rope", 0, n),
+                                                   local, scale)
         return cache.merge_ranks(part).transpose(1, 2).to(q_lat.dtype)
 
     def keep_last(self, names: tuple[str, ...], keep: int) -> None:

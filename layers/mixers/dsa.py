@@ -27,7 +27,9 @@ Two attentions over the selection (shapes: indices [b, s, K], -1 = no key):
   (``SparseMLA(..).dense_reference = True``), as HF computes it.
 
 Decode cache: MLA's latents, plus the indexer keys (``index_k`` [b, T, Di]; for ``I`` also
-``index_gate`` [b, T, Di], from which the pools are rebuilt).
+``index_gate`` [b, T, Di], from which the pools are rebuilt). The cache attends over the
+selected latents (``LayerState.attend_selected``): a cache split over CP ranks keeps each rank's
+share of the latents (the indexer keys whole) and merges the ranks' parts.
 
 Context parallelism: the indexer keys (and I's pool gates) and MLA's latents are all-gathered
 over CP, so each rank selects among every key of the sequence for its own queries (indices
@@ -300,8 +302,8 @@ class SparseMLA(MultiLatentAttention):
         # the indexer rotates with MLA's (YaRN) tables
         cos_sin = cached_yarn_cos_sin(info, self.dr, self.theta, self.yarn) if self.indexer.rope_dim else None
         state = None if info.cache is None else info.cache.layer(self.layer_number)
-        # under CP the indexer keys and the latents are all-gathered (``cached_latents``): idx
-        # indexes the whole sequence, and each rank attends its own queries over it
+        # under CP the indexer keys and the latents are all-gathered: idx indexes the whole
+        # sequence, and each rank attends its own queries over it
         training = self.objective.active(self)
         # the indexer's dense warm-up: attention over every key (idx None), the indexer trained beside it
         warmup = training and self.objective.mode == "warmup"
@@ -353,12 +355,18 @@ class SparseMLA(MultiLatentAttention):
             mask = indices_to_mask(idx, c_all.size(1)).unsqueeze(1)  # [b, 1, s, T]
             out = self.core(torch.cat([q_nope, q_rope], dim=-1), k, v, mask=mask)
         else:
-            c_all, kr_all = self.cached_latents(comm.copy_to(c, self.tp_group), k_rope, info)
-            q_lat = self.absorbed_query(q_nope)
+            c, q_lat = comm.copy_to(c, self.tp_group), self.absorbed_query(q_nope)
             if cp is not None:  # long sequences: checkpointed query tiles bound the gathered latents
+                c_all, kr_all = cp.gather(c), cp.gather(k_rope)
+                if info.cache is not None:  # a prefill: every rank's latents, or this rank's (a split cache)
+                    info.cache.layer(self.layer_number).append_prefill(cp, {"c": c, "k_rope": k_rope},
+                                                                       {"c": c_all, "k_rope": kr_all})
                 o_lat = tiled_sparse_latent_attention(self.sparse_core, q_lat, q_rope, c_all, kr_all, idx, self.scale)
+            elif info.cache is not None:  # decoding: the cache attends over the selected latents it keeps
+                o_lat = info.cache.layer(self.layer_number).attend_selected(info.cache, q_lat, q_rope, c, k_rope, idx,
+                                                                            self.sparse_core, self.scale)
             else:
-                o_lat = self.sparse_core(q_lat, q_rope, c_all, kr_all, idx, self.scale)
+                o_lat = self.sparse_core(q_lat, q_rope, c, k_rope, idx, self.scale)
             out = self.absorbed_output(o_lat)
         return self.finish(out, x)
 

@@ -79,3 +79,20 @@ def tiled_latent_attention_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, til
     tile (c [b, n, r], k_rope [b, n, dr], mask [1|b, s, n]) -> [b, s, H, r] in q_lat's dtype (the
     latents')."""
     return partial_latent_attention(q_lat, q_rope, tiles, scale)[0].transpose(1, 2).to(q_lat.dtype)
+
+
+def partial_sparse_latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, k_rope: torch.Tensor,
+                                    idx: torch.Tensor, scale: float):
+    """DSA's absorbed attention over each query's selected latents, not yet normalised: q_lat
+    [b, s, H, r], q_rope [b, s, H, dr], c [b, T, r], k_rope [b, T, dr], idx [b, s, K] into T (-1 =
+    none; a query may have none here) -> (out fp32 [b, H, s, r], lse fp32 [b, H, s])."""
+    valid = idx >= 0
+    rows = torch.arange(idx.size(0), device=idx.device)[:, None, None]
+    safe = idx.clamp(min=0)
+    c_sel, kr_sel = c[rows, safe].float(), k_rope[rows, safe].float()  # [b, s, K, r], [b, s, K, dr]
+    scores = (torch.einsum("bshr,bskr->bhsk", q_lat.float(), c_sel)
+              + torch.einsum("bshd,bskd->bhsk", q_rope.float(), kr_sel)) * scale
+    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # -inf where no key
+    p = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    return torch.einsum("bhsk,bskr->bhsr", p, c_sel), lse
