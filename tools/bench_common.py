@@ -3,10 +3,12 @@
 ``QWEN3_NEXT_PEER`` is the ``transformers`` Qwen3-Next the training-step and decoding
 benchmarks compare against (docs/performance.md, "Peer configurations"); ``matmul_rate`` is
 the fp32 GEMM rate every CPU benchmark prints beside its ratios (machines differ about 2x);
-``alternating`` times contenders in turns and ``report_medians`` prints what it measured.
+``alternating`` times contenders in turns and ``report_medians`` prints what it measured;
+``run_ranks`` runs a function in gloo-ready processes (one per rank) and collects their results.
 """
 from __future__ import annotations
 
+import socket
 import statistics
 import time
 from typing import Callable
@@ -55,3 +57,22 @@ def report_medians(times: dict[str, list[float]], what: str, width: int = 10) ->
     for name, t in med.items():
         print(f"{name:<{width}} {what} median {t * 1e3:8.1f} ms  (min {min(times[name]) * 1e3:.1f})")
     return med
+
+
+def run_ranks(target: Callable, world: int, *args) -> dict:
+    """``target(rank, world, port, *args, out)`` in ``world`` spawned processes (each puts
+    ``(rank, result)`` on ``out``; ``port`` is a free one for ``MASTER_PORT``): {rank: result}."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    results = dict(out.get() for _ in procs)
+    for proc in procs:
+        proc.join()
+    return results

@@ -31,16 +31,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_common import matmul_rate  # noqa: E402
+from bench_common import matmul_rate, run_ranks  # noqa: E402
 from megamoe.diagnostics.memory import saved_tensor_bytes  # noqa: E402
 
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter", "reduce_scatter_tensor",
@@ -218,18 +216,7 @@ def main(argv=None) -> None:
     mm = matmul_rate()
     print(f"layouts {' '.join(args.layouts)}, hidden {args.hidden}, {args.tokens} tokens, fp32, CPU; mm {mm:.0f} "
           f"GFLOP/s ({args.threads} thread(s)); load average {os.getloadavg()[0]:.1f}", flush=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, args, out)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    results = dict(out.get() for _ in procs)
-    for proc in procs:
-        proc.join()
-    report(args, results)
+    report(args, run_ranks(_rank, 2, args))
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 

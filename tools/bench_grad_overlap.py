@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_common import alternating, matmul_rate, report_medians  # noqa: E402
+from bench_common import alternating, matmul_rate, report_medians, run_ranks  # noqa: E402
 
 NAMES = {"after backward": False, "overlapped": True}
 
@@ -82,17 +80,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     mm = matmul_rate()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, args, out)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    results = dict(out.get() for _ in procs)
-    for proc in procs:
-        proc.join()
+    results = run_ranks(_rank, 2, args)
     first = results[0]
     print(f"layout {args.layout}, hidden {args.hidden}, {first['params'] / 1e6:.1f}M parameters, {args.tokens} tokens "
           f"per rank, DP=2 (gloo), buckets of {args.bucket} elements ({first['buckets']}), fp32; mm {mm:.0f} GFLOP/s "
