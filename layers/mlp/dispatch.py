@@ -140,6 +140,8 @@ def compile_ready(model: torch.nn.Module) -> None:
             ranks = d.ep_size * d.etp_size if isinstance(d, AllToAllDispatcher) else d.size
             if ranks > 1:
                 m.dispatch = OutsideGraph(d)
+        elif getattr(d, "static_shapes", False):  # its exchange has no host-read sizes: traced
+            d.outside_graph, d.outside_experts = outside, torch.compiler.disable(d.expert_rows_eager)
 
 
 class OutsideGraph:

@@ -78,17 +78,19 @@ class GroupedExperts(nn.Module):
         return swiglu_experts(self.resolved_kernel(), x, idx, counts, probs, w1, w2, out_rows, self.glu,
                               self.fusion.active(x.device))
 
-    def local_dispatch(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
+    def local_dispatch(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                       local_ids: bool = False) -> torch.Tensor | None:
         """The single-rank dropless dispatch and this kernel as one opaque op (``local_experts``)
         for a compiled graph (a whole-step compiled decode step, ``megamoe.inference.generate``), which
         cannot hold the python expert counts the kernels take. None where this role computes
         otherwise (a subclass's or an adapter's ``forward``/``compute``: tiered storage, LoRA),
         its experts are sharded or a gradient is wanted: the caller runs the dispatch outside
-        the graph then."""
+        the graph then. ``local_ids``: ``idx`` already names this rank's experts (0..num_local-1:
+        rows an expert exchange delivered), so experts over ep are fine."""
         own = (type(self).forward is GroupedExperts.forward and type(self).compute is GroupedExperts.compute
                and "compute" not in self.__dict__ and "forward" not in self.__dict__  # replaced on the instance
                and not self._forward_hooks and not self._forward_pre_hooks)  # the op skips __call__
-        if not own or self.num_local != self.num_experts or self.etp_size != 1 or (
+        if not own or (self.num_local != self.num_experts and not local_ids) or self.etp_size != 1 or (
                 torch.is_grad_enabled() and (x.requires_grad or self.gate_up_weight.requires_grad)):
             return None
         return local_experts(x, weights, idx, self.gate_up_weight, self.down_weight, self.resolved_kernel(),

@@ -36,7 +36,7 @@ from megamoe.parallel import comm
 from megamoe.parallel.groups import group_rank
 from megamoe.parallel.sharding import mark_init, mark_tp_partial_grad, normal_init
 from megamoe.layers.spec import BuildContext, ForwardInfo, ModuleSpec, register_mlp
-from megamoe.layers.mlp.dispatch import DISPATCHERS
+from megamoe.layers.mlp.static_dispatch import build_dispatcher
 from megamoe.layers.mlp.dense import glu_of
 from megamoe.layers.mlp.replicas import ExpertReplicas
 from megamoe.layers.mlp.router import HashRouter, TopKRouter, attach_aux_loss
@@ -57,7 +57,7 @@ class MoELayer(nn.Module):
         # redundant hot experts: the dispatcher works on the E + N slots (megamoe.layers.mlp.replicas)
         self.replicas = ExpertReplicas.of(cfg.num_experts, cfg.replica_experts(layer_number), ctx.groups)
         slots = cfg.num_experts if self.replicas is None else self.replicas.num_slots
-        self.dispatch = DISPATCHERS[cfg.dispatcher](slots, ctx.groups)
+        self.dispatch = build_dispatcher(cfg, ctx.groups, slots)
         shared = cfg.shared_ffn()
         self.shared_experts = (ctx.backend.shared_expert(ctx, MLPConfig(ffn_hidden_size=shared,
                                                                         swiglu_limit=cfg.swiglu_limit,

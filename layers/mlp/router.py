@@ -95,6 +95,13 @@ def balance_probs(scores: torch.Tensor, score_function: str) -> torch.Tensor:
     return scores / (scores.sum(-1, keepdim=True) + 1e-20)
 
 
+def bin_counts(flat: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """[num_bins] long: how often each value of ``flat`` (all in [0, num_bins)) occurs. A scatter,
+    not ``bincount``: its output size is known without reading the data, so a compiled graph
+    holds it."""
+    return torch.zeros(num_bins, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def capacity_keep(weights: torch.Tensor, idx: torch.Tensor, num_experts: int, capacity: int,
                   policy: str) -> torch.Tensor:
     """[T, k] bool: which (token, slot) pairs fit in each expert's ``capacity``.
@@ -109,7 +116,7 @@ def capacity_keep(weights: torch.Tensor, idx: torch.Tensor, num_experts: int, ca
     else:
         order = torch.argsort(flat_e, stable=True)
     sorted_e = flat_e[order]
-    counts = torch.bincount(flat_e, minlength=num_experts)
+    counts = bin_counts(flat_e, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     rank_in_expert = torch.arange(n, device=idx.device) - starts[sorted_e]
     keep = torch.empty(n, dtype=torch.bool, device=idx.device)

@@ -614,7 +614,7 @@ class MoEConfig:
     z_loss_coeff: float = 0.0  # router z-loss: mean(logsumexp(logits)^2) (ST-MoE)
     capacity_factor: Optional[float] = None  # None: dropless; else tokens per expert per rank cap
     drop_policy: str = "probs"  # with a capacity: keep the highest-weight (probs) or earliest (position)
-    dispatcher: str = "alltoall"  # token exchange over the expert grid: alltoall | allgather
+    dispatcher: str = "alltoall"  # token exchange over the expert grid: alltoall | allgather | static (padded to capacity)
     # alltoall: the shared expert's fc1 runs while the dispatch all-to-alls are in flight, its fc2 while the
     # combine's is (issued async, waited after; backward mirrored)
     shared_expert_overlap: bool = False
@@ -676,7 +676,10 @@ class MoEConfig:
             check(self.capacity_factor > 0, f"{path}.capacity_factor", self.capacity_factor,
                   "must be > 0 (or null for dropless)")
         check_choice(f"{path}.drop_policy", self.drop_policy, ("probs", "position"))
-        check_choice(f"{path}.dispatcher", self.dispatcher, ("alltoall", "allgather"))
+        check_choice(f"{path}.dispatcher", self.dispatcher, ("alltoall", "allgather", "static"))
+        if self.dispatcher == "static":
+            check(self.capacity_factor is not None, f"{path}.capacity_factor", self.capacity_factor,
+                  "must be set with dispatcher=static (every expert gets that many rows per rank)")
         check_choice(f"{path}.expert_kernel", self.expert_kernel, ("auto", "grouped_mm", "loop", "reference"))
         check_swiglu(path, self.swiglu_limit, self.swiglu_alpha)
         self.expert_store.validate(f"{path}.expert_store")
