@@ -31,19 +31,25 @@ from typing import Sequence
 import torch
 
 from megamoe.core.errors import ConfigError
+from megamoe.core.untrusted import read_json
 
 _EXPERT_TENSOR = re.compile(r"^layers\.(\d+)\.mlp\.(router\.weight|router\.expert_bias|experts\.[A-Za-z_]+)$")
 
 
 # ---- files ----------------------------------------------------------------------------------
 
-def _read_layers(path: str | Path, what: str) -> dict[int, list]:
+def _read_file(path: str | Path, what: str):
+    """The JSON value of a load or placement file, bounded (``megamoe.core.untrusted.read_json``)."""
     try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such {what} file") from None
+        return read_json(path, ConfigError, missing=f"no such {what} file")
+    except ConfigError:
+        raise
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}: not a JSON {what} file ({e})") from None
+
+
+def _read_layers(path: str | Path, what: str) -> dict[int, list]:
+    data = _read_file(path, what)
     layers = data.get("layers") if isinstance(data, dict) else None
     if not isinstance(layers, dict) or not layers:
         raise ConfigError(f'{path}: a {what} file holds {{"layers": {{"<layer>": [...], ...}}}}')
@@ -92,8 +98,8 @@ def read_placement(path: str | Path) -> dict[int, list[int]]:
 def read_replicas(path: str | Path) -> dict[int, list[int]] | None:
     """A placement file's "replicas" ({layer: [expert ids of the redundant slots]}), None if it has none;
     every layer the same number (``model.moe.redundant_experts``)."""
-    data = json.loads(Path(path).read_text())  # read_placement has checked the file
-    replicas = data.get("replicas")
+    data = _read_file(path, "placement")
+    replicas = data.get("replicas") if isinstance(data, dict) else None
     if replicas is None:
         return None
     if not isinstance(replicas, dict) or not all(
@@ -142,7 +148,7 @@ def order_for(name: str, placement: dict, tensor: torch.Tensor) -> list[int] | N
     m = _EXPERT_TENSOR.match(name)
     if not m or not placement:
         return None
-    order = placement.get(int(m.group(1)), placement.get(m.group(1)))
+    order = layer_entry(placement, int(m.group(1)))
     if order is None or tensor.dim() == 0 or tensor.size(0) != len(order):
         return None
     return order
