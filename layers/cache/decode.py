@@ -63,6 +63,13 @@ class LayerState(dict):
         c, k_rope = self.append_time("c", c), self.append_time("k_rope", k_rope)
         return core(q_lat, q_rope, c, k_rope, idx, scale)
 
+    def attend_tokens(self, cache: "InferenceCache", q, k, v, tok, core, scale: float) -> torch.Tensor:
+        """Decoding block-sparse attention: keys and values k, v [b, t, G, d] appended as "k", "v",
+        then ``core(q, k, v, tok, scale)`` over the keys tok [b, t, G, N] keeps (time indices; -1 =
+        none) -> [b, t, H, d]."""
+        k, v = self.append_time("k", k), self.append_time("v", v)
+        return core(q, k, v, tok, scale)
+
     def append_prefill(self, cp, local: dict[str, torch.Tensor], gathered: dict[str, torch.Tensor] | None = None) -> None:
         """A prefill under context parallelism (``cp``, a ``ContextShard``): ``local`` holds this rank's
         chunks of each time-axis tensor [b, s_local, ...]. This cache keeps the whole sequence on

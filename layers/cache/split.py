@@ -1,8 +1,9 @@
 """Decoding under context parallelism with the KV cache split by sequence over the CP ranks.
 
 A ``ContextSplitCache`` (contiguous) or ``PagedContextSplitCache`` (paged blocks, fp32, int8 or
-fp8) is made with the CP group. Softmax attention (A, S), MLA (M) and DSA (D, R, I) keep in it
-only this rank's share of the sequence's keys (MLA, DSA: latents), each with its global position:
+fp8) is made with the CP group. Softmax attention (A, S), block-sparse attention (B), MLA (M) and
+DSA (D, R, I) keep in it only this rank's share of the sequence's keys (MLA, DSA: latents), each
+with its global position:
 
 - the prefill's own shard stays where it was computed: CP rank r keeps its chunks r and
   2·CP-1-r (``append_prefill``), nothing is all-gathered into the cache;
@@ -16,13 +17,12 @@ global positions: causal, sliding window) and gets an unnormalised part (out [b,
 rank merges them in rank order by their log-sum-exps (``tiled.merge``), so every rank ends the
 layer with the same output, that of attention over the whole cache.
 
-DSA (D, R, I) splits its latents the same way; its indexer keys (and I's pool gates, a few
-numbers a token) stay whole on every rank, so every rank selects the same top-k over the whole
-sequence, then attends over the selected latents it holds (``attend_selected``), merged as above.
+DSA (D, R, I) and B keep their indexer keys (and I's pool gates, a few numbers a token) whole
+on every rank, so every rank selects the same top-k keys or blocks over the whole sequence,
+then attends over the selected keys it holds (``attend_selected``, ``attend_tokens``), merged as above.
 
 A sliding window (S) drops the keys the window has passed on each rank (``keep_last``).
-Other mixers' time-axis tensors (DSA's indexer keys, block-sparse attention, V4's compressed
-entries) and linear mixers' states stay as the plain caches keep them: the whole sequence on
+Other mixers' time-axis tensors (D/I/B's indexer keys, V4's window and compressed entries) and linear mixers' states stay as the plain caches keep them: the whole sequence on
 every rank (replicated), computed identically on every CP rank.
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ from megamoe.core.errors import ConfigError
 from megamoe.layers.cache.decode import InferenceCache, LayerState
 from megamoe.layers.cache.paged import TILE_TOKENS, PagedCache, PagedLayerState
 from megamoe.layers.ops.attention.context import allowed_mask
-from megamoe.layers.ops.attention.tiled import (empty_part, merge, partial_attention, partial_latent_attention,
-                                                partial_sparse_latent_attention)
+from megamoe.layers.ops.attention.tiled import (empty_part, merge, partial_attention, partial_block_sparse_attention,
+                                                partial_latent_attention, partial_sparse_latent_attention)
 from megamoe.parallel import comm
 from megamoe.parallel.groups import group_rank, group_size
 
@@ -103,12 +103,29 @@ class SplitKeys:
         if n == 0:
             part = empty_part(q_lat.transpose(1, 2), q_lat.size(-1))
         else:
-            held = self.positions.to(idx.device)
-            slot = torch.searchsorted(held, idx.clamp(min=0)).clamp(max=n - 1)
-            local = torch.where((idx >= 0) & (held[slot] == idx), slot, -1)  # [b, t, K] into the held keys
             part = partial_sparse_latent_attention(q_lat, q_rope, self.held("c", 0, n), self.held("k_rope", 0, n),
-                                                   local, scale)
+                                                   self.held_slots(idx), scale)
         return cache.merge_ranks(part).transpose(1, 2).to(q_lat.dtype)
+
+    def attend_tokens(self, cache, q, k, v, tok, core, scale: float) -> torch.Tensor:
+        """Block-sparse attention over the kept keys of every rank: tok [b, t, G, N] are global
+        positions (the block indexer selects over its keys, kept whole on every rank); this rank
+        attends over those it holds -> [b, t, H, d]."""
+        self.keep_own({"k": k, "v": v}, q.size(1))
+        n = self.positions.numel()
+        if n == 0:
+            part = empty_part(q.transpose(1, 2), v.size(-1))
+        else:
+            part = partial_block_sparse_attention(q, self.held("k", 0, n), self.held("v", 0, n), self.held_slots(tok),
+                                                  scale)
+        return cache.merge_ranks(part).transpose(1, 2).to(q.dtype)
+
+    def held_slots(self, idx: torch.Tensor) -> torch.Tensor:
+        """Global positions idx [...] (-1 = none) -> their slots among the held keys, -1 where this
+        rank does not hold them (at least one key is held)."""
+        held = self.positions.to(idx.device)
+        slot = torch.searchsorted(held, idx.clamp(min=0)).clamp(max=held.numel() - 1)
+        return torch.where((idx >= 0) & (held[slot] == idx), slot, -1)
 
     def keep_last(self, names: tuple[str, ...], keep: int) -> None:
         """Sliding window: forget the held keys more than ``keep`` positions before ``end``."""

@@ -28,7 +28,9 @@ Two forms of each half:
   backward; the dense-mask reference (``dense_reference = True``) masks plain attention with the
   selection expanded to [b, H, s, T].
 
-Decode cache: keys and values as ``A``, plus the indexer keys ``index_k`` [b, T, Di].
+Decode cache: keys and values as ``A``, plus the indexer keys ``index_k`` [b, T, Di]; the cache
+attends over the kept keys (``LayerState.attend_tokens``: a cache split over CP ranks keeps each
+rank's share of the keys and values, the indexer keys whole, and merges the ranks' parts).
 Context parallelism: the indexer keys, keys and values of the whole sequence are all-gathered
 over CP (backward: reduce-scatter); each rank selects and attends for its own queries.
 TP: heads and KV groups split as ``A``; the indexer's query projection is column-parallel over
@@ -225,8 +227,9 @@ class BlockSparseAttention(SelfAttention):
     def forward(self, x: torch.Tensor, info: ForwardInfo) -> torch.Tensor:
         cp = context_shard(info)  # with a cache: a prefill under CP
         q, k, v, gate = self.project(x, info)
-        k_all, v_all = self.keys(k, v, info, cp)
-        bsz, total = q.size(0), k_all.size(1)
+        decoding = cp is None and info.cache is not None and not self.dense_reference  # the cache attends
+        k_all, v_all = (None, None) if decoding else self.keys(k, v, info, cp)
+        bsz, total = q.size(0), info.cache.seen + q.size(1) if decoding else k_all.size(1)
         check_documents(info.documents, bsz, total)
         pad = None if info.cache is None else info.cache.pad
         table = block_table(bsz, total, self.indexer.block, pad, info.documents, x.device)
@@ -237,6 +240,8 @@ class BlockSparseAttention(SelfAttention):
         if self.dense_reference:
             mask = tokens_to_mask(tok, total, q.size(2))
             out = self.core(q, k_all, v_all, mask=mask)
+        elif decoding:  # over the kept keys the cache holds (a cache split over CP: each rank's share, merged)
+            out = state.attend_tokens(info.cache, q, k, v, tok, self.block_core, self.scale)
         else:
             out = self.block_core(q, k_all, v_all, tok, self.scale)
         out = out.reshape(*out.shape[:2], -1)
@@ -248,10 +253,10 @@ class BlockSparseAttention(SelfAttention):
         """Keys and values of every position the queries may see: all-gathered over CP (a
         prefill under CP caches them), appended to the decode cache, or the given ones."""
         if cp is not None:
-            k, v = cp.gather(k), cp.gather(v)
-            if info.cache is not None:
-                append_kv(info.cache.layer(self.layer_number), k.detach(), v.detach())
-            return k, v
+            k_all, v_all = cp.gather(k), cp.gather(v)
+            if info.cache is not None:  # a prefill: every rank's keys, or this rank's (a split cache)
+                info.cache.layer(self.layer_number).append_prefill(cp, {"k": k, "v": v}, {"k": k_all, "v": v_all})
+            return k_all, v_all
         if info.cache is not None:
             return append_kv(info.cache.layer(self.layer_number), k, v)
         return k, v

@@ -100,7 +100,7 @@ def parallel_flags(parser) -> None:
     """--tp/--pp/--ep/--etp/--cp for a command run under torchrun."""
     group = parser.add_argument_group("parallel layout (run under torchrun; world size = tp*pp*cp*dp, "
                                       "dp ranks decode the same batch; cp splits the prefill and the "
-                                      "softmax/MLA/DSA decode cache)")
+                                      "softmax/MLA/DSA/B decode cache)")
     for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert"), ("etp", "expert tensor"),
                        ("cp", "context (prefill, decode cache)")):
         group.add_argument(f"--{name}", type=number_in(int, 1), default=1, help=f"{what} parallel size")

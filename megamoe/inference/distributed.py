@@ -18,10 +18,11 @@ EP/ETP ranks all-to-all their tokens inside MoE layers as in training.
 Context parallelism (``--cp``) splits the prefill and the cache: each CP rank runs its two
 chunks of the prompt as in training (ring attention, state passing, all-gathered latents). With
 the split caches (``cache_factory``; ``megamoe.layers.cache.split``) the softmax (A, S), MLA (M)
-and DSA (D, R, I: latents; indexer keys whole) layers keep only this rank's chunks of the keys,
+DSA (D, R, I: latents) and block-sparse (B) layers keep only this rank's chunks of the keys (their
+indexer keys whole),
 and each later token is kept by rank ``position % CP``; a decode step runs the same on every CP
 rank, each attends over its own keys and one all-gather a layer merges the ranks' parts by
-their log-sum-exps. Linear mixers' states and the B and V4 caches hold the whole prompt on
+their log-sum-exps. Linear mixers' states and the V4 caches hold the whole prompt on
 every rank (all-gathered, or passed on to the end), as the plain caches keep every mixer's. The prompt's last token is the
 last local token of CP rank 0, whose logits are broadcast over the CP group; stages send their
 local chunks' hidden states. Prompts must have equal length.
@@ -103,7 +104,7 @@ class StageForward:
 def cache_factory(kind: str = "contiguous", block_size: int = 16, forward: "StageForward | None" = None):
     """The decode cache ``stream`` makes for a batch (``megamoe-generate --kv-cache``): "contiguous",
     "paged", "int8" or "fp8" (paged blocks). Under CP (``forward`` a ``StageForward`` of a layout
-    with cp > 1) the softmax/MLA/DSA keys are split over the CP ranks (``megamoe.layers.cache.split``)."""
+    with cp > 1) the softmax/MLA/DSA/B keys are split over the CP ranks (``megamoe.layers.cache.split``)."""
     group = forward.groups.cp if forward is not None and forward.groups.size("cp") > 1 else None
     if kind == "contiguous":
         return InferenceCache if group is None else functools.partial(ContextSplitCache, group=group)

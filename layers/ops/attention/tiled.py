@@ -96,3 +96,22 @@ def partial_sparse_latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, c
     lse = torch.logsumexp(scores, dim=-1)  # -inf where no key
     p = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
     return torch.einsum("bhsk,bskr->bhsr", p, c_sel), lse
+
+
+def partial_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tok: torch.Tensor, scale: float):
+    """Block-sparse GQA attention over each query's kept keys, not yet normalised: q [b, s, H, d],
+    k/v [b, T, G, d], tok [b, s, G, N] into T (-1 = none; a query may have none here) ->
+    (out fp32 [b, H, s, dv], lse fp32 [b, H, s]); head h reads group h // (H / G)."""
+    bsz, s, heads, d = q.shape
+    groups = k.size(2)
+    safe = tok.clamp(min=0).permute(0, 2, 1, 3)                                     # [b, G, s, N]
+    bi = torch.arange(bsz, device=q.device)[:, None, None, None]
+    gi = torch.arange(groups, device=q.device)[None, :, None, None]
+    k_sel, v_sel = k.transpose(1, 2)[bi, gi, safe].float(), v.transpose(1, 2)[bi, gi, safe].float()  # [b, G, s, N, d]
+    qg = q.float().view(bsz, s, groups, heads // groups, d).permute(0, 2, 3, 1, 4)  # [b, G, rep, s, d]
+    scores = torch.einsum("bgjrd,bgrnd->bgjrn", qg, k_sel) * scale
+    scores = scores.masked_fill((tok < 0).permute(0, 2, 1, 3)[:, :, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                            # [b, G, rep, s]
+    p = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    out = torch.einsum("bgjrn,bgrnd->bgjrd", p, v_sel)                              # [b, G, rep, s, dv]
+    return out.flatten(1, 2), lse.flatten(1, 2)
