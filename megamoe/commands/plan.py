@@ -58,8 +58,8 @@ def experts(argv: list[str]) -> None:
     else:
         load = read_load(args.load)
     placement, replicas = {}, {}
-    print(f"{'layer':>5} {'experts':>8} {'busiest/mean before':>20} {'after':>7}"
-          + (f" {'with ' + str(args.redundant) + ' replicas':>16}" if args.redundant else ""))
+    lines = [f"{'layer':>5} {'experts':>8} {'busiest/mean before':>20} {'after':>7}"
+             + (f" {'with ' + str(args.redundant) + ' replicas':>16}" if args.redundant else "")]
     for layer, counts in sorted(load.items()):
         order = balanced_order(counts, args.ep, n_group)
         line = (f"{layer:>5} {len(counts):>8} {imbalance(counts, range(len(counts)), args.ep):>20.3f} "
@@ -68,7 +68,8 @@ def experts(argv: list[str]) -> None:
             order, replicas[layer] = replicated_placement(counts, args.ep, args.redundant, n_group, args.ep_per_node)
             line += f" {imbalance(counts, order, args.ep, replicas[layer]):>16.3f}"
         placement[layer] = order
-        print(line)
+        lines.append(line)
+    print("\n".join(lines))  # after every layer is planned: a refusal prints nothing else
     if args.out:
         write_json(args.out, placement, replicas)
         print(f"wrote {args.out} (megamoe-convert import-hf HF_DIR OUT --placement {args.out})")
