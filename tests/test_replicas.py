@@ -283,7 +283,7 @@ def test_bad_replica_settings_are_one_line():
         load_recipe("tiny_hybrid_moe", ["model.moe.redundant_experts=2", "model.moe.replicas={'0': [1, 99]}"])
     with pytest.raises(ConfigError, match=r"model.moe.replicas=.* needs redundant_experts > 0"):
         load_recipe("tiny_hybrid_moe", ["model.moe.replicas={'0': [1]}"])
-    with pytest.raises(ConfigError, match=r"model.moe.redundant_experts=3 is invalid: must be divisible by parallel.ep=2"):
+    with pytest.raises(ConfigError, match=r"redundant_experts=3 is invalid: must be divisible by parallel.ep=2"):
         load_train_recipe("tiny_hybrid_moe", ["model.moe.redundant_experts=3", "parallel.ep=2"], False).validate_plan()
     with pytest.raises(ConfigError, match=r"redundant_experts=2 is invalid with a lora section"):
         load_train_recipe("tiny_moe_lora", ["model.moe.redundant_experts=2"], False).validate_plan()

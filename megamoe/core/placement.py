@@ -102,8 +102,8 @@ def read_replicas(path: str | Path) -> dict[int, list[int]] | None:
     replicas = data.get("replicas") if isinstance(data, dict) else None
     if replicas is None:
         return None
-    if not isinstance(replicas, dict) or not all(
-            str(k).isdigit() and isinstance(v, list) and all(isinstance(e, int) for e in v) for k, v in replicas.items()):
+    ids = lambda v: isinstance(v, list) and all(isinstance(e, int) for e in v)  # noqa: E731
+    if not isinstance(replicas, dict) or not all(str(k).isdigit() and ids(v) for k, v in replicas.items()):
         raise ConfigError(f'{path}: "replicas" must be {{"<layer>": [expert ids], ...}}')
     if len({len(v) for v in replicas.values()}) > 1:
         raise ConfigError(f"{path}: every layer's replicas must have the same length (model.moe.redundant_experts)")
