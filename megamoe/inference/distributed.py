@@ -17,15 +17,15 @@ EP/ETP ranks all-to-all their tokens inside MoE layers as in training.
 
 Context parallelism (``--cp``) splits the prefill and the cache: each CP rank runs its two
 chunks of the prompt as in training (ring attention, state passing, all-gathered latents). With
-the split caches (``cache_factory``; ``megamoe.layers.cache.split``) the softmax (A, S), MLA (M)
-DSA (D, R, I: latents) and block-sparse (B) layers keep only this rank's chunks of the keys (their
-indexer keys whole),
-and each later token is kept by rank ``position % CP``; a decode step runs the same on every CP
-rank, each attends over its own keys and one all-gather a layer merges the ranks' parts by
-their log-sum-exps. Linear mixers' states and the V4 caches hold the whole prompt on
-every rank (all-gathered, or passed on to the end), as the plain caches keep every mixer's. The prompt's last token is the
-last local token of CP rank 0, whose logits are broadcast over the CP group; stages send their
-local chunks' hidden states. Prompts must have equal length.
+the split caches (``cache_factory``; ``megamoe.layers.cache.split``) the softmax (A, S),
+block-sparse (B), MLA (M) and DSA (D, R, I: latents) layers keep only this rank's chunks of the
+keys (indexer keys whole), and each later token is kept by rank ``position % CP``; a decode step
+runs the same on every CP rank, each attends over its own keys and one all-gather a layer merges
+the ranks' parts by their log-sum-exps. Linear mixers' states and the V4 caches hold the whole
+prompt on every rank (all-gathered, or passed on to the end), as the plain caches keep every
+mixer's. The prompt's last token is the last local token of CP rank 0, whose logits are
+broadcast over the CP group; stages send their local chunks' hidden states. Prompts must have
+equal length.
 
 Sequence parallelism is not used for decoding: a step feeds one token per row, which cannot be
 split over TP ranks. Its weights are those of TP alone, so a TP+SP checkpoint decodes at the
