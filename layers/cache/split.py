@@ -19,11 +19,13 @@ layer with the same output, that of attention over the whole cache.
 
 DSA (D, R, I) and B keep their indexer keys (and I's pool gates, a few numbers a token) whole
 on every rank, so every rank selects the same top-k keys or blocks over the whole sequence,
-then attends over the selected keys it holds (``attend_selected``, ``attend_tokens``), merged as above.
+then attends over the selected keys it holds (``attend_selected``, ``attend_tokens``), merged
+as above.
 
 A sliding window (S) drops the keys the window has passed on each rank (``keep_last``).
-Other mixers' time-axis tensors (D/I/B's indexer keys, V4's window and compressed entries) and linear mixers' states stay as the plain caches keep them: the whole sequence on
-every rank (replicated), computed identically on every CP rank.
+Other mixers' time-axis tensors (D/I/B's indexer keys, V4's window and compressed entries) and
+linear mixers' states stay as the plain caches keep them: the whole sequence on every rank
+(replicated), computed identically on every CP rank.
 """
 from __future__ import annotations
 
@@ -98,27 +100,24 @@ class SplitKeys:
         """DSA's attention over the selected latents of every rank: idx [b, t, K] are global positions
         (the indexer selects over its keys, kept whole on every rank); this rank attends over those
         it holds (the math partial: ``core``'s fused kernel returns no lse) -> [b, t, H, r]."""
-        self.keep_own({"c": c, "k_rope": k_rope}, q_lat.size(1))
-        n = self.positions.numel()
-        if n == 0:
-            part = empty_part(q_lat.transpose(1, 2), q_lat.size(-1))
-        else:
-            part = partial_sparse_latent_attention(q_lat, q_rope, self.held("c", 0, n), self.held("k_rope", 0, n),
-                                                   self.held_slots(idx), scale)
-        return cache.merge_ranks(part).transpose(1, 2).to(q_lat.dtype)
+        return self.attend_held(cache, {"c": c, "k_rope": k_rope}, q_lat, q_lat.size(-1), lambda c_held, kr_held:
+                                partial_sparse_latent_attention(q_lat, q_rope, c_held, kr_held, self.held_slots(idx),
+                                                                scale))
 
     def attend_tokens(self, cache, q, k, v, tok, core, scale: float) -> torch.Tensor:
         """Block-sparse attention over the kept keys of every rank: tok [b, t, G, N] are global
         positions (the block indexer selects over its keys, kept whole on every rank); this rank
         attends over those it holds -> [b, t, H, d]."""
-        self.keep_own({"k": k, "v": v}, q.size(1))
+        return self.attend_held(cache, {"k": k, "v": v}, q, v.size(-1), lambda k_held, v_held:
+                                partial_block_sparse_attention(q, k_held, v_held, self.held_slots(tok), scale))
+
+    def attend_held(self, cache, new: dict[str, torch.Tensor], q: torch.Tensor, dv: int, part) -> torch.Tensor:
+        """Keep ``new``'s owned steps, then ``part(*every held key of new's names)`` -> (out, lse) over
+        this rank's keys (no keys: nothing), merged over the ranks -> [b, t, H, dv] in q's dtype."""
+        self.keep_own(new, q.size(1))
         n = self.positions.numel()
-        if n == 0:
-            part = empty_part(q.transpose(1, 2), v.size(-1))
-        else:
-            part = partial_block_sparse_attention(q, self.held("k", 0, n), self.held("v", 0, n), self.held_slots(tok),
-                                                  scale)
-        return cache.merge_ranks(part).transpose(1, 2).to(q.dtype)
+        own = part(*(self.held(name, 0, n) for name in new)) if n else empty_part(q.transpose(1, 2), dv)
+        return cache.merge_ranks(own).transpose(1, 2).to(q.dtype)
 
     def held_slots(self, idx: torch.Tensor) -> torch.Tensor:
         """Global positions idx [...] (-1 = none) -> their slots among the held keys, -1 where this
@@ -206,7 +205,7 @@ class ContextSplit:
 
 
 class ContextSplitCache(ContextSplit, InferenceCache):
-    """``InferenceCache`` whose A/S/M keys are split over the CP ``group`` (module docstring)."""
+    """``InferenceCache`` whose attention keys are split over the CP ``group`` (module docstring)."""
 
     def __init__(self, batch_size: int, pad: torch.Tensor | None = None, *, group=None):
         super().__init__(batch_size, pad)
@@ -217,7 +216,7 @@ class ContextSplitCache(ContextSplit, InferenceCache):
 
 
 class PagedContextSplitCache(ContextSplit, PagedCache):
-    """``PagedCache`` (blocks; fp32, int8 or fp8) whose A/S/M keys are split over the CP ``group``."""
+    """``PagedCache`` (blocks; fp32, int8 or fp8) whose attention keys are split over the CP ``group``."""
 
     def __init__(self, batch_size: int, pad: torch.Tensor | None = None, *, group=None, block_size: int = 16,
                  kv_dtype: str = "fp32"):
