@@ -6,7 +6,9 @@ and with PP=2) and decodes with the cache split: every step's logits equal the s
 run's (fp32, 1e-5 relative) with the contiguous and the paged cache (int8 and fp8 within the
 paged cache's stated tolerance), the greedy tokens are the same, and each CP rank holds exactly
 half the split keys' bytes of the single-process cache. Key tiles are cut small
-(``TILE_TOKENS``) so each rank merges several tiles, masked ones among them.
+(``TILE_TOKENS``) so each rank merges several tiles, masked ones among them; a chunked prefill
+(12 tokens split over CP, then 4 in one forward, kept by the ranks by position) gives the
+single-process logits.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ SPLIT_LAYERS, WINDOW_LAYER = (0, 1, 2, 3, 4, 5, 6), 1  # A, S, D, R, M, I, B: th
 SPLIT_NAMES = ("k", "v", "c", "k_rope")  # (DSA's and B's indexer keys stay whole on every rank)
 BLOCK_INDEX = dict(num_heads=2, head_dim=8, block_size=3, topk_blocks=2, local_blocks=1)  # B: 6 of up to 18 keys
 PROMPTS = [[5, 9, 13, 2, 40, 7, 3, 8, 21, 33, 17, 4], [11, 4, 6, 50, 3, 9, 12, 30, 31, 32, 33, 34]]  # 12 = 3 * 2 * CP
+LONGER = [p + [7, 1, 8, 2] for p in PROMPTS]  # 16 tokens: prefilled as 12 (under CP) + 4
 STEPS = 6  # 18 cached positions: 9 on each CP rank
 BLOCK = 3  # paged blocks of 3 tokens: a rank's 9 positions fill 3 blocks, the whole 18 fill 6
 
@@ -43,12 +46,14 @@ def build(groups=None, pp: int = 1):
 
 
 @torch.no_grad()
-def decode_logits(forward, cache, steps: int = STEPS, feed: torch.Tensor | None = None) -> torch.Tensor:
+def decode_logits(forward, cache, steps: int = STEPS, feed: torch.Tensor | None = None,
+                  chunk: int | None = None, prompts=PROMPTS) -> torch.Tensor:
     """[steps + 1, b, V]: the prompts' last logits, then greedy steps (the cache keeps 12 + steps);
-    ``feed`` [steps + 1, b, V]: feed its greedy tokens instead of our own (8-bit keys may flip one)."""
+    ``feed`` [steps + 1, b, V]: feed its greedy tokens instead of our own (8-bit keys may flip one);
+    ``chunk``: prefill in pieces of that many tokens."""
     from megamoe.inference.generate import prefill
 
-    out = [prefill(forward, torch.tensor(PROMPTS), cache, None)]
+    out = [prefill(forward, torch.tensor(prompts), cache, chunk)]
     for i in range(steps):
         token = (out if feed is None else feed)[i].argmax(-1, keepdim=True)
         out.append(forward(token, cache=cache)[:, -1].float())
@@ -80,6 +85,9 @@ def decode_split(layout: dict, want: torch.Tensor) -> dict:
         cache = cache_factory(kind, BLOCK, forward)(len(PROMPTS))
         out[kind] = decode_logits(forward, cache, feed=want if kind in ("int8", "fp8") else None)
         out[kind + " bytes"] = held_bytes(cache)
+    # a chunked prefill: the first 12 tokens under CP, the next 4 in one forward, split among the ranks
+    out["chunked"] = decode_logits(forward, cache_factory("paged", BLOCK, forward)(len(PROMPTS)), chunk=12,
+                                   prompts=LONGER)
     out["greedy"] = generate_batch(model, PROMPTS, STEPS, forward=forward, cache_factory=cache_factory("paged", BLOCK,
                                                                                                        forward))
     return out
@@ -95,11 +103,12 @@ def test_split_cache_decodes_the_single_process_logits(pool, n, layout):
     single = build()
     whole, paged = InferenceCache(len(PROMPTS)), PagedCache(len(PROMPTS), block_size=BLOCK)
     want = decode_logits(single, whole)
+    want_longer = decode_logits(single, InferenceCache(len(PROMPTS)), prompts=LONGER)
     assert rel_err(decode_logits(single, paged), want) <= 1e-5
     tokens = generate_batch(single, PROMPTS, STEPS)
     for rank, got in enumerate(pool(n).run(decode_split, layout, want)):
-        for kind in ("contiguous", "paged"):
-            err = rel_err(got[kind], want)
+        for kind in ("contiguous", "paged", "chunked"):
+            err = rel_err(got[kind], want_longer if kind == "chunked" else want)
             assert err <= 1e-5, f"rank {rank}, {kind} cache: logits relative error {err:.2e}"
         for kind in ("int8", "fp8"):
             assert rel_err(got[kind], want) <= INT8_REL_SPARSE, f"rank {rank}, {kind} cache"
