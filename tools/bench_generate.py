@@ -21,7 +21,9 @@ KV memory: megamoe's int8 paged cache (block 16; one more run) against transform
 after the same generation, attention keys and values only (both keep the linear layers'
 conv and recurrent states alike). transformers keeps padded slots too; the paged cache does
 not. Peak decode memory (``decode_kv_peak``, also alone with ``--kv-peak``): the int8 paged cache
-over a bf16 contiguous cache at 16K tokens of context, live tensor bytes of a few decode steps.
+over a bf16 contiguous cache at 16K tokens of context, live tensor bytes of a few decode steps
+(the prefill excluded on both sides, the weights taken out), with what each peak is made of
+and the ratio's floor (the int8 values alone over the contiguous peak).
 Last line: ``decode_speedup_vs_hf=X kv_mem_ratio_int8=Y decode_kv_peak_ratio_int8=Z``.
 
 ``--v4-cache``: instead, DeepSeek-V4's compressed decode cache (docs/inference.md), measured: a
@@ -105,8 +107,10 @@ def decode_kv_peak(tokens: int = 16384, steps: int = 4) -> float:
     """Peak decode memory of the int8 paged cache over the bf16 contiguous cache (the measurement
     ``--kv-peak`` prints): a bf16 model of softmax attention (GQA) and MLA layers (``AdMd``, small
     hidden size, so keys dominate) prefills ``tokens`` in 1024-token chunks, then decodes ``steps``
-    tokens; per cache, the peak live tensor bytes of those steps (the cache itself and everything
-    the steps allocate; the weights, alike on both sides, left out)."""
+    tokens; per cache, the peak live tensor bytes of those decode steps, the prefill excluded on
+    both sides (the cache itself and everything the steps allocate; the weights, alike on both
+    sides, left out). Also printed: what each peak is made of, and the floor of the ratio (the
+    int8 values alone over the contiguous peak)."""
     from megamoe.core.config import AttentionConfig, MLAConfig, MLPConfig, ModelConfig
     from megamoe.diagnostics.memory import LiveTensorBytes
     from megamoe.layers.cache.decode import InferenceCache
@@ -121,20 +125,38 @@ def decode_kv_peak(tokens: int = 16384, steps: int = 4) -> float:
     model = build_model(cfg).eval()
     initialize(model, model.groups, 0)
     ids = torch.randint(0, 256, (1, tokens + steps), generator=torch.Generator().manual_seed(0))
-    peaks = {}
+    peaks, held = {}, {}
     for name, cache in (("bf16 contiguous", InferenceCache(1)), ("int8 paged", PagedCache(1, kv_dtype="int8"))):
         with torch.no_grad():
             for a in range(0, tokens, 1024):
                 model(ids[:, a:a + 1024], cache=cache)
             tracker = LiveTensorBytes()
+            tracker.add(model.parameters())  # counted once here (their views would count them anyway), then taken out
             tracker.add(cache.tensors())
             with tracker:
                 for i in range(steps):
                     model(ids[:, tokens + i:tokens + i + 1], cache=cache)
-        peaks[name] = tracker.peak
-        print(f"{name}: peak decode memory {tracker.peak / 2**20:.1f} MiB at {tokens} tokens of context "
-              f"(cache {sum(t.numel() * t.element_size() for t in cache.tensors()) / 2**20:.1f} MiB)")
+        weights = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}.values())
+        peaks[name], held[name] = tracker.peak - weights, sum(t.untyped_storage().nbytes() for t in cache.tensors())
+        print(f"{name}: peak decode memory {peaks[name] / 2**20:.2f} MiB at {tokens} tokens of context "
+              f"(cache {held[name] / 2**20:.2f} MiB{int8_parts(cache)}; above it at the peak "
+              f"{(peaks[name] - held[name]) / 2**20:.2f} MiB)")
+    values = held["bf16 contiguous"] / 2  # the int8 values of the same keys: half the bf16 bytes
+    print(f"floor: the int8 values alone ({values / 2**20:.2f} MiB) over the bf16 contiguous peak = "
+          f"{values / peaks['bf16 contiguous']:.3f}")
     return peaks["int8 paged"] / peaks["bf16 contiguous"]
+
+
+def int8_parts(cache) -> str:
+    """A paged cache's bytes: values and scales of the blocks in use, and the pool's unused blocks."""
+    stores = cache.block_stores() if hasattr(cache, "block_stores") else []
+    if not stores:
+        return ""
+    used = sum(s.bytes_in_use() for s in stores)
+    scales = sum(s.blocks_in_use() * s.scales[0][0].numel() * 4 for s in stores if s.quantized)
+    pool = sum(t.untyped_storage().nbytes() for s in stores for t in s.chunks + s.scales)
+    return (f": int8 values {(used - scales) / 2**20:.2f}, scales {scales / 2**20:.2f}, "
+            f"unused pool blocks {(pool - used) / 2**20:.2f}")
 
 
 def main() -> None:
@@ -154,6 +176,7 @@ def main() -> None:
         v4_cache_bytes()
         return
     if args.kv_peak:
+        print(f"fp32 matmul {matmul_rate():.0f} GFLOP/s on {torch.get_num_threads()} threads")
         print(f"decode_kv_peak_ratio_int8={decode_kv_peak():.3f}")
         return
     from transformers import AutoModelForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM

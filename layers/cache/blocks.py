@@ -1,23 +1,26 @@
 """The paged cache's block pool: one time-axis tensor of one layer for every sequence of a batch,
 in fixed-size blocks, optionally int8 or fp8 with one fp32 scale per block and head.
 
-The pool is a list of chunks of ``CHUNK_BLOCKS`` blocks ``[CHUNK_BLOCKS, block_size, *feature]``:
-it grows by one chunk at a time, never by copying what it holds, so decode memory follows the
-stored bytes (a contiguous cache's ``torch.cat`` holds old and new at once on every step).
-Block ``b`` is row ``b % CHUNK_BLOCKS`` of chunk ``b // CHUNK_BLOCKS``; block 0 is a zero block
-never handed out: table entries of freed blocks and padded slots read from it.
+The pool is a list of chunks of ``C`` blocks ``[C, block_size, *feature]`` (``C``: as many blocks
+as fit ``CHUNK_BYTES``, between 1 and ``CHUNK_BLOCKS``): it grows by one chunk at a time, never by
+copying what it holds, so decode memory follows the stored bytes (a contiguous cache's
+``torch.cat`` holds old and new at once on every step) and the unfilled part of the last chunk
+stays under ``CHUNK_BYTES``. Block ``b`` is row ``b % C`` of chunk ``b // C``; block 0 is a zero
+block never handed out: table entries of freed blocks and padded slots read from it.
 
 Quantised (``quantized`` "int8" | "fp8"): scale = amax / largest over the block's tokens, per
 block and leading feature dims (per head for [h, d] keys, one per block for a latent [r]). A block
 still filling is re-quantised when tokens arrive (its scale can only grow), so every stored value
-stays within half a step of the latest scale. ``read`` dequantises only the time steps asked for.
+stays within half a step of the latest scale. ``read`` (a range of time steps) and ``gather``
+(chosen steps, optionally one head each) dequantise only the steps asked for.
 """
 from __future__ import annotations
 
 import torch
 
 STORAGE = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}  # stored dtype, largest value
-CHUNK_BLOCKS = 64  # blocks per pool chunk: the pool grows by this many (all rows share them)
+CHUNK_BLOCKS = 64  # most blocks per pool chunk: the pool grows by a chunk (all rows share them)
+CHUNK_BYTES = 64 << 10  # a chunk's values hold at most this many bytes (at least one block)
 
 
 class BlockStore:
@@ -30,8 +33,11 @@ class BlockStore:
         self.block, self.feature, self.dtype, self.quantized = block_size, feature, dtype, quantized
         self.stored = STORAGE[quantized][0] if quantized else dtype
         self.device = device
-        self.chunks: list[torch.Tensor] = []  # [CHUNK_BLOCKS, block, *feature] values
-        self.scales: list[torch.Tensor] = []  # [CHUNK_BLOCKS, *feature[:-1]] fp32 (quantised only)
+        per_block = block_size * int(torch.Size(feature).numel()) * self.stored.itemsize
+        self.chunk_blocks = max(1, min(CHUNK_BLOCKS, CHUNK_BYTES // max(1, per_block)))
+        self._table: torch.Tensor | None = None  # the tables as one [b, width] tensor, until they change
+        self.chunks: list[torch.Tensor] = []  # [C, block, *feature] values
+        self.scales: list[torch.Tensor] = []  # [C, *feature[:-1]] fp32 (quantised only)
         self.free: list[int] = []
         self._grow()
         self.free.remove(0)  # block 0: the zero block
@@ -41,11 +47,12 @@ class BlockStore:
     # ---- blocks ---------------------------------------------------------------------------
 
     def _grow(self) -> None:
-        n = len(self.chunks) * CHUNK_BLOCKS
-        self.chunks.append(torch.zeros(CHUNK_BLOCKS, self.block, *self.feature, dtype=self.stored, device=self.device))
+        c = self.chunk_blocks
+        n = len(self.chunks) * c
+        self.chunks.append(torch.zeros(c, self.block, *self.feature, dtype=self.stored, device=self.device))
         if self.quantized:
-            self.scales.append(torch.zeros(CHUNK_BLOCKS, *self.feature[:-1], dtype=torch.float32, device=self.device))
-        self.free.extend(range(n + CHUNK_BLOCKS - 1, n - 1, -1))
+            self.scales.append(torch.zeros(c, *self.feature[:-1], dtype=torch.float32, device=self.device))
+        self.free.extend(range(n + c - 1, n - 1, -1))
 
     def blocks_in_use(self) -> int:
         return sum(1 for table in self.tables for b in table if b)
@@ -63,10 +70,12 @@ class BlockStore:
 
     def release(self, block: int) -> None:
         if block:
-            self.chunks[block // CHUNK_BLOCKS][block % CHUNK_BLOCKS].zero_()
+            c = self.chunk_blocks
+            self.chunks[block // c][block % c].zero_()
             if self.quantized:
-                self.scales[block // CHUNK_BLOCKS][block % CHUNK_BLOCKS].zero_()
+                self.scales[block // c][block % c].zero_()
             self.free.append(block)
+            self._table = None
 
     def select_rows(self, index: list[int]) -> None:
         kept = set(index)
@@ -76,6 +85,7 @@ class BlockStore:
                     self.release(block)
         self.tables = [self.tables[i] for i in index]
         self.lengths = [self.lengths[i] for i in index]
+        self._table = None
 
     def drop_before(self, row: int, position: int) -> None:
         """Free the blocks of ``row`` holding only positions < ``position``."""
@@ -83,12 +93,13 @@ class BlockStore:
         for i in range(min(len(table), max(0, position) // self.block)):
             self.release(table[i])
             table[i] = 0
+        self._table = None
 
     # ---- indexing over the chunks ----------------------------------------------------------
 
     def _gather(self, parts: list[torch.Tensor], blocks: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         """``part[blocks % C, *rest]`` looked up in each block's chunk; shape blocks.shape + tail."""
-        chunk, row = blocks // CHUNK_BLOCKS, blocks % CHUNK_BLOCKS
+        chunk, row = blocks // self.chunk_blocks, blocks % self.chunk_blocks
         if len(parts) == 1:
             return parts[0][(row, *rest)]
         out = parts[0].new_empty(*blocks.shape, *parts[0].shape[1 + len(rest):])
@@ -98,7 +109,7 @@ class BlockStore:
         return out
 
     def _scatter(self, parts: list[torch.Tensor], blocks: torch.Tensor, values: torch.Tensor, *rest) -> None:
-        chunk, row = blocks // CHUNK_BLOCKS, blocks % CHUNK_BLOCKS
+        chunk, row = blocks // self.chunk_blocks, blocks % self.chunk_blocks
         for i in torch.unique(chunk).tolist():
             sel = chunk == i
             parts[i][(row[sel], *(r[sel] for r in rest))] = values[sel]
@@ -116,6 +127,7 @@ class BlockStore:
             pos = self.lengths[r]
             if pos % self.block == 0:
                 self.tables[r].append(self.take())
+                self._table = None
             slots.append((self.tables[r][pos // self.block], pos % self.block))
             self.lengths[r] = pos + 1
         block_ids = torch.tensor([b for b, _ in slots], device=x.device)
@@ -134,22 +146,47 @@ class BlockStore:
     def dequantize(self, blocks: torch.Tensor) -> torch.Tensor:
         return self._gather(self.chunks, blocks).float() * self._gather(self.scales, blocks).unsqueeze(1).unsqueeze(-1)
 
+    def table(self) -> torch.Tensor:
+        """The block tables as one [b, width] tensor (0 past a row's blocks), kept until they change."""
+        if self._table is None:
+            width = max([len(t) for t in self.tables] + [1])
+            self._table = torch.tensor([t + [0] * (width - len(t)) for t in self.tables],
+                                       dtype=torch.long).view(len(self.tables), width)
+        return self._table
+
+    def locate(self, times: torch.Tensor, pad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Time steps ``times`` [b, ...] of the batch's common time axis -> (blocks, offsets) [b, ...]
+        on the store's device; row r's step t is its position t - pad[r], and a position < 0 (left
+        padding, or t = -1 for none) or past the row's blocks reads the zero block."""
+        pos = times.cpu() - pad.cpu().view(-1, *[1] * (times.dim() - 1))
+        table = self.table()
+        at = (pos.clamp(min=0) // self.block).clamp(max=table.size(1) - 1)
+        inside = (pos >= 0) & (pos // self.block < table.size(1))  # past a row's blocks: zeros too
+        blocks = torch.where(inside, table.gather(1, at.flatten(1)).view_as(pos), 0)
+        return blocks.to(self.device), (pos.clamp(min=0) % self.block).to(self.device)
+
+    def fetch(self, blocks: torch.Tensor, offsets: torch.Tensor, *heads: torch.Tensor) -> torch.Tensor:
+        """The values at (blocks, offsets[, heads]) [b, ...] -> [b, ..., *feature] (with heads: one
+        leading feature index each, [b, ..., *feature[1:]]), dequantised in the values' dtype."""
+        values = self._gather(self.chunks, blocks, offsets, *heads)
+        if not self.quantized:
+            return values
+        scale = self._gather(self.scales, blocks, *heads).unsqueeze(-1)
+        return values.float().mul_(scale).to(self.dtype)
+
     def read(self, start: int, end: int, pad: torch.Tensor) -> torch.Tensor:
         """Time steps [start, end) of the batch's common time axis -> [b, end - start, *feature];
         row r's step t is its position t - pad[r] (zeros where that is < 0 or freed). Quantised
         blocks are dequantised for these steps only."""
-        b = len(self.tables)
-        pos = torch.arange(start, end)[None, :] - pad.cpu()[:, None]  # [b, T]
-        width = max([len(t) for t in self.tables] + [1])
-        table = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.long).view(b, width)
-        blocks = table.gather(1, (pos.clamp(min=0) // self.block).clamp(max=width - 1))
-        blocks = torch.where(pos >= 0, blocks, 0).to(self.device)
-        offsets = (pos.clamp(min=0) % self.block).to(self.device)
-        values = self._gather(self.chunks, blocks, offsets)
-        if not self.quantized:
-            return values
-        return (values.float() * self._gather(self.scales, blocks).unsqueeze(-1)).to(self.dtype)
+        times = torch.arange(start, end)[None, :].expand(len(self.tables), -1)
+        return self.fetch(*self.locate(times, pad))
 
+    def gather(self, times: torch.Tensor, pad: torch.Tensor, heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Chosen time steps ``times`` [b, ...] (-1: none, read as zeros) -> [b, ..., *feature]; with
+        ``heads`` (same shape as times) step i reads only leading feature index heads[i] ->
+        [b, ..., *feature[1:]]. Only the chosen steps are dequantised."""
+        blocks, offsets = self.locate(times, pad)
+        return self.fetch(blocks, offsets, *(() if heads is None else (heads.to(self.device),)))
 
 def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, B, *feature] fp32 -> ``kind`` ("int8" | "fp8") values and scales [n, *feature[:-1]]

@@ -60,14 +60,14 @@ class LayerState(dict):
         """Decoding DSA attention: latents c [b, t, r] and k_rope [b, t, dr] appended as "c", "k_rope",
         then ``core(q_lat, q_rope, c, k_rope, idx, scale)`` over the keys idx [b, t, K] selects
         (time indices of the cache; -1 = none) -> [b, t, H, r]."""
-        c, k_rope = self.append_time("c", c), self.append_time("k_rope", k_rope)
+        c, k_rope, idx = self.select_keys(cache, {"c": c, "k_rope": k_rope}, idx)  # a quantised cache: only idx's
         return core(q_lat, q_rope, c, k_rope, idx, scale)
 
     def attend_tokens(self, cache: "InferenceCache", q, k, v, tok, core, scale: float) -> torch.Tensor:
         """Decoding block-sparse attention: keys and values k, v [b, t, G, d] appended as "k", "v",
         then ``core(q, k, v, tok, scale)`` over the keys tok [b, t, G, N] keeps (time indices; -1 =
         none) -> [b, t, H, d]."""
-        k, v = self.append_time("k", k), self.append_time("v", v)
+        k, v, tok = self.select_keys(cache, {"k": k, "v": v}, tok, grouped=True)  # a quantised cache: only tok's
         return core(q, k, v, tok, scale)
 
     def append_prefill(self, cp, local: dict[str, torch.Tensor], gathered: dict[str, torch.Tensor] | None = None) -> None:
@@ -78,6 +78,36 @@ class LayerState(dict):
         for name, x in local.items():
             self.append_time(name, (cp.gather(x) if gathered is None else gathered[name]).detach())
 
+    def extend(self, new: dict[str, torch.Tensor]) -> None:
+        """Append each of ``new`` (name -> [b, t, ...]) along time, reading nothing back."""
+        for name, x in new.items():
+            self.append_time(name, x)
+
+    def time_tiles(self, cache: "InferenceCache", names: tuple[str, ...], t_q: int, window: int = 0):
+        """The kept time axis of ``names`` (this forward's t_q steps already appended), a tile at a
+        time: yields (each name's steps [b, n, ...], mask [1|b, t_q, n] bool, True = the query may
+        attend the key). Here one tile of everything kept; a quantised paged cache dequantises a
+        bounded tile at a time."""
+        kept = [self[name] for name in names]
+        end = cache.seen + t_q
+        yield (*kept, cache.key_mask(t_q, end - kept[0].size(1), end, window, kept[0].device))
+
+    def position_tiles(self, cache: "InferenceCache", names: tuple[str, ...], t_q: int, multiple: int = 1):
+        """The kept steps of ``names`` (this forward's t_q appended) by each row's own positions: row
+        r's position p at index p (its left padding dropped, zeros after its last), seen + t_q
+        positions in all, a tile at a time: yields each name's [b, n, ...], n a multiple of
+        ``multiple`` (but in the last tile). Here one tile."""
+        yield tuple(row_aligned(self[name], cache.pad) for name in names)
+
+    def select_keys(self, cache: "InferenceCache", new: dict[str, torch.Tensor], idx: torch.Tensor,
+                    grouped: bool = False) -> tuple[torch.Tensor, ...]:
+        """Append ``new`` (name -> [b, s, ...]), then what a sparse attention reads for the chosen
+        kept steps idx [b, s, K] (-1: none; ``grouped``: [b, s, G, K], key head g's steps of
+        [b, T, G, d] keys): (each name's keys [b, T', ...], idx') with keys[r, idx'] == kept[r, idx]
+        wherever idx >= 0. Here everything kept and idx itself; a quantised paged cache
+        dequantises only the chosen steps (T' = s K)."""
+        return (*(self.append_time(name, x) for name, x in new.items()), idx)
+
     def append_entries(self, name: str, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append each row's ``valid`` [b, n] entries of ``x`` [b, n, ...] after the row's own (an
         axis of its own, not time: DeepSeek-V4's compressed entries complete at different steps in
@@ -86,6 +116,25 @@ class LayerState(dict):
         out, counts = append_right(self.get(name), self.get(name + "#count"), x, valid)
         self[name], self[name + "#count"] = out, counts
         return out, counts
+
+    def extend_entries(self, name: str, x: torch.Tensor, valid: torch.Tensor) -> None:
+        """``append_entries``, reading nothing back."""
+        self.append_entries(name, x, valid)
+
+    def entry_tiles(self, names: tuple[str, ...]):
+        """The kept entries of ``names`` (``append_entries``' axis, right-padded with zeros) a tile at
+        a time: yields (the tile's first slot, each name's [b, n, ...]). Here one tile of all."""
+        yield (0, *(self[name] for name in names))
+
+    def attend_entries(self, name: str, whole, tiled):
+        """An attention over every kept entry of ``name``: ``whole(entries [b, N, ...])`` here; a
+        quantised paged cache calls ``tiled(entry_tiles((name,)))`` instead."""
+        return whole(self[name])
+
+    def select_entries(self, name: str, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``select_keys`` on the entries' axis: the entries a sparse attention reads for idx [b, s, K]
+        (-1: none) -> (entries [b, N', ...], idx') with entries[r, idx'] == kept[r, idx]."""
+        return self[name], idx
 
     def keep_last(self, names: tuple[str, ...], keep: int) -> None:
         """Keep only the last ``keep`` time steps of ``names`` (sliding-window layers)."""
@@ -155,15 +204,28 @@ class InferenceCache:
             self._mask = key, self._padded_mask(t_q, t_k, window, device)
         return self._mask[1]
 
-    def _padded_mask(self, t_q: int, t_k: int, window: int, device) -> torch.Tensor:
+    def key_mask(self, t_q: int, k_start: int, k_end: int, window: int = 0, device=None) -> torch.Tensor:
+        """[1|b, t_q, n] bool (True = may attend) for the next t_q queries over the keys at time
+        steps [k_start, k_end) of the common axis: causal, ``window``, padded keys masked (a
+        padded query sees itself) -- ``attention_mask``'s (or the causal mask's) columns for them."""
         total = self.seen + t_q
         q = torch.arange(total - t_q, total, device=device)[:, None]
-        k = torch.arange(total - t_k, total, device=device)[None, :]
+        k = torch.arange(k_start, k_end, device=device)[None, :]
         allowed = k <= q
         if window > 0:
             allowed = allowed & (k > q - window)
-        real = k[None] >= self.pad.to(k.device)[:, None, None]  # [b, 1, t_k]
+        if self.pad is None:
+            return allowed[None]
+        real = k[None] >= self.pad.to(k.device)[:, None, None]
         return allowed[None] & (real | (k == q)[None])
+
+    def _padded_mask(self, t_q: int, t_k: int, window: int, device) -> torch.Tensor:
+        total = self.seen + t_q
+        return self.key_mask(t_q, total - t_k, total, window, device)
+
+    def pad_or_zeros(self) -> torch.Tensor:
+        """pad [b], zeros without padding."""
+        return self.pad if self.pad is not None else torch.zeros(self.batch_size, dtype=torch.long)
 
     def snapshot(self):
         """What ``restore`` needs to undo the forwards after this call (speculative decoding's
@@ -194,6 +256,17 @@ def zero_pads(x: torch.Tensor, cache: InferenceCache | None) -> torch.Tensor:
     if valid is None:
         return x
     return x * valid.view(*valid.shape, *([1] * (x.dim() - 2))).to(x.dtype)
+
+
+def row_aligned(x: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+    """x [b, T, ...] on the common time axis -> row r's position p at index p (its ``pad`` [b] left
+    padding slots dropped, zeros after its last step)."""
+    if pad is None:
+        return x
+    total = x.size(1)
+    j = torch.arange(total, device=x.device)[None, :] + pad.to(x.device)[:, None]  # [b, T] time index
+    lead = (*j.shape, *([1] * (x.dim() - 2)))
+    return torch.where((j < total).view(lead), x.gather(1, j.clamp(max=total - 1).view(lead).expand_as(x)), 0)
 
 
 def append_right(old: torch.Tensor | None, counts: torch.Tensor | None, x: torch.Tensor, valid: torch.Tensor,

@@ -16,11 +16,17 @@ are bitwise those of the contiguous cache (tests/test_paged_cache.py).
 block and leading feature dims, i.e. per head for [h, d] keys, one per block for a latent
 [r]); scale = amax / 127 over the block's tokens. ``kv_dtype="fp8"``: the same with
 float8 e4m3 values (scale = amax / 448; torch casts to it on CPU too); ``blocks.BlockStore``.
-Softmax attention (A, S) and MLA's latents (M) read a quantised cache ``TILE_TOKENS`` steps at
-a time (``attend_kv``/``attend_latent``: a tile kernel per tile, merged by log-sum-exp), so decode memory grows
-with the quantised bytes; other readers (DSA's selected-key attention and indexer keys, the
-block-sparse layers, DeepSeek-V4's compressed entries) still get the dequantised whole through
-``append_time``.
+A quantised cache is never dequantised whole: the readers go through the ``LayerState`` calls
+that read a bounded tile (``tile_steps``: up to ``TILE_BYTES`` of fp32 values, 64 to 512 time
+steps) or only the chosen steps --
+softmax attention (A, S) and MLA's latents (M) in ``attend_kv``/``attend_latent`` (a tile
+kernel per tile, merged by log-sum-exp); the indexers' keys (D, I, B) in ``time_tiles`` /
+``position_tiles`` (scored a tile at a time); the sparse attentions (D, R, I, B) in
+``select_keys`` (only the selected steps gathered and dequantised). So decode memory grows with
+the quantised bytes, plus one tile and the indexers' per-key scores (4 bytes a key and query
+head for B, a few per key and query for D and I). DeepSeek-V4's compressed entries likewise:
+``extend_entries``, then ``entry_tiles`` (C's indexer keys), ``select_entries`` (C's chosen
+entries), ``attend_entries`` (H's, a tile at a time).
 """
 from __future__ import annotations
 
@@ -29,11 +35,12 @@ import torch
 from megamoe.core.errors import ConfigError
 from megamoe.layers.cache.blocks import BlockStore
 from megamoe.layers.cache.decode import InferenceCache, LayerState
-from megamoe.layers.ops.attention.core import causal_mask
 from megamoe.layers.ops.attention.tiled import tiled_attention, tiled_latent_attention_decode
 
 KV_DTYPES = ("fp32", "int8", "fp8")  # fp32: the values' own dtype; fp8: e4m3
-TILE_TOKENS = 512  # time steps a quantised cache dequantises at once when attention reads it
+TILE_TOKENS = 512  # most time steps a quantised cache dequantises at once when attention reads it
+TILE_BYTES = 256 << 10  # ... fewer where their fp32 values would pass this (every row and name of the tile),
+TILE_MIN_TOKENS = 64  # but not fewer than this (a kernel per handful of steps would be slow on a GPU)
 
 
 class PagedLayerState(LayerState):
@@ -53,54 +60,125 @@ class PagedLayerState(LayerState):
                                            None if c.kv_dtype == "fp32" else c.kv_dtype)
         return self.stores[name]
 
-    def append_time(self, name: str, x: torch.Tensor) -> torch.Tensor:
+    def first_kept(self) -> int:
+        """The first time step reads start at (a sliding window's: ``keep`` steps back)."""
+        return 0 if self.keep is None else max(0, self.cache.seen - self.keep)
+
+    def extend(self, new: dict[str, torch.Tensor]) -> None:
         c = self.cache
-        store = self.store(name, x)
-        t = x.size(1)
-        valid = c.valid(t, x.device)
-        store.append(x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if valid is None else valid)
-        start = 0 if self.keep is None else max(0, c.seen - self.keep)
-        return store.read(start, c.seen + t, c.pad_or_zeros())
+        for name, x in new.items():
+            valid = c.valid(x.size(1), x.device)
+            self.store(name, x).append(x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+                                       if valid is None else valid)
+
+    def append_time(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        self.extend({name: x})
+        return self.stores[name].read(self.first_kept(), self.cache.seen + x.size(1), self.cache.pad_or_zeros())
 
     def attend_kv(self, cache, q, k, v, core, window: int = 0) -> torch.Tensor:
         """``LayerState.attend_kv``; a quantised cache dequantises one tile of keys and values at a
         time (``tiled_attention``: the core's tile kernel, tiles merged by their log-sum-exps), never the whole history."""
         if cache.kv_dtype == "fp32":
             return super().attend_kv(cache, q, k, v, core, window)
-        return tiled_attention(q, self.tiles({"k": k, "v": v}, q.size(1), window), core.scale, core.tiles)
+        self.extend({"k": k, "v": v})
+        return tiled_attention(q, self.time_tiles(cache, ("k", "v"), q.size(1), window), core.scale, core.tiles)
 
     def attend_latent(self, cache, q_lat, q_rope, c, k_rope, core, scale: float) -> torch.Tensor:
         """``LayerState.attend_latent``; quantised: one tile of latents at a time."""
         if cache.kv_dtype == "fp32":
             return super().attend_latent(cache, q_lat, q_rope, c, k_rope, core, scale)
-        return tiled_latent_attention_decode(q_lat, q_rope, self.tiles({"c": c, "k_rope": k_rope}, q_lat.size(1)),
+        self.extend({"c": c, "k_rope": k_rope})
+        return tiled_latent_attention_decode(q_lat, q_rope, self.time_tiles(cache, ("c", "k_rope"), q_lat.size(1)),
                                              scale)
 
-    def tiles(self, new: dict[str, torch.Tensor], t_q: int, window: int = 0):
-        """Append ``new`` (name -> [b, t_q, ...]), then yield the kept time axis ``TILE_TOKENS`` steps
-        at a time: (each name's steps [b, n, ...] dequantised, mask [b or 1, t_q, n])."""
+    def tile_steps(self, names: tuple[str, ...]) -> int:
+        """Time steps per tile: as many as keep their dequantised fp32 values (all rows and names
+        together) within ``TILE_BYTES``, between ``TILE_MIN_TOKENS`` and ``TILE_TOKENS``."""
+        per_step = sum(len(s.tables) * int(torch.Size(s.feature).numel()) for s in map(self.stores.get, names)) * 4
+        return max(1, min(TILE_TOKENS, max(TILE_MIN_TOKENS, TILE_BYTES // max(1, per_step))))
+
+    def time_tiles(self, cache, names: tuple[str, ...], t_q: int, window: int = 0):
+        """``LayerState.time_tiles``: the fp32 cache in one tile (as the contiguous cache reads it), a
+        quantised one ``tile_steps`` at a time, each dequantised as it is read."""
         c = self.cache
-        for name, x in new.items():
-            valid = c.valid(t_q, x.device)
-            self.store(name, x).append(x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
-                                       if valid is None else valid)
-        device = next(iter(new.values())).device
-        start, end = (0 if self.keep is None else max(0, c.seen - self.keep)), c.seen + t_q
-        mask = c.attention_mask(t_q, end - start, window, device)
-        mask = causal_mask(t_q, end - start, window, device)[None] if mask is None else mask
-        pad = c.pad_or_zeros()
-        for a in range(start, end, TILE_TOKENS):
-            e = min(end, a + TILE_TOKENS)
-            yield (*(self.stores[name].read(a, e, pad) for name in new), mask[..., a - start:e - start])
+        start, end = self.first_kept(), c.seen + t_q
+        step = end - start if c.kv_dtype == "fp32" else self.tile_steps(names)
+        pad, device = c.pad_or_zeros(), self.stores[names[0]].device
+        for a in range(start, end, max(1, step)):
+            e = min(end, a + step)
+            yield (*(self.stores[name].read(a, e, pad) for name in names), c.key_mask(t_q, a, e, window, device))
+
+    def position_tiles(self, cache, names: tuple[str, ...], t_q: int, multiple: int = 1):
+        """``LayerState.position_tiles``: the fp32 cache in one tile, a quantised one ``tile_steps``
+        (rounded down to ``multiple``) at a time; the blocks hold each row's positions already."""
+        c = self.cache
+        end = c.seen + t_q
+        step = end if c.kv_dtype == "fp32" else max(multiple, self.tile_steps(names) // multiple * multiple)
+        zeros = torch.zeros(c.batch_size, dtype=torch.long)
+        for a in range(0, end, step):
+            yield tuple(self.stores[name].read(a, min(end, a + step), zeros) for name in names)
+
+    def select_keys(self, cache, new: dict[str, torch.Tensor], idx: torch.Tensor,
+                    grouped: bool = False) -> tuple[torch.Tensor, ...]:
+        """``LayerState.select_keys``; quantised: the s K chosen steps gathered and dequantised (with
+        ``grouped``, key head g's steps only), laid out query after query: idx' = query * K + slot."""
+        if cache.kv_dtype == "fp32":
+            return super().select_keys(cache, new, idx, grouped)
+        self.extend(new)
+        times = torch.where(idx >= 0, idx + self.first_kept(), -1)
+        return self.gathered([self.stores[name] for name in new], times, self.cache.pad_or_zeros(), idx, grouped)
+
+    @staticmethod
+    def gathered(stores, times: torch.Tensor, pad: torch.Tensor, idx: torch.Tensor, grouped: bool = False):
+        """Each store's steps ``times`` (idx [b, s, (G,) K] placed on the stores' axis) gathered and
+        laid out query after query -> (each [b, s K, ...], idx' = query * K + slot, -1 kept)."""
+        s, k = idx.size(1), idx.size(-1)
+        heads = torch.arange(idx.size(2), device=idx.device)[:, None].expand_as(idx) if grouped else None
+        out = []
+        for store in stores:
+            got = store.gather(times, pad, heads)                                      # [b, s, (G,) K, ...]
+            out.append((got.transpose(2, 3) if grouped else got).flatten(1, 2))      # [b, s K, ...]
+        slots = torch.arange(s * k, device=idx.device).view(s, *((1,) if grouped else ()), k)
+        return (*out, torch.where(idx >= 0, slots, -1))
+
+    def extend_entries(self, name: str, x: torch.Tensor, valid: torch.Tensor) -> None:
+        self.store(name, x).append(x, valid)
 
     def append_entries(self, name: str, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``LayerState.append_entries`` in blocks: each row's entries follow its stored ones (their
         own axis), read back right-padded with zeros, as the contiguous cache gives them."""
-        store = self.store(name, x)
-        store.append(x, valid)
-        counts = torch.tensor(store.lengths, dtype=torch.long, device=x.device)
-        width = int(counts.max()) if counts.numel() else 0
-        return store.read(0, width, torch.zeros(len(store.lengths), dtype=torch.long)), counts
+        self.extend_entries(name, x, valid)
+        store = self.stores[name]
+        return store.read(0, max(store.lengths, default=0), self.no_pad(store)), \
+            torch.tensor(store.lengths, dtype=torch.long, device=x.device)
+
+    @staticmethod
+    def no_pad(store: BlockStore) -> torch.Tensor:
+        """Entries sit from each row's slot 0 on their own axis (no left padding)."""
+        return torch.zeros(len(store.lengths), dtype=torch.long)
+
+    def entry_tiles(self, names: tuple[str, ...]):
+        """``LayerState.entry_tiles``: the fp32 cache in one tile, a quantised one ``tile_steps`` entries
+        at a time."""
+        stores = [self.stores[name] for name in names]
+        width = max(stores[0].lengths, default=0)
+        step = width if self.cache.kv_dtype == "fp32" else self.tile_steps(names)
+        for a in range(0, max(width, 1), max(step, 1)):
+            yield (a, *(store.read(a, min(width, a + step), self.no_pad(store)) for store in stores))
+
+    def attend_entries(self, name: str, whole, tiled):
+        """``LayerState.attend_entries``: the fp32 cache's entries whole, a quantised one's in tiles."""
+        store = self.stores[name]
+        if self.cache.kv_dtype == "fp32":
+            return whole(store.read(0, max(store.lengths, default=0), self.no_pad(store)))
+        return tiled(self.entry_tiles((name,)))
+
+    def select_entries(self, name: str, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``LayerState.select_entries``; quantised: only the chosen entries, dequantised."""
+        store = self.stores[name]
+        if self.cache.kv_dtype == "fp32":
+            return store.read(0, max(store.lengths, default=0), self.no_pad(store)), idx
+        return self.gathered([store], idx, self.no_pad(store), idx)
 
     def keep_last(self, names: tuple[str, ...], keep: int) -> None:
         """Later reads start ``keep`` steps back; blocks wholly before that are freed."""
@@ -151,9 +229,10 @@ class PagedCache(InferenceCache):
     def new_state(self, layer_number) -> LayerState:
         return PagedLayerState(self)
 
-    def pad_or_zeros(self) -> torch.Tensor:
-        return self.pad if self.pad is not None else torch.zeros(self.batch_size, dtype=torch.long)
+    def block_stores(self) -> list[BlockStore]:
+        """Every layer's block stores (memory accounting)."""
+        return [s for state in self._layers.values() for s in state.stores.values()]
 
     def kv_bytes(self) -> int:
         """Bytes of the blocks in use (values and scales) over every layer."""
-        return sum(s.bytes_in_use() for state in self._layers.values() for s in state.stores.values())
+        return sum(s.bytes_in_use() for s in self.block_stores())

@@ -30,7 +30,10 @@ Two forms of each half:
 
 Decode cache: keys and values as ``A``, plus the indexer keys ``index_k`` [b, T, Di]; the cache
 attends over the kept keys (``LayerState.attend_tokens``: a cache split over CP ranks keeps each
-rank's share of the keys and values, the indexer keys whole, and merges the ranks' parts).
+rank's share of the keys and values, the indexer keys whole, and merges the ranks' parts; a
+quantised paged cache gathers and dequantises only the selected keys and values). The indexer
+scores its cached keys a cache tile at a time (``LayerState.time_tiles``), so a quantised cache
+never dequantises its whole history.
 Context parallelism: the indexer keys, keys and values of the whole sequence are all-gathered
 over CP (backward: reduce-scatter); each rank selects and attends for its own queries.
 TP: heads and KV groups split as ``A``; the indexer's query projection is column-parallel over
@@ -40,6 +43,7 @@ Parameters per layer: ``A``'s + h*Hi*Di + h*Di + 2*Di (the two norms).
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -84,21 +88,25 @@ def block_table(batch: int, total: int, block: int, pad: torch.Tensor | None = N
     return BlockTable(first, (pos % block == 0) & (seg >= 0), seg)
 
 
-def select_blocks(q: torch.Tensor, keys: torch.Tensor, table: BlockTable, qidx: torch.Tensor, topk: int,
-                  local: int, block: int) -> torch.Tensor:
+def select_blocks(q: torch.Tensor, keys: torch.Tensor | None, table: BlockTable, qidx: torch.Tensor, topk: int,
+                  local: int, block: int, score=None) -> torch.Tensor:
     """q [b, s, Hi, Di] at key-axis indices qidx [s], keys [b, T, Di] -> the kept blocks' first
-    keys [b, s, Hi, min(topk, T)] (-1: none), in passes of ``tile_rows(T)`` queries."""
-    rows = tile_rows(keys.size(1))
-    return torch.cat([_select_tile(q[:, a:a + rows], keys, table, qidx[a:a + rows], topk, local, block)
+    keys [b, s, Hi, min(topk, T)] (-1: none), in passes of ``tile_rows(T)`` queries. ``score``
+    (rows of q -> their [b, r, Hi, T] scores; default ``lightning_scores`` over ``keys``) lets a
+    decode cache score its keys a tile at a time."""
+    total = table.first.size(1)
+    score = score or (lambda q_rows: lightning_scores(q_rows, keys))
+    rows = tile_rows(total)
+    return torch.cat([_select_tile(q[:, a:a + rows], score, table, qidx[a:a + rows], topk, local, block)
                       for a in range(0, q.size(1), rows)], dim=1)
 
 
-def _select_tile(q, keys, table: BlockTable, qidx, topk: int, local: int, block: int) -> torch.Tensor:
-    bsz, total = keys.size(0), keys.size(1)
-    t = torch.arange(total, device=keys.device)
+def _select_tile(q, score, table: BlockTable, qidx, topk: int, local: int, block: int) -> torch.Tensor:
+    bsz, total = table.first.shape
+    t = torch.arange(total, device=q.device)
     q_seg = table.seg[:, qidx]                                                     # [b, r]
     visible = (t <= qidx[:, None]) & (table.seg[:, None, :] == q_seg[..., None]) & (q_seg[..., None] >= 0)
-    scores = lightning_scores(q, keys).masked_fill(~visible.unsqueeze(2), float("-inf"))  # [b, r, Hi, T]
+    scores = score(q).masked_fill(~visible.unsqueeze(2), float("-inf"))           # [b, r, Hi, T]
     pooled = scores.new_full(scores.shape, float("-inf")).scatter_reduce(
         -1, table.first[:, None, None, :].expand_as(scores), scores, "amax")       # at each block's first key
     own = table.first.gather(1, qidx.expand(bsz, -1))                              # [b, r] the query's block
@@ -194,16 +202,23 @@ class BlockIndexer(nn.Module):
         self.k_norm = b.norm(ctx, idx.head_dim)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, cos_sin, table: BlockTable, qidx: torch.Tensor, state: dict | None, cp):
+    def forward(self, x: torch.Tensor, cos_sin, table: BlockTable, qidx: torch.Tensor, state: dict | None, cp,
+                cache=None):
         """cos_sin: the attention's RoPE tables [b, s, rot]; table: the ``BlockTable`` of the T keys
         the queries see; qidx: the queries' key-axis indices [s]; state: the decode cache (indexer
-        keys appended); cp: the ``ContextShard`` (keys all-gathered)."""
+        keys appended); cp: the ``ContextShard`` (keys all-gathered); cache: the whole decode cache
+        (given when decoding without CP: the keys are then scored a cache tile at a time)."""
         q = self.linear_q(x)
         bsz, s = q.shape[:2]
         q = self.q_norm(q.view(bsz, s, self.heads, self.dim))
         k = self.k_norm(self.linear_k(x))                                             # [b, s, Di]
         cos, sin = cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k.unsqueeze(2), cos, sin).squeeze(2)
+        if cache is not None:  # decoding: [b, r, Hi, tile] scores at a time, never the whole keys
+            state.extend({"index_k": k})
+            tiles = functools.partial(state.time_tiles, cache, ("index_k",), s)
+            score = lambda q_rows: torch.cat([lightning_scores(q_rows, kt) for kt, _ in tiles()], dim=-1)  # noqa: E731
+            return select_blocks(q, None, table, qidx, self.topk, self.local, self.block, score)
         if cp is not None:
             k = cp.gather(k)
         if state is not None:
@@ -235,7 +250,8 @@ class BlockSparseAttention(SelfAttention):
         table = block_table(bsz, total, self.indexer.block, pad, info.documents, x.device)
         qidx = cp.local_index(x.device) if cp is not None else torch.arange(total - q.size(1), total, device=x.device)
         state = None if info.cache is None else info.cache.layer(self.layer_number)
-        first = self.indexer(x, self.cos_sin(info), table, qidx, state, cp)  # (its keys: the same T)
+        first = self.indexer(x, self.cos_sin(info), table, qidx, state, cp,  # (its keys: the same T)
+                             info.cache if decoding else None)
         tok = selection_tokens(first, table, qidx, self.indexer.block)
         if self.dense_reference:
             mask = tokens_to_mask(tok, total, q.size(2))

@@ -28,7 +28,10 @@ replicated (``replicated_linear``): their outputs feed every rank's heads, throu
 ``megamoe.layers.mixers.compressed_context``. Decode state (``cache.layer(n)``): the last window-1
 keys ``kv``, the entries ``entries`` (+ the indexer's ``index_keys``) on their own axis with
 their blocks' ends ``entry_end``, and the rows of tokens whose block is still incomplete
-``pending`` (at most 2*rate - 1 with overlap, rate - 1 without).
+``pending`` (at most 2*rate - 1 with overlap, rate - 1 without). CSA reads its indexer keys a
+cache tile at a time (``LayerState.entry_tiles``) and only the selected entries
+(``select_entries``), HCA its entries through ``attend_entries`` (a quantised cache a tile at a
+time, ``tiled_entries_decode``), so a quantised cache is never dequantised whole.
 
 Parameters per layer (h hidden, r_q, H, D, G groups, r_o): h r_q + r_q + r_q H D + h D + D + H
 + H D r_o + G r_o h + compressor [+ indexer] (``compressed_parts``).
@@ -46,6 +49,7 @@ from megamoe.core.errors import ConfigError
 from megamoe.layers.mixers.compressed_context import context_forward, context_shard
 from megamoe.layers.mixers.compressed_parts import CompressedIndexer, Compressor, GroupedProjection
 from megamoe.layers.ops.compressed_attention import EMPTY, Entries, find_blocks
+from megamoe.layers.ops.compressed_attention.tiled import tiled_entries_decode
 from megamoe.layers.rotary import apply_rotary_pairs, inv_freq, yarn_inv_freq
 from megamoe.parallel import comm
 from megamoe.parallel.context import position_in_document
@@ -201,9 +205,20 @@ class CompressedAttention(nn.Module):
         entries = keys = None
         if rows is not None:
             entries, keys = self.cached_entries(state, rows.detach(), t0, pads)
-        select = self.select(x, q_latent, keys, torch.arange(t0, t0 + s, device=x.device), q_doc, info)
-        return self.attend(q, kv_all, entries, select, q_start=t0, kv_start=t0 + s - kv_all.size(1), q_doc=q_doc,
-                           kv_doc=kv_doc)
+        where = dict(q_start=t0, kv_start=t0 + s - kv_all.size(1), q_doc=q_doc, kv_doc=kv_doc)
+        if keys is not None:  # CSA: the indexer reads its keys a cache tile at a time, the attention the chosen entries
+            select = self.indexer.select(x, q_latent, self.tables(info.positions, info), keys,
+                                         torch.arange(t0, t0 + s, device=x.device), q_doc,
+                                         key_tiles=lambda: (t for _, t in state.entry_tiles(("index_keys",))))
+            values, select = state.select_entries("entries", select)
+            return self.attend(q, kv_all, Entries(values, entries.end), select, **where)
+        if entries is not None:  # HCA: every visible entry, whole or (a quantised cache) a tile at a time
+            end = entries.end
+            return state.attend_entries(
+                "entries", lambda values: self.attend(q, kv_all, Entries(values, end), None, **where),
+                lambda tiles: tiled_entries_decode(q, kv_all, ((v, end[:, a:a + v.size(1)]) for a, v in tiles),
+                                                   self.sinks, self.scale, window=self.window, **where))
+        return self.attend(q, kv_all, None, None, **where)
 
     def cached_entries(self, state, rows: torch.Tensor, t0: int, pads: torch.Tensor | None):
         """Pool the blocks the new rows complete (after the cached pending rows), append them to the
@@ -222,17 +237,16 @@ class CompressedAttention(nn.Module):
         return self.store_entries(state, new, new_keys, valid)
 
     def store_entries(self, state, new: Entries, new_keys: Entries | None, valid: torch.Tensor):
-        """Append new entries (and indexer keys) [b, n, ...] where ``valid`` to the cache -> all of
-        the cache's (entries, keys)."""
-        values, _ = state.append_entries("entries", new.values.detach(), valid)
+        """Append new entries (and indexer keys) [b, n, ...] where ``valid`` to the cache -> the
+        cache's (entries, keys or None) with their ends and values None: the values are read through
+        the cache (``decode``)."""
         end, counts = append_right(state.get("entry_end"), state.get("entry_end#count"), new.end, valid, fill=EMPTY)
         state["entry_end"], state["entry_end#count"] = end, counts
-        keys = None
-        if new_keys is not None:
-            key_values, _ = state.append_entries("index_keys", new_keys.values, valid)
-            keys = Entries(key_values, end)
-        return Entries(values, end), keys
-
+        state.extend_entries("entries", new.values.detach(), valid)
+        if new_keys is None:
+            return Entries(None, end), None
+        state.extend_entries("index_keys", new_keys.values, valid)
+        return Entries(None, end), Entries(None, end)
 
 for _kind, _letter in KINDS.items():
     register_mixer(_letter, ModuleSpec(CompressedAttention, params={"kind": _kind}))

@@ -79,25 +79,32 @@ class CompressedIndexer(nn.Module):
 
     @torch.no_grad()
     def select(self, x: torch.Tensor, q_latent: torch.Tensor, cos_sin, keys: Entries, q_pos: torch.Tensor,
-               q_doc: torch.Tensor | None) -> torch.Tensor:
+               q_doc: torch.Tensor | None, key_tiles=None) -> torch.Tensor:
         """x [b, s(/tp), h], q_latent [b, s, r_q], query RoPE tables [b, s, rot], the entries' keys
         [b, N, Di] (queries at positions q_pos [s] of the entries' axis, documents q_doc [b, s]) ->
         indices [b, s, K] into the entries (-1: none), K = min(topk, N). Queries in passes of
-        ``tile_rows(N)`` rows."""
+        ``tile_rows(N)`` rows. ``key_tiles``: () -> the keys' values as [b, n, Di] tiles in order (a
+        decode cache's, read a tile at a time; ``keys.values`` may then be None)."""
         bsz, s = q_latent.shape[:2]
         cos, sin = cos_sin
         q = apply_rotary_pairs(self.linear_q(q_latent).view(bsz, s, self.heads, self.dim), cos, sin)
         weights = self.linear_weights(x).float() * self.heads ** -0.5  # [b, s, Hi]
-        n = keys.values.size(1)
+        key_tiles = key_tiles or (lambda: (keys.values,))
+        n = keys.end.size(1)
         rows = tile_rows(max(n, 1))
         parts = []
         for a in range(0, s, rows):
             e = min(s, a + rows)
-            per_head = torch.relu(torch.einsum("bshd,bnd->bshn", q[:, a:e].float(), keys.values.float()))
-            scores = torch.einsum("bsh,bshn->bsn", weights[:, a:e], per_head) * self.dim ** -0.5
+            scores = torch.cat([self.score(q[:, a:e], kt, weights[:, a:e]) for kt in key_tiles()], dim=-1)
             seen = entry_mask(q_pos[a:e], keys, None if q_doc is None else q_doc[:, a:e])
             parts.append(select_topk(scores, seen, self.topk))
         return torch.cat(parts, dim=1)
+
+
+    def score(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """q [b, s, Hi, Di], keys [b, n, Di], weights [b, s, Hi] -> [b, s, n] fp32 scores."""
+        per_head = torch.relu(torch.einsum("bshd,bnd->bshn", q.float(), keys.float()))
+        return torch.einsum("bsh,bshn->bsn", weights, per_head) * self.dim ** -0.5
 
 
 class GroupedProjection(nn.Module):

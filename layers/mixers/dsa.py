@@ -29,7 +29,10 @@ Two attentions over the selection (shapes: indices [b, s, K], -1 = no key):
 Decode cache: MLA's latents, plus the indexer keys (``index_k`` [b, T, Di]; for ``I`` also
 ``index_gate`` [b, T, Di], from which the pools are rebuilt). The cache attends over the
 selected latents (``LayerState.attend_selected``): a cache split over CP ranks keeps each rank's
-share of the latents (the indexer keys whole) and merges the ranks' parts.
+share of the latents (the indexer keys whole) and merges the ranks' parts; a quantised paged
+cache gathers and dequantises only the selected latents. ``D`` scores its cached indexer keys a
+cache tile at a time (``LayerState.time_tiles``), ``I`` its pools (``position_tiles``), so a
+quantised cache never dequantises its whole history.
 
 Context parallelism: the indexer keys (and I's pool gates) and MLA's latents are all-gathered
 over CP, so each rank selects among every key of the sequence for its own queries (indices
@@ -49,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megamoe.layers.cache.decode import append_time
+from megamoe.layers.cache.decode import append_time, row_aligned
 from megamoe.core.config import DSAConfig, MLAConfig
 from megamoe.core.errors import ConfigError
 from megamoe.layers.ops.attention.context import (check_documents, context_shard, document_mask, tile_rows,
@@ -96,7 +99,7 @@ SELECTION = "dsa_selection"  # info.memo key (with the layer number) of a D laye
 
 
 class PoolTable(NamedTuple):
-    """GLM-5's candidate pools: keys [b, N, Di], first token [N], and for packed documents
+    """GLM-5's candidate pools: keys [b, N, Di] (None: scored elsewhere), first token [N], and for packed documents
     ok [b, N] (starts a complete pool of its document), documents [b, T], in_doc [b, T]."""
 
     keys: torch.Tensor
@@ -153,6 +156,10 @@ class Indexer(nn.Module):
         sequence), documents: [b, S] packed document ids (no key of another document is selected)."""
         bsz, s = q_latent.shape[:2]
         q, k, gate, weights = self.project(x, q_latent, cos_sin, cp)
+        if state is not None and cp is None:
+            if self.pooled:
+                return self.select_pools_cached(q, k, gate, weights, state, cache)
+            return self.select_cached(q, k, weights, state, cache)
         if state is not None:  # (under CP: a prefill, the cache gets the gathered keys)
             k = append_time(state, "index_k", k)
             gate = append_time(state, "index_gate", gate) if self.pooled else None
@@ -167,6 +174,44 @@ class Indexer(nn.Module):
                              None if valid is None else valid[..., a:a + rows, :], documents, table)
                  for a in range(0, s, rows)]
         return torch.cat(parts, dim=1)
+
+    def select_cached(self, q, k, weights, state, cache) -> torch.Tensor:
+        """``D`` with a decode cache: keys k [b, s, Di] appended, then the kept keys scored one cache
+        tile at a time (``time_tiles``: a quantised cache never dequantises its whole history), so
+        a query pass holds [b, rows, Hi, tile] per-head scores and its [b, rows, T] sums ->
+        indices [b, s, K]."""
+        s = q.size(1)
+        state.extend({"index_k": k})
+        rows = tile_rows(cache.seen + s)
+        parts = []
+        for a in range(0, s, rows):
+            scored = [(self.score(q[:, a:a + rows], kt, weights[:, a:a + rows]), m[..., a:a + rows, :])
+                      for kt, m in state.time_tiles(cache, ("index_k",), s)]
+            scores = torch.cat([sc for sc, _ in scored], dim=-1)
+            valid = torch.cat([m for _, m in scored], dim=-1).expand_as(scores)
+            parts.append(select_topk(scores, valid, self.topk))
+        return torch.cat(parts, dim=1)
+
+    def select_pools_cached(self, q, k, gate, weights, state, cache) -> torch.Tensor:
+        """``I`` with a decode cache: keys and pool gates [b, s, Di] appended, then the pools scored
+        one cache tile of whole pools at a time, cut from each row's first real token
+        (``position_tiles``), so a query pass holds one tile's pools and its [b, rows, N] scores ->
+        indices [b, s, K] into the common time axis (a padded query selects only itself)."""
+        s, kp = q.size(1), self.kpool
+        state.extend({"index_k": k, "index_gate": gate})
+        total = cache.seen + s
+        qpos = query_positions(s, total, q.device)
+        pad = cache.pad_or_zeros().to(q.device)
+        qpos_row = qpos[None, :] - pad[:, None]  # [b, s] positions of the queries in their row
+        table = PoolTable(None, torch.arange(total // kp, device=q.device) * kp, None, None, None)
+        rows = tile_rows(total)
+        parts = []
+        for a in range(0, s, rows):
+            q_a, w_a = q[:, a:a + rows], weights[:, a:a + rows]
+            scores = torch.cat([self.score(q_a, self.pool_table(kt, gt).keys, w_a)
+                                for kt, gt in state.position_tiles(cache, ("index_k", "index_gate"), s, kp)], dim=-1)
+            parts.append(self.choose_pools(table, q_a, w_a, qpos_row[:, a:a + rows], scores))
+        return self.shift_back(torch.cat(parts, dim=1), qpos, qpos_row, pad)
 
     def project(self, x: torch.Tensor, q_latent: torch.Tensor, cos_sin, cp=None):
         """Queries [b, s, Hi, Di], keys [b, T, Di] (and GLM-5's pool gates [b, T, Di], else None; all
@@ -223,12 +268,14 @@ class Indexer(nn.Module):
         """GLM-5 selection for left-padded rows (pad [b]): pools are cut from each row's first real
         token, so the keys are shifted to start there, selected, and the indices shifted back.
         A padded query selects only itself."""
-        total = k.size(1)
-        j = torch.arange(total, device=k.device)[None, :] + pad[:, None]  # [b, T] physical index
-        inside = (j < total).unsqueeze(-1)
-        shift = lambda t: torch.where(inside, t.gather(1, j.clamp(max=total - 1)[..., None].expand_as(t)), 0)  # noqa: E731
         qpos_row = qpos[None, :] - pad[:, None]  # [b, s] positions of the queries in their row
-        idx = self.choose_pools(self.pool_table(shift(k), shift(gate)), q, weights, qpos_row)
+        idx = self.choose_pools(self.pool_table(row_aligned(k, pad), row_aligned(gate, pad)), q, weights, qpos_row)
+        return self.shift_back(idx, qpos, qpos_row, pad)
+
+    @staticmethod
+    def shift_back(idx, qpos, qpos_row, pad) -> torch.Tensor:
+        """Indices [b, s, K] chosen among row positions -> into the common time axis (+ pad [b]);
+        a padded query (qpos_row < 0) keeps only itself (qpos [s])."""
         idx = torch.where(idx >= 0, idx + pad[:, None, None], -1)
         own = torch.full_like(idx, -1)
         own[..., 0] = qpos
@@ -264,14 +311,16 @@ class Indexer(nn.Module):
             valid = valid & table.ok[:, None, :] & (table.documents[:, None, table.first] == q_doc[..., None])
         return valid
 
-    def choose_pools(self, table: PoolTable, q, weights, qpos) -> torch.Tensor:
+    def choose_pools(self, table: PoolTable, q, weights, qpos, scores=None) -> torch.Tensor:
         """Score the pools a query sees (complete, last token visible, its document), keep topk/kpool
-        of them, add the query's incomplete tail pool. qpos: [s] query positions, or [b, s] per row."""
+        of them, add the query's incomplete tail pool. qpos: [s] query positions, or [b, s] per row;
+        scores: the pools' [b, s, N] scores when the caller has them (``table.keys`` unused)."""
         bsz, kp = q.size(0), self.kpool
         offsets = torch.arange(kp, device=q.device)
         valid = self.pool_valid(table, qpos, bsz)  # [b, s, N]
         in_query = qpos if table.documents is None else table.in_doc[:, qpos]
-        chosen = select_topk(self.score(q, table.keys, weights), valid, self.topk // kp)  # [b, s, k]
+        scores = self.score(q, table.keys, weights) if scores is None else scores
+        chosen = select_topk(scores, valid, self.topk // kp)  # [b, s, k]
         start = table.first[chosen.clamp(min=0)].unsqueeze(-1)
         tokens = (start + offsets).masked_fill(chosen.unsqueeze(-1) < 0, -1).flatten(-2)
         if kp == 1:
