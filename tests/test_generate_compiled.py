@@ -125,9 +125,11 @@ def compiled_at(hf_dir: str, layout: dict) -> tuple[list, list, int]:
 
 
 @needs_compiler
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(ep=2)], ids=["tp2", "ep2"])
-def test_compiled_decoding_at_tp2_and_ep2_gives_the_eager_tokens(pool, tmp_path_factory, layout):
-    """TP=2: the collectives traced into the rank's graph; EP=2: the expert exchange outside it."""
+@pytest.mark.parametrize("layout,world", [(dict(tp=2), 2), (dict(ep=2), 2), (dict(tp=2, ep=2), 4)],
+                         ids=["tp2", "ep2", "tp2ep2"])
+def test_compiled_decoding_at_tp2_and_ep2_gives_the_eager_tokens(pool, tmp_path_factory, layout, world):
+    """TP=2: the collectives traced into the rank's graph; EP=2: the expert exchange outside it;
+    TP=2 x EP=2 (four processes): both at once."""
     from megamoe.convert import from_hf
     from tests.test_convert_qwen import tiny_qwen3_next
 
@@ -135,5 +137,5 @@ def test_compiled_decoding_at_tp2_and_ep2_gives_the_eager_tokens(pool, tmp_path_
     tiny_qwen3_next().save_pretrained(hf_dir)
     want = generate_batch(from_hf(hf_dir), prompts(), 5)
     # compiling takes minutes on a loaded 2-core machine: a longer wait than the pool's default
-    for eager, compiled, graphs in pool(2).run(compiled_at, str(hf_dir), layout, timeout=900):
+    for eager, compiled, graphs in pool(world).run(compiled_at, str(hf_dir), layout, timeout=900):
         assert eager == want and compiled == want and graphs > 0
