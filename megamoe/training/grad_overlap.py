@@ -2,8 +2,8 @@
 backward (``train.overlap_grad_reduce``, on by default).
 
 Backward finishes the parameters' gradients from the last layer to the first, so the buckets of
-``megamoe.training.grads.plan_buckets`` (the model's parameters walked backwards, dense ones
-summed over ``dp_cp``, routed experts over ``edp``) fill in launch order. Each bucket owns one
+``megamoe.training.grads.plan_buckets`` (the parameters in forward order walked backwards, dense
+ones summed over ``dp_cp``, routed experts over ``edp``) fill in launch order. Each bucket owns one
 flat buffer per dtype and, from ``start_step`` on, its parameters' ``.grad`` are views of it
 (zeroed): backward accumulates every micro-batch in place, as Megatron's grad buffer does, so a
 sum needs no copy. In the last micro-batch's backward (``last_backward``: the trainer's loop,
@@ -64,7 +64,9 @@ class OverlappedGradSync:
                 self.flats[-1].append(flat)
                 self.view.update({id(p): v for p, v in zip(same, views)})
             self.bucket_of.update({id(p): i for p in bucket.params})
-        self.handles = [p.register_post_accumulate_grad_hook(self._ready) for b in self.buckets for p in b.params]
+        for bucket in self.buckets:
+            for p in bucket.params:
+                p.register_post_accumulate_grad_hook(self._ready)
         self.armed = False
         self._reset()
 
@@ -142,8 +144,3 @@ class OverlappedGradSync:
                 for x in pending:
                     x.wait()
         self._reset()
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
