@@ -100,23 +100,27 @@ class SplitKeys:
         """DSA's attention over the selected latents of every rank: idx [b, t, K] are global positions
         (the indexer selects over its keys, kept whole on every rank); this rank attends over those
         it holds (the math partial: ``core``'s fused kernel returns no lse) -> [b, t, H, r]."""
-        return self.attend_held(cache, {"c": c, "k_rope": k_rope}, q_lat, q_lat.size(-1), lambda c_held, kr_held:
-                                partial_sparse_latent_attention(q_lat, q_rope, c_held, kr_held, self.held_slots(idx),
-                                                                scale))
+        return self.attend_held(cache, {"c": c, "k_rope": k_rope}, q_lat, q_lat.size(-1), idx, False,
+                                lambda c_held, kr_held, slots:
+                                partial_sparse_latent_attention(q_lat, q_rope, c_held, kr_held, slots, scale))
 
     def attend_tokens(self, cache, q, k, v, tok, core, scale: float) -> torch.Tensor:
         """Block-sparse attention over the kept keys of every rank: tok [b, t, G, N] are global
         positions (the block indexer selects over its keys, kept whole on every rank); this rank
         attends over those it holds -> [b, t, H, d]."""
-        return self.attend_held(cache, {"k": k, "v": v}, q, v.size(-1), lambda k_held, v_held:
-                                partial_block_sparse_attention(q, k_held, v_held, self.held_slots(tok), scale))
+        return self.attend_held(cache, {"k": k, "v": v}, q, v.size(-1), tok, True,
+                                lambda k_held, v_held, slots: partial_block_sparse_attention(q, k_held, v_held, slots,
+                                                                                             scale))
 
-    def attend_held(self, cache, new: dict[str, torch.Tensor], q: torch.Tensor, dv: int, part) -> torch.Tensor:
-        """Keep ``new``'s owned steps, then ``part(*every held key of new's names)`` -> (out, lse) over
-        this rank's keys (no keys: nothing), merged over the ranks -> [b, t, H, dv] in q's dtype."""
+    def attend_held(self, cache, new: dict[str, torch.Tensor], q: torch.Tensor, dv: int, idx: torch.Tensor,
+                    grouped: bool, part) -> torch.Tensor:
+        """Keep ``new``'s owned steps; ``part(*held keys of new's names, slots)`` -> (out, lse) over the
+        keys of idx (global positions) this rank holds (none: nothing), merged over the ranks ->
+        [b, t, H, dv] in q's dtype."""
         self.keep_own(new, q.size(1))
-        n = self.positions.numel()
-        own = part(*(self.held(name, 0, n) for name in new)) if n else empty_part(q.transpose(1, 2), dv)
+        if not self.positions.numel():
+            return cache.merge_ranks(empty_part(q.transpose(1, 2), dv)).transpose(1, 2).to(q.dtype)
+        own = part(*self.held_selected(tuple(new), self.held_slots(idx), grouped))
         return cache.merge_ranks(own).transpose(1, 2).to(q.dtype)
 
     def held_slots(self, idx: torch.Tensor) -> torch.Tensor:
@@ -153,6 +157,10 @@ class SplitLayerState(SplitKeys, LayerState):
         for name in self.split_names:
             self[name] = self[name][:, n:]
 
+    def held_selected(self, names: tuple[str, ...], slots: torch.Tensor, grouped: bool):
+        """What a sparse attention reads for the held slots [b, s, (G,) K]: here every held key, slots."""
+        return (*(self[name] for name in names), slots)
+
 
 class PagedSplitLayerState(SplitKeys, PagedLayerState):
     """Paged storage: a ``BlockStore`` per split name whose slots are the held keys in order
@@ -169,6 +177,16 @@ class PagedSplitLayerState(SplitKeys, PagedLayerState):
     def held(self, name: str, a: int, e: int) -> torch.Tensor:
         store = self.stores[name]
         return store.read(self.offset + a, self.offset + e, torch.zeros(len(store.lengths), dtype=torch.long))
+
+    def held_selected(self, names: tuple[str, ...], slots: torch.Tensor, grouped: bool):
+        """Every held key (fp32), or only the chosen slots gathered and dequantised (int8/fp8, as
+        ``PagedLayerState.select_keys``) -> (each name's keys, slots into them)."""
+        if self.cache.kv_dtype == "fp32":
+            n = self.positions.numel()
+            return (*(self.held(name, 0, n) for name in names), slots)
+        times = torch.where(slots >= 0, slots + self.offset, -1)
+        pad = torch.zeros(self.cache.batch_size, dtype=torch.long)
+        return self.gathered([self.stores[name] for name in names], times, pad, slots, grouped)
 
     def drop(self, n: int) -> None:
         self.offset += n
