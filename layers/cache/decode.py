@@ -56,7 +56,8 @@ class LayerState(dict):
             mask = causal_mask(q_lat.size(1), c.size(1), device=q_lat.device)
         return core(q_lat, q_rope, c, k_rope, scale, mask)
 
-    def attend_selected(self, cache: "InferenceCache", q_lat, q_rope, c, k_rope, idx, core, scale: float) -> torch.Tensor:
+    def attend_selected(self, cache: "InferenceCache", q_lat, q_rope, c, k_rope, idx, core,
+                        scale: float) -> torch.Tensor:
         """Decoding DSA attention: latents c [b, t, r] and k_rope [b, t, dr] appended as "c", "k_rope",
         then ``core(q_lat, q_rope, c, k_rope, idx, scale)`` over the keys idx [b, t, K] selects
         (time indices of the cache; -1 = none) -> [b, t, H, r]."""
@@ -70,7 +71,8 @@ class LayerState(dict):
         k, v, tok = self.select_keys(cache, {"k": k, "v": v}, tok, grouped=True)  # a quantised cache: only tok's
         return core(q, k, v, tok, scale)
 
-    def append_prefill(self, cp, local: dict[str, torch.Tensor], gathered: dict[str, torch.Tensor] | None = None) -> None:
+    def append_prefill(self, cp, local: dict[str, torch.Tensor],
+                       gathered: dict[str, torch.Tensor] | None = None) -> None:
         """A prefill under context parallelism (``cp``, a ``ContextShard``): ``local`` holds this rank's
         chunks of each time-axis tensor [b, s_local, ...]. This cache keeps the whole sequence on
         every rank: the all-gathered ``gathered`` (or ``local`` gathered here) appended along time
