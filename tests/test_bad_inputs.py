@@ -162,6 +162,7 @@ CASES = {
     "plan huge repeat": ("plan", ["--config", "tiny_dense", "model.layout=(GeAd)*20000000"],
                          ["model.layout", "40,000,000 layers"]),
     "plan nested repeat": ("plan", ["--config", "tiny_dense", "model.layout=((Ad)*1000)*1000"], ["model.layout", "1,000,000"]),
+    "plan grad bucket 0": ("plan", ["--config", "tiny_dense", "train.grad_bucket_size=0"], ["train.grad_bucket_size"]),
     "plan vpp without pp": ("plan", ["--config", "tiny_dense", "parallel.vpp=2"], ["parallel.vpp"]),
     "plan mrope under pp": ("plan", ["--config", "quickstart_vlm", "--world-size", "2", "parallel.pp=2"],
                             ["parallel.pp", "mrope_section"]),
