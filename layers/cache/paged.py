@@ -22,7 +22,8 @@ steps) or only the chosen steps --
 softmax attention (A, S) and MLA's latents (M) in ``attend_kv``/``attend_latent`` (a tile
 kernel per tile, merged by log-sum-exp); the indexers' keys (D, I, B) in ``time_tiles`` /
 ``position_tiles`` (scored a tile at a time); the sparse attentions (D, R, I, B) in
-``select_keys`` (only the selected steps gathered and dequantised). So decode memory grows with
+``attend_selected``/``attend_tokens`` (through ``select_keys``: only the selected steps gathered
+and dequantised). So decode memory grows with
 the quantised bytes, plus one tile and the indexers' per-key scores (4 bytes a key and query
 head for B, a few per key and query for D and I). DeepSeek-V4's compressed entries likewise:
 ``extend_entries``, then ``entry_tiles`` (C's indexer keys), ``select_entries`` (C's chosen
