@@ -12,6 +12,7 @@ import torch
 
 from megamoe.core.config import ModelConfig, MoEConfig, ParallelConfig
 from megamoe.core.errors import ConfigError
+from tests.test_generate_compiled import needs_compiler, prompts
 from tests.test_moe_parallel import CONFIGS, H, REL, build_moe, parity_case
 
 # softmax scores: capacity factor E / k = 4 gives C = T, which no expert can exceed
@@ -78,7 +79,6 @@ def compiled_static_case() -> tuple:
 
     from megamoe.inference.generate import generate_batch
     from megamoe.parallel.groups import build_groups
-    from tests.test_generate_compiled import prompts
 
     model = static_model(build_groups(ParallelConfig(ep=2)))
     breaks = sum(counters["graph_break"].values())
@@ -87,15 +87,13 @@ def compiled_static_case() -> tuple:
     return eager, compiled, sum(counters["graph_break"].values()) - breaks, dict(counters["graph_break"])
 
 
+@needs_compiler
 def test_static_dispatch_compiles_into_the_decode_graph_at_ep2(pool):
     """The exchange has no host-read sizes: at EP=2 each rank's decode step is one graph with the
     all-to-alls inside (the alltoall dispatcher runs outside it), with one process's tokens."""
     from megamoe.inference.generate import generate_batch
     from megamoe.parallel.groups import ParallelGroups
-    from tests.test_generate_compiled import needs_compiler, prompts
 
-    if needs_compiler.args[0]:
-        pytest.skip(needs_compiler.kwargs["reason"])
     want = generate_batch(static_model(ParallelGroups()), prompts(), 5)
     for eager, compiled, breaks, table in pool(2).run(compiled_static_case, timeout=900):
         assert eager == want and compiled == want
