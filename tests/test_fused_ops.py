@@ -36,6 +36,24 @@ def test_causal_conv_equals_torch_conv1d(t):
     assert torch.autograd.gradcheck(lambda x, w: causal_conv(x, w)[0], (x, w))
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["eager", "fused"])
+@pytest.mark.parametrize("t", [2, 3, 64])
+def test_causal_conv_from_a_state_equals_torch_conv1d(t, fuse):
+    """From a state with gradients (a context-parallel chunk continues from its halo): conv1d
+    over [state | x], forward and the gradients of x, the weight and the state."""
+    x = torch.randn(2, t, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    state = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    y, new = causal_conv(x, w, state, fuse=fuse)
+    full = torch.cat([state, x], 1)
+    ref = F.silu(F.conv1d(full.transpose(1, 2), w.unsqueeze(1), groups=6).transpose(1, 2))
+    assert (y - ref).abs().max() <= TOL and torch.equal(new, full[:, -3:])
+    for a, b in zip(grads(y, (x, w, state)), grads(ref, (x, w, state))):
+        assert (a - b).abs().max() <= TOL
+    if not fuse:
+        assert torch.autograd.gradcheck(lambda x, w, s: causal_conv(x, w, s)[0], (x, w, state))
+
+
 
 def test_causal_conv_decode_step_equals_conv1d():
     """One token after a state (the decode step): torch's conv1d over [state | x], forward and

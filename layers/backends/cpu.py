@@ -24,6 +24,7 @@ from megamoe.layers.ops.attention.tiles import CPU_FLASH, CUDA_FLASH, MATH
 from megamoe.layers.ops.conv import causal_conv
 from megamoe.layers.ops.l2norm import l2norm
 from megamoe.layers.ops.delta_rule.naive import recurrent_delta_rule
+from megamoe.layers.ops.delta_rule.passing import chunk_gated_delta_rule_passing, widened_passing
 from megamoe.layers.norm import HandwrittenRMSNorm
 from megamoe.layers.mlp.shared_expert import SharedExpert
 
@@ -44,6 +45,17 @@ class ChunkedDeltaRule:
 
     def recurrent(self, q, k, v, g, beta, *, scale=None, initial_state=None):
         return recurrent_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+
+    def passing(self, q, k, v, g, beta, link, *, scale=None, chunk_size: int = 64, recompute: bool = False):
+        """The chunk batches of a context-parallel sequence, states passed through ``link``
+        (``megamoe.layers.ops.delta_rule.passing``): the per-head op passes them itself, the
+        per-channel one (KDA) runs widened."""
+        with torch.autocast(v.device.type, enabled=False):  # fp32 by design, as ``chunked``
+            if g.dim() == 3:
+                return chunk_gated_delta_rule_passing(q, k, v, g, beta, link, scale=scale, chunk_size=chunk_size,
+                                                      fuse=self.fusion.active(v.device), recompute=recompute)
+            return widened_passing(self.chunked, q, k, v, g, beta, link, scale=scale, chunk_size=chunk_size,
+                                   recompute=recompute)
 
 
 class ChunkedLightning:

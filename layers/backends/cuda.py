@@ -30,6 +30,7 @@ from megamoe.layers.ops.fp8.linear import fp8_linear
 from megamoe.layers.mlp.dense import SWIGLU, GLU
 from megamoe.layers.ops.fp8.experts import swiglu_experts_fp8
 from megamoe.layers.ops.delta_rule.naive import expand_key_heads
+from megamoe.layers.ops.delta_rule.passing import widened_passing
 
 FP8_RECIPES = ("torch",)  # the Transformer Engine recipes (delayed, current, blockwise, mxfp8) need TE
 
@@ -97,6 +98,14 @@ class FlaDeltaRule(ChunkedDeltaRule):
         if _on_fla(q):
             return fla_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state, decode=True)
         return super().recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+
+    def passing(self, q, k, v, g, beta, link, *, scale=None, chunk_size: int = 64, recompute: bool = False):
+        """Under CP: fla's chunked kernels run widened (``megamoe.layers.ops.delta_rule.passing``;
+        fla's own CP takes no initial or final state)."""
+        if _on_fla(q):
+            return widened_passing(self.chunked, q, k, v, g, beta, link, scale=scale, chunk_size=chunk_size,
+                                   recompute=recompute)
+        return super().passing(q, k, v, g, beta, link, scale=scale, chunk_size=chunk_size, recompute=recompute)
 
 
 class FlaLightning(ChunkedLightning):

@@ -14,6 +14,7 @@ from megamoe.layers.ops.lightning import lightning_recurrent
 from megamoe.layers.ops.conv import causal_conv_reference
 from megamoe.layers.ops.l2norm import l2norm_reference
 from megamoe.layers.ops.delta_rule.naive import recurrent_delta_rule
+from megamoe.layers.ops.delta_rule.passing import widened_passing
 from megamoe.layers.norm import RMSNorm, rms_norm_reference
 from megamoe.layers.mlp.dense import SWIGLU, GLU
 from megamoe.layers.mlp.shared_expert import SharedExpert
@@ -29,6 +30,11 @@ class RecurrentDeltaRule:
 
     def recurrent(self, q, k, v, g, beta, *, scale=None, initial_state=None):
         return recurrent_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+
+    def passing(self, q, k, v, g, beta, link, *, scale=None, chunk_size: int = 64, recompute: bool = False):
+        """Under CP: the recurrence run widened (``megamoe.layers.ops.delta_rule.passing``)."""
+        return widened_passing(self.chunked, q, k, v, g, beta, link, scale=scale, chunk_size=chunk_size,
+                               recompute=recompute)
 
 
 class RecurrentLightning:

@@ -12,11 +12,18 @@ import torch.nn.functional as F
 from megamoe.layers.ops.fusion import fused
 
 
+def _padded(x, taps, state):
+    """[state | x] [b, K-1+t, c]: the inputs each output reads (zeros for no state)."""
+    if state is None:
+        return F.pad(x, (0, 0, taps.size(0) - 1, 0))
+    return torch.cat([state.to(x.dtype), x], dim=1)
+
+
 @fused
-def _conv_silu_fused(x, taps):
-    """Fused forward: x [b, t, c], taps [K, c] -> (silu(pre), pre) [b, t, c] each."""
+def _conv_silu_fused(x, taps, state):
+    """Fused forward: x [b, t, c], taps [K, c], state [b, K-1, c] or None -> (silu(pre), pre) [b, t, c] each."""
     kernel, t = taps.size(0), x.size(1)
-    xp = F.pad(x, (0, 0, kernel - 1, 0))  # tap j reads x_{t - (K-1-j)}
+    xp = _padded(x, taps, state)  # tap j reads x_{t - (K-1-j)}
     pre = xp[:, :t] * taps[0]
     for j in range(1, kernel):
         pre = pre + xp[:, j:j + t] * taps[j]
@@ -24,62 +31,76 @@ def _conv_silu_fused(x, taps):
 
 
 @fused
-def _conv_silu_fused_backward(dy, x, taps, pre):
-    """Fused backward -> (dx [b, t, c], dtaps [K, c])."""
+def _conv_silu_fused_backward(dy, x, taps, pre, state):
+    """Fused backward -> (dx [b, t, c], dtaps [K, c], dstate [b, K-1, c] or None)."""
     kernel, t = taps.size(0), x.size(1)
     sig = torch.sigmoid(pre)
     dpre = dy * sig * (1 + pre * (1 - sig))
-    ahead = F.pad(dpre, (0, 0, 0, kernel - 1))  # dx_t = sum_j dpre_{t + K-1-j} taps_j
-    dx = ahead[:, :t] * taps[kernel - 1]
-    for j in range(kernel - 1):
-        dx = dx + ahead[:, kernel - 1 - j:kernel - 1 - j + t] * taps[j]
-    xp = F.pad(x, (0, 0, kernel - 1, 0))
-    return dx, torch.stack([(dpre * xp[:, j:j + t]).sum((0, 1)) for j in range(kernel)])
+    # d[state | x]_u = sum_j dpre_{u - j} taps_j
+    around = F.pad(dpre, (0, 0, kernel - 1, kernel - 1))
+    dxp = around[:, kernel - 1:kernel - 1 + t + kernel - 1] * taps[0]
+    for j in range(1, kernel):
+        dxp = dxp + around[:, kernel - 1 - j:2 * kernel - 2 - j + t] * taps[j]
+    xp = _padded(x, taps, state)
+    dtaps = torch.stack([(dpre * xp[:, j:j + t]).sum((0, 1)) for j in range(kernel)])
+    return dxp[:, kernel - 1:], dtaps, None if state is None else dxp[:, :kernel - 1]
 
 
 class _CausalConvSiLU(torch.autograd.Function):
-    """silu(depthwise causal conv) from a zero state, as K shifted multiply-adds over [b, t, c]
-    (channels last, no transposes, no padded copy: tap K-1-s reads the input s steps back).
-    Saves the input and the pre-activation (recomputing it took a fifth of the backward).
-    torch's depthwise conv1d backward took ~10x longer on CPU. One fused pass each way where
-    ``fuse`` (see ``megamoe.layers.ops.fusion``)."""
+    """silu(depthwise causal conv) from ``state`` (the K-1 inputs before x; None: zeros), as K
+    shifted multiply-adds over [b, t, c] (channels last, no transposes, no padded copy of x in
+    the eager form: tap K-1-s reads the input s steps back, the state for the first s outputs).
+    Saves the input, the state and the pre-activation (recomputing it took a fifth of the
+    backward). torch's depthwise conv1d backward took ~10x longer on CPU. One fused pass each
+    way where ``fuse`` (see ``megamoe.layers.ops.fusion``)."""
 
     @staticmethod
-    def _pre(x: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    def _pre(x: torch.Tensor, taps: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
         """taps [K, c] (contiguous rows) -> pre-activation [b, t, c]."""
         kernel, t = taps.size(0), x.size(1)
         pre = x * taps[kernel - 1]
-        for s in range(1, min(kernel, t + 1)):
-            pre[:, s:].addcmul_(x[:, :t - s], taps[kernel - 1 - s])
+        for s in range(1, kernel):
+            if s <= t:
+                pre[:, s:].addcmul_(x[:, :t - s], taps[kernel - 1 - s])
+            if state is not None:  # outputs 0 .. s-1 read state[K-1-s+j]
+                m = min(s, t)
+                pre[:, :m].addcmul_(state[:, kernel - 1 - s:kernel - 1 - s + m], taps[kernel - 1 - s])
         return pre
 
     @staticmethod
-    def forward(ctx, x, weight, fuse):
+    def forward(ctx, x, weight, state, fuse):
         ctx.fuse = fuse
         taps = weight.t().contiguous()
+        state = None if state is None else state.to(x.dtype)
         if ctx.fuse:
-            y, pre = _conv_silu_fused(x, taps)
-            ctx.save_for_backward(x, taps, pre)
-            return y
-        pre = _CausalConvSiLU._pre(x, taps)
-        ctx.save_for_backward(x, taps, pre)
-        return F.silu(pre)
+            y, pre = _conv_silu_fused(x, taps, state)
+        else:
+            pre = _CausalConvSiLU._pre(x, taps, state)
+            y = F.silu(pre)
+        ctx.save_for_backward(x, taps, pre, state)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, taps, pre = ctx.saved_tensors
+        x, taps, pre, state = ctx.saved_tensors
         if ctx.fuse:
-            dx, dtaps = _conv_silu_fused_backward(dy, x, taps, pre)
-            return dx, dtaps.t(), None
+            dx, dtaps, dstate = _conv_silu_fused_backward(dy, x, taps, pre, state)
+            return dx, dtaps.t(), dstate, None
         kernel, t = taps.size(0), x.size(1)
         dpre = torch.ops.aten.silu_backward(dy, pre)
         dx = dpre * taps[kernel - 1]
         dtaps = torch.zeros_like(taps)
         dtaps[kernel - 1] = (dpre * x).sum((0, 1))
-        for s in range(1, min(kernel, t + 1)):
-            dx[:, :t - s].addcmul_(dpre[:, s:], taps[kernel - 1 - s])
-            dtaps[kernel - 1 - s] = (dpre[:, s:] * x[:, :t - s]).sum((0, 1))
-        return dx, dtaps.t(), None
+        dstate = None if state is None else torch.zeros_like(state)
+        for s in range(1, kernel):
+            if s <= t:
+                dx[:, :t - s].addcmul_(dpre[:, s:], taps[kernel - 1 - s])
+                dtaps[kernel - 1 - s] = (dpre[:, s:] * x[:, :t - s]).sum((0, 1))
+            if state is not None:
+                m, lo = min(s, t), kernel - 1 - s
+                dstate[:, lo:lo + m].addcmul_(dpre[:, :m], taps[lo])
+                dtaps[lo] += (dpre[:, :m] * state[:, lo:lo + m]).sum((0, 1))
+        return dx, dtaps.t(), dstate, None
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, fuse: bool = False):
@@ -87,11 +108,12 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | Non
     (zeros: the start of a sequence) -> (y [b, t, c], new state [b, K-1, c]). ``fuse``: the
     training form runs its fused kernels (``megamoe.layers.ops.fusion``)."""
     t, kernel = x.size(1), weight.size(-1)
-    if state is None and torch.is_grad_enabled():
-        y = _CausalConvSiLU.apply(x, weight, fuse)
-        return y, F.pad(x[:, max(0, t - (kernel - 1)):], (0, 0, max(0, kernel - 1 - t), 0))
     if state is not None and t == 1:
         return causal_conv_step(x, weight, state)
+    if torch.is_grad_enabled():  # training (a CP chunk from its halo too): the hand-written backward
+        y = _CausalConvSiLU.apply(x, weight, state, fuse)
+        tail = x[:, max(0, t - (kernel - 1)):]
+        return y, _padded(tail, weight.t(), state)[:, tail.size(1):]
     return causal_conv_reference(x, weight, state)
 
 

@@ -6,40 +6,37 @@ each. Per chunk c the recurrence is affine in the state the chunk starts from::
 
     H_out = M_c H_in + R_c          M_c [hv, dk, dk], R_c [hv, dk, dv]
 
-and for every token t of the chunk o_t = o_t(0) + H_in^T (M_t^T q_t), M_t the map from the chunk
-start to t. Delta rule (G, K): one run of the backend's chunked op per rank, both local chunks as
-a batch of 2b sequences, with values [v | 0] and initial state [0 | I] gives everything at once:
-its outputs are [o(0) | M_t^T q_t] and its final state [R_c | M_c]. Lightning (L): M_c is the
-scalar exp(-s n) (times 0 when a document starts in the chunk); the op's final state is R_c.
-One all-gather (backward: reduce-scatter, which carries the state gradients back to the ranks
-that made them) of every rank's (M, R) pairs, a scan over the 2·CP chunks in global order
-(H_0 = 0, or the decode cache's state), and the exact correction o_t = o_t(0) + (M_t^T q_t) H_in.
-Bytes each rank receives per layer: 2·CP·b·hv·dk·(dk+dv)·4 (G, K; L: 2·CP·b·h·dk·dv·4), whatever
-the sequence length.
+and the state each chunk starts from is a scan over the chunks in global order (H_0 = 0, or
+the decode cache's state) of every rank's (M_c, R_c), exchanged by one all-gather.
 
-Activation memory and time (G, K): the widened run shares the op's [C, C] work (the chunk
-matrices, the triangular solve) between the value and the transition, and its hand-written
-backward keeps what the op keeps for normal widths plus the wider U and states; a CP=2 rank
-keeps about 0.55 of what one process keeps for the layer. With ``train.recompute=[core]`` the
-run is checkpointed (non-reentrant ``torch.utils.checkpoint``): forward keeps only its inputs
-(the chunk batches of q, k, v, g, beta) and backward runs it again, so a CP=2 rank keeps
-0.2-0.3 of the layer's single-process activations for one more forward of the widened op.
-Measured at 16K tokens (tools/bench_cp.py, docs/performance.md): kept, ``GdGdGdGd`` takes 0.67
-of one process's CPU time per CP=2 rank and saves 0.54 of its activations; recomputed, 0.77
-and 0.32. Kept besides: M_t^T q_t [2b, hv, n, dk] and the incoming states for the
-correction, and the small (M, R) pairs. Two alternatives were slower on CPU: (a) a value run
-plus a separate transition run of normal widths, (b) a no-grad pre-pass for (R, M) and the
-real op from its true initial state: both repeat the op's per-chunk [C, C] work, which the
-widened run shares and which dominates at small head dims. The short
-convolution's [halo | chunk] input is recomputed too (the chunk is a view of the projection),
-so no concatenated copy of the layer's inputs is kept. Neither recomputed run holds a
-collective (the all-gathers stay outside), so backward exchanges nothing more. Lightning needs no widening (no
-checkpoint): its op runs at normal width and only exp(-s t) q_t is kept for the correction.
+Delta rule (G, K): the backend's ``passing`` (``megamoe.layers.ops.delta_rule.passing``) runs
+both local chunks as a batch of 2b sequences and exchanges through a ``StateLink``. The per-head
+op (G on the cpu backend) passes the states itself, as fla's CP does: its chunk matrices once at
+the value's width, one scan of [S(0) | transition] to get (R, M), the exchange, the true states
+by one batched product, the outputs as without CP; in backward one reverse scan, an all-gather
+of each chunk's start-state gradient, a reverse scan over the chunks with M^T, the op's own
+backward. Other ops (K's per-channel op, the local recurrence, fla's kernels) run once with
+values [v | 0] from the initial state [0 | I] (outputs [o(0) | M_t^T q_t], final state [R | M]),
+and o_t = o_t(0) + (M_t^T q_t) H_in, through an autograd all-gather whose backward
+reduce-scatters. Lightning (L): M_c is the scalar exp(-s n) (times 0 when a document starts in
+the chunk); the op's final state is R_c. Bytes each rank receives per layer in forward:
+2·CP·b·hv·dk·(dk+dv)·4 (G, K; L: 2·CP·b·h·dk·dv·4), whatever the sequence length.
+
+Activation memory (G, K): the per-head op keeps what it keeps without CP (its inputs, the
+chunk-start states and its chunk matrices) for the local tokens, and the exchange's transitions;
+with ``train.recompute=[core]`` its inputs and incoming states only (backward rebuilds the chunk
+matrices and scans from the incoming states at the value's width). The widened form keeps its
+op's tensors at width dv + dk and M_t^T q_t [2b, hv, n, dk]; recomputed, its run is
+checkpointed (its inputs only, the run again in backward), which holds no collective. The
+short convolution keeps what it keeps without CP (its input, a view of the projection, and its
+pre-activation) and the small halo.
+Lightning runs at normal width and keeps exp(-s t) q_t for the correction. docs/mixers.md
+("Context parallelism: linear attention") has the measurements.
 
 Short convolution: every local chunk continues from the last ``kernel - 1`` pre-conv inputs of
 the chunk before it (zeros for chunk 0): a second small all-gather, 2·CP·b·(kernel-1)·C values.
-The conv role runs [halo | chunk] from a zero state and the halo's outputs are dropped
-(recomputed in backward, see above).
+The conv role's training form runs each chunk from its halo as its state (the halo's gradient
+goes back through the all-gather's reduce-scatter).
 
 Prefill under CP (a decode cache, rows of equal length): the sequence starts from the cache's
 ``conv`` and recurrent states, and every rank leaves them as after the whole sequence (the scan
@@ -59,10 +56,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from megamoe.core.errors import ConfigError
-from megamoe.parallel.comm import gather_reduce_scatter
+from megamoe.parallel.comm import all_gather_tensor, gather_reduce_scatter
 from megamoe.layers.spec import ForwardInfo
 
 RESET_LOG_DECAY = -200.0  # a document start: the state before it is multiplied by exp(-200)
@@ -76,32 +72,6 @@ def _chunks(x: torch.Tensor) -> torch.Tensor:
 def _unchunk(x: torch.Tensor) -> torch.Tensor:
     """[2b, n, ...] -> [b, 2n, ...]."""
     return x.reshape(x.size(0) // 2, x.size(1) * 2, *x.shape[2:])
-
-
-def _recomputed(fn, *args):
-    """fn(*args), keeping only its tensor inputs for backward and running it again there
-    (non-reentrant checkpoint) while autograd records; plain otherwise (prefill)."""
-    if torch.is_grad_enabled():  # fn draws no random numbers: no RNG state to stash and restore
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
-    return fn(*args)
-
-
-def _halo_conv(conv, halo, x, weight):
-    """The short-conv role over [halo | chunk] from a zero state, the halo's outputs dropped:
-    halo [2b, K-1, C], x [2b, n, C] (a view of the projection: kept without a copy)."""
-    return conv(torch.cat([halo, x], dim=1), weight)[0][:, weight.size(-1) - 1:]
-
-
-def _widened_run(op, q, k, v, g, beta, scale, chunk_size: int):
-    """The backend's chunked delta rule over chunk batches with values [v | 0] and initial state
-    [0 | I] -> (o_ext [2b, n, hv, dv + dk] = [o(0) | M_t^T q_t], final [2b, hv, dk, dv + dk] =
-    [R_c | M_c]). Run under a checkpoint, so the op's own recompute option is not used."""
-    b2, n, hv, dv = v.shape
-    dk = q.size(-1)
-    v_ext = torch.cat([v, v.new_zeros(b2, n, hv, dk)], dim=-1)
-    eye = torch.eye(dk, dtype=torch.float32, device=v.device)
-    h0 = F.pad(eye, (dv, 0)).expand(b2, hv, dk, dv + dk).contiguous()              # [0 | I] (kernels want it dense)
-    return op.chunked(q, k, v_ext, g, beta, scale=scale, initial_state=h0, chunk_size=chunk_size)
 
 
 class SequenceView:
@@ -154,8 +124,8 @@ class SequenceView:
         if self.state is not None:
             self.state["conv"] = last
         halo = halo.flatten(0, 1)                                  # [2b, K-1, C]
-        if self.resets is None:  # [halo | chunk] from a zero state, halo outputs dropped: the role's
-            return _unchunk(_recomputed(_halo_conv, conv, halo, _chunks(x), weight))  # training form
+        if self.resets is None:  # the role's training form from the halo (its gradient flows back to it)
+            return _unchunk(conv(_chunks(x), weight, halo)[0])
         n, width = x.size(1) // 2, kernel - 1                     # the halo's own document starts
         before = F.pad(self.full_resets, (width, 0))               # [b, K-1 + S]
         halo_resets = torch.stack([before[:, c * n:c * n + width] for c in self.cp.chunk_ids()], 1)
@@ -164,45 +134,52 @@ class SequenceView:
     # ---- delta rule (G, K) ---------------------------------------------------------------
 
     def delta_rule(self, op, q, k, v, g, beta, *, scale=None, chunk_size: int = 64, recompute: bool = False):
-        """The backend's chunked delta rule (``op.chunked``) over this view -> o [b, s, hv, dv].
-        Shapes as in ``delta_rule.py``; g [b, s, hv] or [b, s, hv, dk]. ``recompute``
-        (``train.recompute=[core]``): without CP the op's own checkpoint; under CP the widened run
-        keeps only its inputs and runs again in backward."""
+        """The backend's chunked delta rule over this view -> o [b, s, hv, dv]: ``op.chunked``
+        without CP, ``op.passing`` over the local chunks and a ``StateLink`` under CP. Shapes as in
+        ``delta_rule.py``; g [b, s, hv] or [b, s, hv, dk]. ``recompute`` (``train.recompute=[core]``):
+        the op keeps only its inputs and rebuilds the rest in backward."""
         if self.resets is not None:
             r = self.resets.view(*self.resets.shape, *([1] * (g.dim() - 2)))
             g = torch.where(r, torch.full((), RESET_LOG_DECAY, dtype=g.dtype, device=g.device), g)
         if self.cp is None:
             return op.chunked(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, recompute=recompute)[0]
-        b, s, hv, dv = v.shape
-        dk = q.size(-1)
+        b, hv, dv = v.size(0), v.size(2), v.size(-1)
+        link = StateLink(self, b, hv, dv)
         chunked = (_chunks(t) for t in (q, k, v, g, beta))
-        # recompute: the widened run keeps only its inputs and runs again in backward (module docstring)
-        run = _recomputed if recompute else lambda fn, *a: fn(*a)
-        o_ext, final = run(_widened_run, op, *chunked, scale, chunk_size)
-        h_in = self._incoming(final.view(b, 2, hv, dk, dv + dk), dv, key="recurrent").flatten(0, 1)
-        o0, qm = o_ext.split([dv, dk], dim=-1)                                    # o(0), M_t^T q_t
-        qm = qm.to(h_in.dtype).transpose(1, 2).contiguous()                       # [2b, hv, n, dk], kept
-        o = o0 + (qm @ h_in).transpose(1, 2).to(o0.dtype)                         # + (M_t^T q_t) H_in
-        return _unchunk(o)
+        return _unchunk(op.passing(*chunked, link, scale=scale, chunk_size=chunk_size, recompute=recompute))
 
-    def _incoming(self, local: torch.Tensor, dv: int, transitions: torch.Tensor | None = None, *,
+    def _incoming(self, every: torch.Tensor, dv: int, transitions: torch.Tensor | None = None, *,
                   key: str) -> torch.Tensor:
-        """The state each local chunk starts from, [b, 2, h, dk, dv]. ``local`` [b, 2, h, dk, dv (+ dk)]:
-        each local chunk's R_c (and M_c after it, unless ``transitions`` [b, 2CP, h, 1, 1] gives
-        every chunk's scalar M_c in global order). One all-gather; the scan runs on every rank,
-        from the decode state ``self.state[key]`` if any (then it is left as after the sequence)."""
+        """The state each local chunk starts from, [b, 2, h, dk, dv]. ``every`` [b, 2CP, h, dk, dv (+ dk)]
+        (all-gathered, rank-major): every chunk's R_c (and M_c after it, unless ``transitions``
+        [b, 2CP, h, 1, 1] gives every chunk's scalar M_c in global order). The scan runs on every
+        rank, from the decode state ``self.state[key]`` if any (then it is left as after the sequence)."""
         cp = self.cp
-        every = gather_reduce_scatter(local.contiguous(), 1, cp.group)           # [b, 2CP, ...] rank-major
         h = None if self.state is None else self.state.get(key)
-        h = local.new_zeros(*local.shape[:1], *local.shape[2:-1], dv) if h is None else h.to(local.dtype)
+        h = every.new_zeros(*every.shape[:1], *every.shape[2:-1], dv) if h is None else h.to(every.dtype)
         starts = []
         for c in range(2 * cp.size if self.state is not None else max(cp.chunk_ids()) + 1):
             starts.append(h)
-            R, M = every[:, cp.gathered_slot(c)].split([dv, local.size(-1) - dv], dim=-1)
+            R, M = every[:, cp.gathered_slot(c)].split([dv, every.size(-1) - dv], dim=-1)
             h = (transitions[:, c] * h if transitions is not None else M @ h) + R
         if self.state is not None:
             self.state[key] = h
         return torch.stack([starts[c] for c in cp.chunk_ids()], dim=1)
+
+    def _outgoing(self, every: torch.Tensor, transitions: torch.Tensor) -> torch.Tensor:
+        """The backward of ``_incoming`` (delta rule): the gradient of each local chunk's final
+        state [b, 2, h, dk, dv], from ``every`` [b, 2CP, h, dk, dv] (all-gathered, rank-major):
+        each chunk's rho (the gradient of its start state from its own outputs) and ``transitions``
+        [b, 2CP, h, dk, dk] (M_c, as gathered in forward): dH_in(c) = rho_c + M_c^T dH_in(c + 1),
+        zero after the last chunk."""
+        cp = self.cp
+        d = torch.zeros_like(every[:, 0])
+        after = {}
+        for c in range(2 * cp.size - 1, min(cp.chunk_ids()) - 1, -1):
+            after[c] = d
+            slot = cp.gathered_slot(c)
+            d = every[:, slot] + transitions[:, slot].mT @ d
+        return torch.stack([after[c] for c in cp.chunk_ids()], dim=1)
 
     # ---- Lightning (L) -------------------------------------------------------------------
 
@@ -222,10 +199,43 @@ class SequenceView:
         if self.full_resets is not None:
             M = M * (~self.full_resets.view(b, 2 * cp.size, n).any(-1)).view(b, -1, 1, 1, 1)
             q_decay = q_decay * (resets.long().cumsum(1) == 0).unsqueeze(-1)     # [2b, n, h]
-        h_in = self._incoming(R.view(b, 2, *R.shape[1:]), dv, M.to(R.dtype), key="lightning_state").flatten(0, 1)
+        every = gather_reduce_scatter(R.view(b, 2, *R.shape[1:]).contiguous(), 1, cp.group)  # [b, 2CP, h, dk, dv]
+        h_in = self._incoming(every, dv, M.to(R.dtype), key="lightning_state").flatten(0, 1)
         qd = _chunks(q).to(h_in.dtype) * q_decay.to(h_in.dtype).unsqueeze(-1)    # exp(-s t) q_t
         o = o0 + torch.einsum("bthk,bhkv->bthv", qd, h_in).to(o0.dtype)
         return _unchunk(o)
+
+
+class StateLink:
+    """The delta rule's state exchange under CP, for the ops of ``delta_rule.passing``: states
+    per (local chunk, head) [z, dk, *], z = 2b·hv (chunk batches' order). ``incoming`` (autograd:
+    an all-gather whose backward reduce-scatters, then the scan) serves an op that runs widened;
+    ``states`` (forward) and ``gradients`` (backward) are plain and serve an op that passes the
+    states itself: one all-gather each, the gathered transitions kept between them."""
+
+    def __init__(self, view: SequenceView, b: int, hv: int, dv: int):
+        self.view, self.b, self.hv, self.dv = view, b, hv, dv
+        self.transitions = None                     # [b, 2CP, hv, dk, dk], rank-major, from ``states``
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(self.b, 2, self.hv, *x.shape[1:])             # [z, ...] -> [b, 2, hv, ...]
+
+    def incoming(self, final: torch.Tensor) -> torch.Tensor:
+        """[R | M] [z, dk, dv + dk] of the local chunks -> the states they start from [z, dk, dv]."""
+        every = gather_reduce_scatter(self._local(final).contiguous(), 1, self.view.cp.group)
+        return self.view._incoming(every, self.dv, key="recurrent").flatten(0, 2)
+
+    def states(self, final: torch.Tensor) -> torch.Tensor:
+        """``incoming`` without autograd; keeps every chunk's M for ``gradients``."""
+        every = all_gather_tensor(self._local(final).contiguous(), 1, self.view.cp.group)
+        self.transitions = every[..., self.dv:]
+        return self.view._incoming(every, self.dv, key="recurrent").flatten(0, 2)
+
+    def gradients(self, rho: torch.Tensor) -> torch.Tensor:
+        """rho [z, dk, dv] (each local chunk's start-state gradient from its own outputs) -> the
+        gradient of each local chunk's final state [z, dk, dv] (from the chunks after it)."""
+        every = all_gather_tensor(self._local(rho).contiguous(), 1, self.view.cp.group)
+        return self.view._outgoing(every, self.transitions).flatten(0, 2)
 
 
 def conv_halo(x: torch.Tensor, width: int, cp, start: torch.Tensor | None = None):

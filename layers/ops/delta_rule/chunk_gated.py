@@ -243,27 +243,44 @@ class ChunkGatedDelta(torch.autograd.Function):
         return o, final.clone()
 
     def backward(ctx, dO, dfinal):
-        q, k, v, g, beta, S, D, KD, M, T, W, U0, U = ctx.saved_tensors
+        q, k, v, g, beta, S, D, KD, M, T, W, U0, U = saved = ctx.saved_tensors
         dO = dO.contiguous()  # arrives as a transposed view; four products read it
         z, heads = ctx.z, Heads.of(q, v, ctx.z)
-        gam_, tail_ = decays(g)
-        Kt = heads.per_value(k, tail_.unsqueeze(-1))
-        Qg = heads.per_value(q, gam_.unsqueeze(-1))                       # q Gam [N, C, dk]
+        gam_, tail_, Kt, Qg = factors = Factors.of(q, k, g, heads)
         dSe, dU, dS0 = scan_chunks_backward(W, Kt, gam_[:, -1], Qg.mT @ dO, M.mT @ dO, dfinal, z)
-        dQg = dO @ S.mT                                                # [N, C, dk]
-        dM = dO @ U.mT                                                 # [N, C, C]
-        dKt = U @ dSe.mT                                               # [N, C, dk]
-        dgam_end = (dSe * S).sum((-1, -2))                             # d Gam_C [N]
-        dW = (dU @ S.mT).neg_()
-        # through W = T Kb, U0 = T Vb and T = (I + A)^-1: dT = dW Kb^T + dU Vb^T and
-        # dA = -T^T dT T^T = -(T^T dW) W^T - (T^T dU) U0^T, two [C, d] x [d, C] products
-        dKb, dVb = T.mT @ dW, T.mT @ dU
-        dA = torch.baddbmm(dKb @ W.mT, dVb, U0.mT).neg_()
-        dbeta, dv, dg, dKK, dQK, dk_direct, dq_direct = intra_grads.pick(ctx.fuse)(
-            dA, dM, dKb, dVb, dKt, dQg, D, KD, M, Qg, k, v, beta, gam_, tail_, dgam_end, heads.rep, heads.n)
-        dk = torch.baddbmm(torch.baddbmm(dKK @ k, dKK.mT, k), dQK.mT, q).add_(dk_direct)
-        dq = torch.baddbmm(dq_direct, dQK, k)
-        return dq, dk, dv, dg, dbeta, dS0, None
+        return (*input_grads(saved, dO, dSe, dU, heads, factors, ctx.fuse), dS0, None)
+
+
+class Factors(tuple):
+    """(Gam, exp(G_C - G) [N, C], Kt = k exp(G_C - G), Qg = q Gam [N, C, dk]): the backward's decayed keys and
+    queries, rebuilt from q, k, g (cheaper than keeping them)."""
+
+    @classmethod
+    def of(cls, q, k, g, heads: Heads) -> "Factors":
+        gam_, tail_ = decays(g)
+        return cls((gam_, tail_, heads.per_value(k, tail_.unsqueeze(-1)), heads.per_value(q, gam_.unsqueeze(-1))))
+
+
+def input_grads(saved, dO, dSe, dU, heads: Heads, factors: Factors, fuse: bool):
+    """The backward after the scan, from what ``ChunkGatedDelta`` saves, dO [N, C, dv], the
+    gradients of the chunk-end states dSe [N, dk, dv] and of U [N, C, dv] -> (dq, dk, dv, dg,
+    dbeta) in the chunk layout."""
+    q, k, v, g, beta, S, D, KD, M, T, W, U0, U = saved
+    gam_, tail_, _, Qg = factors
+    dQg = dO @ S.mT                                                # [N, C, dk]
+    dM = dO @ U.mT                                                 # [N, C, C]
+    dKt = U @ dSe.mT                                               # [N, C, dk]
+    dgam_end = (dSe * S).sum((-1, -2))                             # d Gam_C [N]
+    dW = (dU @ S.mT).neg_()
+    # through W = T Kb, U0 = T Vb and T = (I + A)^-1: dT = dW Kb^T + dU Vb^T and
+    # dA = -T^T dT T^T = -(T^T dW) W^T - (T^T dU) U0^T, two [C, d] x [d, C] products
+    dKb, dVb = T.mT @ dW, T.mT @ dU
+    dA = torch.baddbmm(dKb @ W.mT, dVb, U0.mT).neg_()
+    dbeta, dv, dg, dKK, dQK, dk_direct, dq_direct = intra_grads.pick(fuse)(
+        dA, dM, dKb, dVb, dKt, dQg, D, KD, M, Qg, k, v, beta, gam_, tail_, dgam_end, heads.rep, heads.n)
+    dk = torch.baddbmm(torch.baddbmm(dKK @ k, dKK.mT, k), dQK.mT, q).add_(dk_direct)
+    dq = torch.baddbmm(dq_direct, dQK, k)
+    return dq, dk, dv, dg, dbeta
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, chunk_size: int = 64,
@@ -271,20 +288,28 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, chu
     """The op on the package's layout (delta_rule.py): q, k [b, t, hk, dk], v [b, t, hv, dv],
     g, beta [b, t, hv] -> (o [b, t, hv, dv] in v's dtype, final state [b, hv, dk, dv] fp32).
     ``fuse``: the backward's elementwise part runs compiled (``intra_grads``)."""
+    b, t, hv, dv = v.shape
+    dtype, dk = v.dtype, q.size(-1)
+    q, k, v, g, beta, h0 = to_chunks(q, k, v, g, beta, scale, initial_state, chunk_size)
+    o, final = ChunkGatedDelta.apply(q, k, v, g, beta, h0.reshape(b * hv, dk, dv), fuse)
+    return from_chunks(o, b, hv, t, dtype), final.view(b, hv, dk, dv)
+
+
+def to_chunks(q, k, v, g, beta, scale, initial_state, C: int):
+    """The package's layout -> the op's (module docstring), padded to whole chunks of C tokens
+    (zero k, v, beta and g leave the state untouched); the initial state as ``prepare`` gives it."""
     from megamoe.layers.ops.delta_rule.naive import prepare
 
-    dtype = v.dtype
-    b, t, hv, dv = v.shape
-    dk = q.size(-1)
+    t = v.size(1)
     q, k, v, g, beta, h0 = prepare(q, k, v, g, beta, scale, initial_state, expand=False)  # [b, h, t, d]
-    C = chunk_size
     pad = -t % C
-    if pad:  # zero k, v, beta and g leave the state untouched
+    if pad:
         q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
         beta = F.pad(beta, (0, pad))
-    n = (t + pad) // C
     chunks = lambda x: x.reshape(-1, C, x.size(-1))  # noqa: E731  [b, h, n C, d] -> [b h n, C, d]
-    o, final = ChunkGatedDelta.apply(chunks(q), chunks(k), chunks(v), g.reshape(-1, C), beta.reshape(-1, C),
-                                     h0.reshape(b * hv, dk, dv), fuse)
-    o = o.view(b, hv, n * C, dv)[:, :, :t].transpose(1, 2)
-    return o.to(dtype), final.view(b, hv, dk, dv)
+    return chunks(q), chunks(k), chunks(v), g.reshape(-1, C), beta.reshape(-1, C), h0
+
+
+def from_chunks(o: torch.Tensor, b: int, hv: int, t: int, dtype: torch.dtype) -> torch.Tensor:
+    """o [b hv n, C, dv] (the op's layout) -> [b, t, hv, dv] (the package's) in ``dtype``."""
+    return o.view(b, hv, -1, o.size(-1))[:, :, :t].transpose(1, 2).to(dtype)
