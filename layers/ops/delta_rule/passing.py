@@ -40,7 +40,7 @@ from megamoe.layers.ops.delta_rule.chunk_gated import (Factors, Heads, Intra, fr
                                                        to_chunks)
 
 
-def recomputed(fn, *args):
+def _recomputed(fn, *args):
     """fn(*args), keeping only its tensor inputs for backward and running it again there
     (non-reentrant checkpoint) while autograd records; plain otherwise (prefill)."""
     if torch.is_grad_enabled():  # fn draws no random numbers: no RNG state to stash and restore
@@ -160,7 +160,7 @@ def widened_passing(chunked, q, k, v, g, beta, link, *, scale=None, chunk_size: 
     own recompute option is not used)."""
     b2, n, hv, dv = v.shape
     dk = q.size(-1)
-    run = recomputed if recompute else lambda fn, *a: fn(*a)
+    run = _recomputed if recompute else lambda fn, *a: fn(*a)
     o_ext, final = run(_widened_run, chunked, q, k, v, g, beta, scale, chunk_size)
     h_in = link.incoming(final.reshape(b2 * hv, dk, dv + dk)).view(b2, hv, dk, dv)
     o0, qm = o_ext.split([dv, dk], dim=-1)                                    # o(0), M_t^T q_t
