@@ -257,7 +257,7 @@ def cp_mixer_factor(letter: str, seq: int) -> float:
 def test_planner_cp_factors_are_measured(pool, letter):
     """The planner's CP factors (megamoe.planning.activations.CP_MIXER_FACTORS) for the default
     hybrid's two letters, measured again at the sizes of tests/mixer_utils.py: within 3%. (They
-    move with the head widths: at this file's tiny_model G's is more than 3% off 1.10.)"""
+    move with the head widths.)"""
     from megamoe.planning.activations import CP_MIXER_FACTORS
 
     for got in pool(2).run(cp_mixer_factor, letter, 512):

@@ -30,11 +30,12 @@ PARTS = ("input_norm", "mixer", "pre_mlp_norm", "mlp")
 # What a CP rank's mixer keeps for its S/CP tokens over what the same mixer keeps for S/CP tokens
 # in one process (the trace), measured at CP=2 with tiny widths at 512 and 2048 tokens (the same
 # at both; tests/test_cp_train.py re-measures A and G): the ring keeps its fp32 output and
-# log-sum-exp and the gathered K/V travel (A); the linear mixers keep the widened state-passing
-# run's wider states and M_t^T q_t (G, K) or exp(-s t) q_t (L); DSA's CP path keeps less than
+# log-sum-exp and the gathered K/V travel (A); G's state-passing op keeps what it keeps in one
+# process (1.00); K's widened run keeps its wider states and M_t^T q_t, and its convolution from
+# the halo its pre-activation (K), Lightning exp(-s t) q_t (L); DSA's CP path keeps less than
 # its single-process selection (D, I). The sliding window's halo (S) and MLA's checkpointed
 # query tiles (M: 0.06-0.2, falling with the length) are left at 1.
-CP_MIXER_FACTORS = {"A": 1.14, "G": 1.10, "K": 1.09, "L": 1.06, "D": 0.86, "I": 0.82}
+CP_MIXER_FACTORS = {"A": 1.14, "G": 1.00, "K": 1.16, "L": 1.06, "D": 0.86, "I": 0.82}
 
 
 def _trace(fn, args, params: set[int], scale: float) -> tuple[float, float]:
