@@ -63,15 +63,19 @@ def test_compiled_decode_steps_are_one_graph_with_the_eager_tokens_and_logits():
 
 
 @needs_compiler
-def test_compiled_decode_steps_with_an_int8_paged_cache_decode_its_eager_tokens():
-    """The paged cache's block bookkeeping (data-dependent shapes) breaks the graph; the steps
-    stay correct."""
+def test_compiled_decode_refuses_a_paged_cache():
+    """Since the paged readers became tiled (issue 37), their reads fail inside a compiled step
+    (inductor: an input that is not a tensor): refused in one line before any step, for fp32 and
+    quantised blocks alike, and by the command before the model loads."""
+    from megamoe.commands.generate import main
     from megamoe.layers.cache.paged import PagedCache
 
     model, ps = hybrid_moe(), prompts()
-    paged = functools.partial(PagedCache, block_size=4, kv_dtype="int8")
-    assert generate_batch(model, ps, 6, compile=True, cache_factory=paged) == generate_batch(model, ps, 6,
-                                                                                            cache_factory=paged)
+    for kv in ("fp32", "int8"):
+        with pytest.raises(ConfigError, match=f"compile: not with a paged cache \\({kv}"):
+            generate_batch(model, ps, 2, compile=True, cache_factory=functools.partial(PagedCache, kv_dtype=kv))
+    with pytest.raises(ConfigError, match="--compile with --kv-cache int8"):
+        main(["no_such_folder", "--ids", "1,2", "--compile", "--kv-cache", "int8"])
 
 
 def test_compiled_decode_refuses_a_custom_forward():

@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.image and len(args.ids or args.prompt or [""]) > 1:
         raise ConfigError("--image: give one prompt with an image")
     check_speculative(args)
+    if args.compile and args.kv_cache != "contiguous":  # before the (slow) model load
+        raise ConfigError(f"--compile with --kv-cache {args.kv_cache}: not supported (the paged cache's tile reads "
+                          f"fail inside a compiled step); use --kv-cache contiguous, or decode eagerly")
     model, forward, show = load_for_layout(args)
     tok = load_tokenizer(args.tokenizer or args.model_dir) if (args.prompt or args.tokenizer) else None
     if prompts is None:
