@@ -102,6 +102,16 @@ def bin_counts(flat: torch.Tensor, num_bins: int) -> torch.Tensor:
     return torch.zeros(num_bins, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
+def positions_in_bins(flat: torch.Tensor, order: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """[n] long: each element's position among the elements of its bin (``flat``'s value, in
+    [0, num_bins)), counted in ``order`` (a permutation that sorts ``flat`` by bin), in ``flat``'s
+    own order. All on the device, static shapes."""
+    counts = bin_counts(flat, num_bins)
+    starts = torch.cumsum(counts, 0) - counts
+    ranked = torch.arange(flat.numel(), device=flat.device) - starts.index_select(0, flat.index_select(0, order))
+    return torch.empty_like(flat).index_copy_(0, order, ranked)
+
+
 def capacity_keep(weights: torch.Tensor, idx: torch.Tensor, num_experts: int, capacity: int,
                   policy: str) -> torch.Tensor:
     """[T, k] bool: which (token, slot) pairs fit in each expert's ``capacity``.
@@ -109,19 +119,12 @@ def capacity_keep(weights: torch.Tensor, idx: torch.Tensor, num_experts: int, ca
     policy ``probs`` keeps each expert's highest-weight pairs, ``position`` its earliest tokens.
     """
     flat_e = idx.reshape(-1)
-    n = flat_e.numel()
     if policy == "probs":  # order by expert, then by descending weight
         order = torch.argsort(-weights.detach().reshape(-1), stable=True)
         order = order[torch.argsort(flat_e[order], stable=True)]
     else:
         order = torch.argsort(flat_e, stable=True)
-    sorted_e = flat_e[order]
-    counts = bin_counts(flat_e, num_experts)
-    starts = torch.cumsum(counts, 0) - counts
-    rank_in_expert = torch.arange(n, device=idx.device) - starts[sorted_e]
-    keep = torch.empty(n, dtype=torch.bool, device=idx.device)
-    keep[order] = rank_in_expert < capacity
-    return keep.view_as(idx)
+    return (positions_in_bins(flat_e, order, num_experts) < capacity).view_as(idx)
 
 
 # ---- attaching losses to the gradient ----------------------------------------------------

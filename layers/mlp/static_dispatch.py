@@ -26,7 +26,7 @@ import torch
 
 from megamoe.core.errors import ConfigError
 from megamoe.layers.mlp.dispatch import DISPATCHERS, _dropped_to, _exchange, _phases, _run, dispatch_local
-from megamoe.layers.mlp.router import bin_counts
+from megamoe.layers.mlp.router import positions_in_bins
 from megamoe.parallel.groups import ParallelGroups, group_size
 
 
@@ -101,12 +101,7 @@ class StaticAllToAllDispatcher:
         flat = key.reshape(-1)
         valid = flat >= 0
         expert = torch.where(valid, flat, n)
-        order = torch.argsort(expert, stable=True)
-        counts = bin_counts(expert, n + 1)
-        starts = torch.cumsum(counts, 0) - counts
-        sorted_expert = expert.index_select(0, order)
-        position = torch.empty_like(flat).index_copy_(
-            0, order, torch.arange(flat.numel(), device=flat.device) - starts.index_select(0, sorted_expert))
+        position = positions_in_bins(expert, torch.argsort(expert, stable=True), n + 1)
         fits = valid & (position < cap)
         return torch.where(fits, expert * cap + position, n * cap)
 
