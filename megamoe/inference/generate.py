@@ -96,12 +96,12 @@ def stream(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_token
         ids, pad = left_pad(prompts, device=device)
     if images is not None and bool((pad > 0).any()):
         raise ConfigError("images: prompts with images must all have the same length")
-    was_training = model.training
-    model.eval()
     cache = cache_factory(ids.size(0), pad=pad)
-    if compile and getattr(cache, "kv_dtype", None) is not None:
+    if compile and getattr(cache, "kv_dtype", None) is not None:  # refused before the model is touched
         raise ConfigError(f"compile: not with a paged cache ({cache.kv_dtype}: its tile reads fail inside a compiled "
                           f"step); use the contiguous cache, or decode eagerly")
+    was_training = model.training
+    model.eval()
     generator = torch.Generator(device=ids.device).manual_seed(seed) if seed is not None else None
     suppress = list(suppress_tokens or [])
     if getattr(model, "image_token_id", None) is not None:
