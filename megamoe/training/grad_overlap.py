@@ -24,6 +24,7 @@ unchanged: the optimizer reads the summed gradients, updates what it owns and br
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -46,6 +47,14 @@ def _flat_views(params: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Te
     return flat, views
 
 
+def _weak_ready(ref: weakref.ref):
+    def ready(p: torch.Tensor) -> None:
+        sync = ref()
+        if sync is not None:
+            sync._ready(p)
+    return ready
+
+
 class OverlappedGradSync:
     """Per step: ``start_step()``; ``with sync.last_backward(is_last): loss.backward()`` per
     micro-batch; ``finish()``."""
@@ -64,9 +73,14 @@ class OverlappedGradSync:
                 self.flats[-1].append(flat)
                 self.view.update({id(p): v for p, v in zip(same, views)})
             self.bucket_of.update({id(p): i for p in bucket.params})
+        # the hooks reach this object through a weak reference: a parameter keeps its hooks on the
+        # C++ side, where the garbage collector cannot see the cycle parameter -> hook -> self ->
+        # parameter, so a bound method would keep every parameter, buffer and process group of a
+        # finished trainer alive for the life of the process
+        ready = _weak_ready(weakref.ref(self))
         for bucket in self.buckets:
             for p in bucket.params:
-                p.register_post_accumulate_grad_hook(self._ready)
+                p.register_post_accumulate_grad_hook(ready)
         self.armed = False
         self._reset()
 
