@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import pytest
@@ -32,7 +33,10 @@ def pool():
 
     yield get
     for p in pools.values():
-        p.close()
+        p.stop()
+    deadline = time.monotonic() + 10
+    for p in pools.values():
+        p.join(deadline)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -116,14 +116,8 @@ def run_mtp_recipe(recipe, log_dir: str) -> list[tuple[float, float]]:
 
 
 @pytest.fixture(scope="module")
-def mtp_reference(tmp_path_factory):
-    from tests.dist import DistPool
-
-    pool = DistPool(1)
-    try:
-        yield pool.run(run_mtp_recipe, mtp_recipe(ParallelConfig()), str(tmp_path_factory.mktemp("ref")))[0]
-    finally:
-        pool.close()
+def mtp_reference(pool, tmp_path_factory):
+    return pool(1).run(run_mtp_recipe, mtp_recipe(ParallelConfig()), str(tmp_path_factory.mktemp("ref")))[0]
 
 
 @pytest.mark.parametrize("name, parallel", [("tp2-sp", ParallelConfig(tp=2, sequence_parallel=True)),
@@ -137,23 +131,18 @@ def test_mtp_training_at_tp2_and_pp2_matches_one_process(pool, mtp_reference, na
     assert mtp_reference[-1][1] < mtp_reference[0][1]  # the MTP depths learn
 
 
-def test_lora_adapts_or_freezes_the_mtp_depths(tmp_path):
+def test_lora_adapts_or_freezes_the_mtp_depths(pool, tmp_path):
     """Under LoRA the MTP base is frozen; its adapters train with the MTP loss, and with
     mtp_loss_weight 0 they are frozen too (no MTP forward in training)."""
     from megamoe.lora import LoRAConfig
-    from tests.dist import DistPool
 
-    pool = DistPool(1)
-    try:
-        for weight in (WEIGHT, 0.0):
-            recipe = dataclasses.replace(mtp_recipe(ParallelConfig()), lora=LoRAConfig(rank=2, targets=["*"]))
-            recipe.train.steps, recipe.train.mtp_loss_weight = 2, weight
-            trained = pool.run(_lora_case, recipe, str(tmp_path / str(weight)))[0]
-            assert trained["base"] == [] and trained["adapters"], trained
-            assert all(n.startswith("mtp.") for n in trained["mtp_adapters"]) and \
-                bool(trained["mtp_adapters"]) == (weight > 0), trained
-    finally:
-        pool.close()
+    for weight in (WEIGHT, 0.0):
+        recipe = dataclasses.replace(mtp_recipe(ParallelConfig()), lora=LoRAConfig(rank=2, targets=["*"]))
+        recipe.train.steps, recipe.train.mtp_loss_weight = 2, weight
+        trained = pool(1).run(_lora_case, recipe, str(tmp_path / str(weight)))[0]
+        assert trained["base"] == [] and trained["adapters"], trained
+        assert all(n.startswith("mtp.") for n in trained["mtp_adapters"]) and \
+            bool(trained["mtp_adapters"]) == (weight > 0), trained
 
 
 def _lora_case(recipe, log_dir: str) -> dict:

@@ -72,15 +72,9 @@ def check_pp2_equals_dp2(pool, recipe: TrainRecipe, tmp_path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The single-process loss curve, computed in a 1-process pool."""
-    from tests.dist import DistPool
-
-    pool = DistPool(1)
-    try:
-        yield pool.run(run_recipe, tiny_recipe(ParallelConfig(pp=1)), str(tmp_path_factory.mktemp("ref")))[0]
-    finally:
-        pool.close()
+def reference(pool, tmp_path_factory):
+    """The single-process loss curve, computed in the session's 1-process pool."""
+    return pool(1).run(run_recipe, tiny_recipe(ParallelConfig(pp=1)), str(tmp_path_factory.mktemp("ref")))[0]
 
 
 LAYOUTS = {  # name: (layout, steps compared)
