@@ -16,15 +16,19 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-if ! python -c "import torch, torchvision" 2>/dev/null; then
+# presence checks find the modules without importing them (an import of torch costs seconds,
+# paid by every script and test run that sources this)
+env_has() { python -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in sys.argv[1:]))" "$@" 2>/dev/null; }
+if ! env_has torch torchvision; then
   echo "[env] installing ${TORCH_SPEC:-torch==2.14.1 torchvision==0.29.1}"
   # shellcheck disable=SC2086
   pip install -q ${TORCH_SPEC:-torch==2.14.1 torchvision==0.29.1}
 fi
 STAMP="$VENV/.megamoe-installed"
-if [ ! -f "$STAMP" ] || [ "$REPO/setup.py" -nt "$STAMP" ] || ! python -c "import megamoe.layers" 2>/dev/null; then
+if [ ! -f "$STAMP" ] || [ "$REPO/setup.py" -nt "$STAMP" ] || ! env_has megamoe.layers; then
   echo "[env] installing megamoe[hf,dev] (editable)"
   pip install -q -e "$REPO[hf,dev]" && touch "$STAMP"
 fi
+unset -f env_has
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::UserWarning:megatron,ignore::FutureWarning}"
 export TOKENIZERS_PARALLELISM=false
