@@ -50,7 +50,7 @@ def test_tiled_selection_equals_naive_pooling(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     q, keys = torch.randn(2, 30, 2, 8, generator=gen), torch.randn(2, 41, 8, generator=gen)
     table = bs.block_table(2, 41, 4)
-    monkeypatch.setattr(bs, "tile_rows", lambda n: 7)
+    monkeypatch.setattr(bs, "tile_rows", lambda n, queries=0: 7)
     for local in (0, 1, 3):
         got = bs.select_blocks(q, keys, table, torch.arange(11, 41), 5, local, 4)
         assert torch.equal(got, bs.naive_block_selection(q, keys, 5, local, 4)), local

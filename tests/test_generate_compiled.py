@@ -63,19 +63,33 @@ def test_compiled_decode_steps_are_one_graph_with_the_eager_tokens_and_logits():
 
 
 @needs_compiler
-def test_compiled_decode_refuses_a_paged_cache():
-    """Since the paged readers became tiled (issue 37), their reads fail inside a compiled step
-    (inductor: an input that is not a tensor): refused in one line before any step, for fp32 and
-    quantised blocks alike, and by the command before the model loads."""
-    from megamoe.commands.generate import main
-    from megamoe.layers.cache.paged import PagedCache
+def test_compiled_decode_with_a_paged_cache_is_one_graph_with_the_eager_tokens(monkeypatch):
+    """A paged cache (fp32 and int8 blocks; int8 read 4 steps a tile, so several tiles and, as the
+    cache is reserved for the generation (``PagedCache.reserve``), tiles past the kept steps) under
+    compiled steps: a step writes and reads its blocks inside the one graph (no graph break),
+    with the eager paged cache's tokens."""
+    from megamoe.layers.cache import paged
 
+    monkeypatch.setattr(paged, "TILE_TOKENS", 4)
+    monkeypatch.setattr(paged, "TILE_MIN_TOKENS", 4)
     model, ps = hybrid_moe(), prompts()
     for kv in ("fp32", "int8"):
-        with pytest.raises(ConfigError, match=f"compile: not with a paged cache \\({kv}"):
-            generate_batch(model, ps, 2, compile=True, cache_factory=functools.partial(PagedCache, kv_dtype=kv))
-    with pytest.raises(ConfigError, match="--compile with --kv-cache int8"):
-        main(["no_such_folder", "--ids", "1,2", "--compile", "--kv-cache", "int8"])
+        cache = functools.partial(paged.PagedCache, kv_dtype=kv, block_size=4)
+        breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+        assert generate_batch(model, ps, 6, compile=True, cache_factory=cache) == \
+            generate_batch(model, ps, 6, cache_factory=cache)
+        assert sum(counters["graph_break"].values()) == breaks and counters["stats"]["unique_graphs"] > graphs
+
+
+def test_compiled_decode_refuses_a_paged_cache_for_deepseek_v4_layers():
+    """V4's compressed entries are kept per row on the host: refused in one line before the prefill."""
+    from megamoe.layers.cache.paged import PagedCache
+    from megamoe.model.language_model import LanguageModel
+    from tests.v4_utils import tiny_v4
+
+    with pytest.raises(ConfigError, match=r"not for DeepSeek-V4's layers \(C, H, W"):
+        generate_batch(LanguageModel(tiny_v4()).eval(), prompts(), 2, compile=True,
+                       cache_factory=functools.partial(PagedCache, kv_dtype="int8"))
 
 
 def test_compiled_decode_refuses_a_custom_forward():

@@ -27,14 +27,14 @@ class BlockStore:
     """Blocks of ``feature``-shaped time steps; ``tables[r]``: row r's block ids in order."""
 
     def __init__(self, rows: int, block_size: int, feature: tuple[int, ...], dtype: torch.dtype, device,
-                 quantized: str | None):
+                 quantized: str | None, chunk_blocks: int | None = None):
         if not (len(feature) > 0 and min(feature) > 0):
             quantized = None  # an empty feature (no RoPE part) stays as it is
         self.block, self.feature, self.dtype, self.quantized = block_size, feature, dtype, quantized
         self.stored = STORAGE[quantized][0] if quantized else dtype
         self.device = device
         per_block = block_size * int(torch.Size(feature).numel()) * self.stored.itemsize
-        self.chunk_blocks = max(1, min(CHUNK_BLOCKS, CHUNK_BYTES // max(1, per_block)))
+        self.chunk_blocks = chunk_blocks or max(1, min(CHUNK_BLOCKS, CHUNK_BYTES // max(1, per_block)))
         self._table: torch.Tensor | None = None  # the tables as one [b, width] tensor, until they change
         self.chunks: list[torch.Tensor] = []  # [C, block, *feature] values
         self.scales: list[torch.Tensor] = []  # [C, *feature[:-1]] fp32 (quantised only)
@@ -110,6 +110,9 @@ class BlockStore:
 
     def _scatter(self, parts: list[torch.Tensor], blocks: torch.Tensor, values: torch.Tensor, *rest) -> None:
         chunk, row = blocks // self.chunk_blocks, blocks % self.chunk_blocks
+        if len(parts) == 1:
+            parts[0][(row, *rest)] = values
+            return
         for i in torch.unique(chunk).tolist():
             sel = chunk == i
             parts[i][(row[sel], *(r[sel] for r in rest))] = values[sel]
@@ -132,7 +135,11 @@ class BlockStore:
             self.lengths[r] = pos + 1
         block_ids = torch.tensor([b for b, _ in slots], device=x.device)
         offsets = torch.tensor([o for _, o in slots], device=x.device)
-        values = x[rows, cols].detach()
+        self.write(block_ids, offsets, x[rows, cols].detach())
+
+    def write(self, block_ids: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> None:
+        """values [n, *feature] into (block_ids, offsets) [n]; a quantised block is re-quantised
+        whole with its new tokens (every touched block once)."""
         if not self.quantized:
             self._scatter(self.chunks, block_ids, values.to(self.stored), offsets)
             return
@@ -142,6 +149,11 @@ class BlockStore:
         q, scale = quantize(buf, self.quantized)
         self._scatter(self.chunks, touched, q)
         self._scatter(self.scales, touched, scale)
+
+    def append_at(self, x: torch.Tensor, valid: torch.Tensor, start: int, pad: torch.Tensor) -> None:
+        """``append`` for a forward whose first step is ``start`` of the common time axis (rows
+        left-padded by ``pad`` [b]); what a store with reserved blocks places by position."""
+        self.append(x, valid)
 
     def dequantize(self, blocks: torch.Tensor) -> torch.Tensor:
         return self._gather(self.chunks, blocks).float() * self._gather(self.scales, blocks).unsqueeze(1).unsqueeze(-1)

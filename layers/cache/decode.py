@@ -89,7 +89,8 @@ class LayerState(dict):
         """The kept time axis of ``names`` (this forward's t_q steps already appended), a tile at a
         time: yields (each name's steps [b, n, ...], mask [1|b, t_q, n] bool, True = the query may
         attend the key). Here one tile of everything kept; a quantised paged cache dequantises a
-        bounded tile at a time."""
+        bounded tile at a time, and a reserved one's tiles run on past the kept steps (masked
+        there: ``PagedCache.tile_span``)."""
         kept = [self[name] for name in names]
         end = cache.seen + t_q
         yield (*kept, cache.key_mask(t_q, end - kept[0].size(1), end, window, kept[0].device))
@@ -98,7 +99,8 @@ class LayerState(dict):
         """The kept steps of ``names`` (this forward's t_q appended) by each row's own positions: row
         r's position p at index p (its left padding dropped, zeros after its last), seen + t_q
         positions in all, a tile at a time: yields each name's [b, n, ...], n a multiple of
-        ``multiple`` (but in the last tile). Here one tile."""
+        ``multiple`` (but in the last tile). Here one tile; a reserved quantised paged cache's tiles
+        run on past them (zeros: callers cut them off)."""
         yield tuple(row_aligned(self[name], cache.pad) for name in names)
 
     def select_keys(self, cache: "InferenceCache", new: dict[str, torch.Tensor], idx: torch.Tensor,

@@ -36,6 +36,7 @@ import torch
 from megamoe.core.errors import ConfigError
 from megamoe.layers.cache.blocks import BlockStore
 from megamoe.layers.cache.decode import InferenceCache, LayerState
+from megamoe.layers.cache.reserved import ReservedBlockStore
 from megamoe.layers.ops.attention.tiled import tiled_attention, tiled_latent_attention_decode
 
 KV_DTYPES = ("fp32", "int8", "fp8")  # fp32: the values' own dtype; fp8: e4m3
@@ -53,12 +54,15 @@ class PagedLayerState(LayerState):
         self.stores: dict[str, BlockStore] = {}
         self.keep: int | None = None  # sliding window: time steps kept after each forward
 
-    def store(self, name: str, x: torch.Tensor) -> BlockStore:
-        """The block store of ``name`` (made for ``x``'s features and dtype on first use)."""
+    def store(self, name: str, x: torch.Tensor, time_axis: bool = True) -> BlockStore:
+        """The block store of ``name`` (made for ``x``'s features and dtype on first use; a time-axis
+        one of a reserved cache (``PagedCache.reserve``) with its blocks reserved)."""
         c = self.cache
         if name not in self.stores:
-            self.stores[name] = BlockStore(c.batch_size, c.block_size, tuple(x.shape[2:]), x.dtype, x.device,
-                                           None if c.kv_dtype == "fp32" else c.kv_dtype)
+            args = (c.batch_size, c.block_size, tuple(x.shape[2:]), x.dtype, x.device,
+                    None if c.kv_dtype == "fp32" else c.kv_dtype)
+            self.stores[name] = BlockStore(*args) if c.steps is None or not time_axis else \
+                ReservedBlockStore(*args, c.pad_or_zeros(), c.steps)
         return self.stores[name]
 
     def first_kept(self) -> int:
@@ -67,10 +71,13 @@ class PagedLayerState(LayerState):
 
     def extend(self, new: dict[str, torch.Tensor]) -> None:
         c = self.cache
+        if c.steps is None and torch.compiler.is_compiling():
+            raise ConfigError("a paged cache in a compiled step needs its steps reserved first "
+                              "(cache.reserve(prompt + new tokens)): its block bookkeeping runs on the host")
         for name, x in new.items():
             valid = c.valid(x.size(1), x.device)
-            self.store(name, x).append(x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
-                                       if valid is None else valid)
+            self.store(name, x).append_at(x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+                                          if valid is None else valid, c.seen, c.pad_or_zeros())
 
     def append_time(self, name: str, x: torch.Tensor) -> torch.Tensor:
         self.extend({name: x})
@@ -78,7 +85,8 @@ class PagedLayerState(LayerState):
 
     def attend_kv(self, cache, q, k, v, core, window: int = 0) -> torch.Tensor:
         """``LayerState.attend_kv``; a quantised cache dequantises one tile of keys and values at a
-        time (``tiled_attention``: the core's tile kernel, tiles merged by their log-sum-exps), never the whole history."""
+        time (``tiled_attention``: the core's tile kernel, tiles merged by their log-sum-exps), never
+        the whole history."""
         if cache.kv_dtype == "fp32":
             return super().attend_kv(cache, q, k, v, core, window)
         self.extend({"k": k, "v": v})
@@ -105,6 +113,8 @@ class PagedLayerState(LayerState):
         start, end = self.first_kept(), c.seen + t_q
         step = end - start if c.kv_dtype == "fp32" else self.tile_steps(names)
         pad, device = c.pad_or_zeros(), self.stores[names[0]].device
+        if c.kv_dtype != "fp32":
+            start, end = c.tile_span(start, end)
         for a in range(start, end, max(1, step)):
             e = min(end, a + step)
             yield (*(self.stores[name].read(a, e, pad) for name in names), c.key_mask(t_q, a, e, window, device))
@@ -116,6 +126,8 @@ class PagedLayerState(LayerState):
         end = c.seen + t_q
         step = end if c.kv_dtype == "fp32" else max(multiple, self.tile_steps(names) // multiple * multiple)
         zeros = torch.zeros(c.batch_size, dtype=torch.long)
+        if c.kv_dtype != "fp32":
+            end = c.tile_span(0, end)[1]
         for a in range(0, end, step):
             yield tuple(self.stores[name].read(a, min(end, a + step), zeros) for name in names)
 
@@ -143,7 +155,7 @@ class PagedLayerState(LayerState):
         return (*out, torch.where(idx >= 0, slots, -1))
 
     def extend_entries(self, name: str, x: torch.Tensor, valid: torch.Tensor) -> None:
-        self.store(name, x).append(x, valid)
+        self.store(name, x, time_axis=False).append(x, valid)
 
     def append_entries(self, name: str, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``LayerState.append_entries`` in blocks: each row's entries follow its stored ones (their
@@ -221,6 +233,25 @@ class PagedCache(InferenceCache):
             raise ConfigError(f"block_size={block_size}: must be >= 1")
         super().__init__(batch_size, pad)
         self.block_size, self.kv_dtype = block_size, kv_dtype
+        self.steps: int | None = None  # reserved time steps (``reserve``), None: blocks taken as rows grow
+
+    def reserve(self, steps: int) -> None:
+        """Reserve ``steps`` time steps (prompt + new tokens) of every row before the first forward:
+        each time-axis store is then one pool with every row's blocks assigned
+        (``reserved.ReservedBlockStore``), so a step reads and writes it by tensor arithmetic alone
+        and a compiled decode step is one graph. Memory is that of the whole generation from the
+        start, as a contiguous cache's at its end."""
+        if self._layers:
+            raise ConfigError("cache.reserve: after the first forward (reserve before the prefill)")
+        if steps < 1:
+            raise ConfigError(f"cache.reserve: steps={steps} must be >= 1")
+        self.steps = steps
+
+    def tile_span(self, start: int, end: int) -> tuple[int, int]:
+        """The steps a quantised tiled read covers: [start, end), or with reserved steps all of them
+        [0, steps): a compiled step's tile loop cannot depend on the growing time axis (one graph
+        for every step), so the readers mask (or cut off) the keys past end."""
+        return (start, end) if self.steps is None else (0, self.steps)
 
     def snapshot(self):
         """Blocks are written in place, so a paged cache cannot go back (speculative decoding

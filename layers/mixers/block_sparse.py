@@ -96,7 +96,7 @@ def select_blocks(q: torch.Tensor, keys: torch.Tensor | None, table: BlockTable,
     decode cache score its keys a tile at a time."""
     total = table.first.size(1)
     score = score or (lambda q_rows: lightning_scores(q_rows, keys))
-    rows = tile_rows(total)
+    rows = tile_rows(total, q.size(1))
     return torch.cat([_select_tile(q[:, a:a + rows], score, table, qidx[a:a + rows], topk, local, block)
                       for a in range(0, q.size(1), rows)], dim=1)
 
@@ -216,8 +216,9 @@ class BlockIndexer(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k.unsqueeze(2), cos, sin).squeeze(2)
         if cache is not None:  # decoding: [b, r, Hi, tile] scores at a time, never the whole keys
             state.extend({"index_k": k})
-            tiles = functools.partial(state.time_tiles, cache, ("index_k",), s)
-            score = lambda q_rows: torch.cat([lightning_scores(q_rows, kt) for kt, _ in tiles()], dim=-1)  # noqa: E731
+            tiles, total = functools.partial(state.time_tiles, cache, ("index_k",), s), cache.seen + s
+            score = lambda q_rows: torch.cat([lightning_scores(q_rows, kt) for kt, _ in tiles()],  # noqa: E731
+                                             dim=-1)[..., :total]  # (a reserved cache's tiles run past total)
             return select_blocks(q, None, table, qidx, self.topk, self.local, self.block, score)
         if cp is not None:
             k = cp.gather(k)

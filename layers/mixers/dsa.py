@@ -182,7 +182,7 @@ class Indexer(nn.Module):
         indices [b, s, K]."""
         s = q.size(1)
         state.extend({"index_k": k})
-        rows = tile_rows(cache.seen + s)
+        rows = tile_rows(cache.seen + s, s)
         parts = []
         for a in range(0, s, rows):
             scored = [(self.score(q[:, a:a + rows], kt, weights[:, a:a + rows]), m[..., a:a + rows, :])
@@ -204,12 +204,13 @@ class Indexer(nn.Module):
         pad = cache.pad_or_zeros().to(q.device)
         qpos_row = qpos[None, :] - pad[:, None]  # [b, s] positions of the queries in their row
         table = PoolTable(None, torch.arange(total // kp, device=q.device) * kp, None, None, None)
-        rows = tile_rows(total)
+        rows = tile_rows(total, s)
         parts = []
         for a in range(0, s, rows):
             q_a, w_a = q[:, a:a + rows], weights[:, a:a + rows]
             scores = torch.cat([self.score(q_a, self.pool_table(kt, gt).keys, w_a)
-                                for kt, gt in state.position_tiles(cache, ("index_k", "index_gate"), s, kp)], dim=-1)
+                                for kt, gt in state.position_tiles(cache, ("index_k", "index_gate"), s, kp)],
+                               dim=-1)[..., :total // kp]  # (a reserved cache's tiles run past total: cut off)
             parts.append(self.choose_pools(table, q_a, w_a, qpos_row[:, a:a + rows], scores))
         return self.shift_back(torch.cat(parts, dim=1), qpos, qpos_row, pad)
 

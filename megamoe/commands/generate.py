@@ -79,8 +79,8 @@ def parser():
                         "verifies the drafts in one forward, the tokens are plain greedy's; prints the accepted tokens "
                         "per step (one process, contiguous cache; docs/inference.md)")
     p.add_argument("--compile", action="store_true",
-                   help="run each decode step as one torch.compile'd graph (one process, or --tp/--ep/--etp; the first steps "
-                        "compile, tens of seconds; docs/inference.md)")
+                   help="run each decode step as one torch.compile'd graph (one process, or --tp/--ep/--etp; any "
+                        "--kv-cache; the first steps compile, tens of seconds; docs/inference.md)")
     p.add_argument("--expert-budget", type=number_in(float, 1e-6), metavar="MIB",
                    help="tiered experts: keep at most this many MiB of routed experts in memory, reading the "
                         "others from the converted checkpoint when routed to (model.moe.expert_store; one process)")
@@ -110,9 +110,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.image and len(args.ids or args.prompt or [""]) > 1:
         raise ConfigError("--image: give one prompt with an image")
     check_speculative(args)
-    if args.compile and args.kv_cache != "contiguous":  # before the (slow) model load
-        raise ConfigError(f"--compile with --kv-cache {args.kv_cache}: not supported (the paged cache's tile reads "
-                          f"fail inside a compiled step); use --kv-cache contiguous, or decode eagerly")
     model, forward, show = load_for_layout(args)
     tok = load_tokenizer(args.tokenizer or args.model_dir) if (args.prompt or args.tokenizer) else None
     if prompts is None:

@@ -15,7 +15,9 @@ decode step on CPU. The first two steps compile (tens of seconds on 2 cores; two
 cache length and time step specialised, then symbolic); later generations with the same
 model reuse them (past dynamo's ``recompile_limit`` of models in one process, steps run
 eagerly, with torch's warning). The routed experts run as one opaque op in the graph
-(``megamoe.layers.mlp.experts.local_experts``). Greedy tokens match the eager steps'; logits agree
+(``megamoe.layers.mlp.experts.local_experts``). A paged cache is reserved for the whole generation
+first (``PagedCache.reserve``: its blocks assigned up front, so a step reads and writes them by
+tensor arithmetic inside the graph). Greedy tokens match the eager steps'; logits agree
 to rounding (inductor sums some elementwise chains in another order), not bitwise.
 """
 from __future__ import annotations
@@ -97,9 +99,8 @@ def stream(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_token
     if images is not None and bool((pad > 0).any()):
         raise ConfigError("images: prompts with images must all have the same length")
     cache = cache_factory(ids.size(0), pad=pad)
-    if compile and getattr(cache, "kv_dtype", None) is not None:  # refused before the model is touched
-        raise ConfigError(f"compile: not with a paged cache ({cache.kv_dtype}: its tile reads fail inside a compiled "
-                          f"step); use the contiguous cache, or decode eagerly")
+    if compile and hasattr(cache, "reserve"):  # a paged cache: blocks for the whole generation, a step is one graph
+        reserve_for_compile(model, cache, ids.size(1) + max_new_tokens)
     was_training = model.training
     model.eval()
     generator = torch.Generator(device=ids.device).manual_seed(seed) if seed is not None else None
@@ -131,6 +132,16 @@ def stream(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_token
                 logits = masked(step_forward(token.unsqueeze(1), cache=cache)[:, -1].float())
     finally:
         model.train(was_training)
+
+
+def reserve_for_compile(model, cache, steps: int) -> None:
+    """A paged ``cache``'s blocks reserved for ``steps`` time steps (``PagedCache.reserve``), so a
+    compiled step reads and writes them inside its graph; refused for DeepSeek-V4's layers."""
+    compressed = sorted({k.mixer for k in getattr(getattr(model, "layout", None), "layers", ())} & set("WCH"))
+    if compressed:
+        raise ConfigError(f"compile with a paged cache: not for DeepSeek-V4's layers ({', '.join(compressed)}: "
+                          f"their compressed entries are kept per row on the host); use the contiguous cache")
+    cache.reserve(steps)
 
 
 @contextlib.contextmanager

@@ -280,9 +280,11 @@ def halo_window_attention(core, q, k, v, window: int, cp, documents: torch.Tenso
 
 # ---- MLA's absorbed attention over all-gathered latents -----------------------------------------
 
-def tile_rows(keys: int) -> int:
-    """Query rows per pass so that a pass scores about TILE^2 (query, key) pairs (at least 16)."""
-    return max(16, TILE * TILE // keys)
+def tile_rows(keys: int, queries: int = 0) -> int:
+    """Query rows per pass so that a pass scores about TILE^2 (query, key) pairs (at least 16).
+    ``queries`` (when given) <= 16: all of them, the same single pass, decided without the key
+    count (in a compiled decode step a symbolic one: no guard, no recompile as the cache grows)."""
+    return queries if 0 < queries <= 16 else max(16, TILE * TILE // keys)
 
 
 def _latent_tile(core, q_lat, q_rope, c, k_rope, scale, q_pos, documents):
@@ -299,7 +301,7 @@ def tiled_latent_attention(core, q_lat, q_rope, c, k_rope, scale: float, q_pos: 
     ``TILE^2 / S`` rows, each recomputed in the backward (activation checkpointing): neither
     the [s, S] mask nor the [b, s, H, S] scores are ever held whole. -> [b, s, H, r]."""
     check_documents(documents, q_lat.size(0), c.size(1))
-    rows = tile_rows(c.size(1))
+    rows = tile_rows(c.size(1), q_lat.size(1))
     outs = [checkpoint(_latent_tile, core, q_lat[:, a:a + rows], q_rope[:, a:a + rows], c, k_rope, scale,
                        q_pos[a:a + rows], documents, use_reentrant=False)
             for a in range(0, q_lat.size(1), rows)]
@@ -310,7 +312,7 @@ def tiled_sparse_latent_attention(core, q_lat, q_rope, c, k_rope, idx: torch.Ten
     """``core`` (the ``sparse_latent_attention`` role) in checkpointed query tiles of about
     ``TILE^2 / K`` rows (idx [b, s, K]): the [b, rows, K, r] latents each tile gathers exist
     for one tile at a time and are not kept for the backward. -> [b, s, H, r]."""
-    rows = tile_rows(idx.size(-1))
+    rows = tile_rows(idx.size(-1), q_lat.size(1))
     outs = [checkpoint(core, q_lat[:, a:a + rows], q_rope[:, a:a + rows], c, k_rope, idx[:, a:a + rows], scale,
                        use_reentrant=False)
             for a in range(0, q_lat.size(1), rows)]
