@@ -82,10 +82,21 @@ def two_node_run(tmp_path: Path, name: str, mode: str, at: int) -> Path:
     return ckpt_dir
 
 
-def test_killed_rank_restarts_and_ends_on_the_uninterrupted_curve(tmp_path):
+def uninterrupted_run(ckpt_dir: str) -> None:
+    """``two_node_run``'s recipe without a fault, on two gloo ranks (one rank's process each, as
+    torchrun's): the curve a restarted job must end on."""
+    from megamoe.recipe import load_train_recipe
+    from megamoe.training.entry import run_training
+
+    _, config, *overrides = run_args(Path(ckpt_dir), "checkpoint.async_save=true")
+    run_training(load_train_recipe(config, overrides))
+
+
+def test_killed_rank_restarts_and_ends_on_the_uninterrupted_curve(pool, tmp_path):
     from megamoe.checkpoint.dcp import latest_checkpoint, read_meta
 
-    reference = losses(two_node_run(tmp_path, "whole", "none", 0))
+    pool(2).run(uninterrupted_run, str(tmp_path / "whole"))
+    reference = losses(tmp_path / "whole")
     run = two_node_run(tmp_path, "killed", "kill", 5)  # rank 1 dies before step 5 (checkpoint at 4)
     assert (tmp_path / "kill.done").exists()
     assert sorted(reference) == list(range(1, STEPS + 1))
