@@ -2,6 +2,7 @@
 """Batched decoding: megamoe against transformers' ``generate`` on the same weights (CPU, fp32).
 
     python tools/bench_generate.py [--new 32] [--lengths 32,64,96,128] [--rounds 3] [--no-compile]
+                                   [--kv-cache contiguous|paged|int8|fp8]
     python tools/bench_generate.py --kv-peak     # only decode_kv_peak_ratio_int8
 
 The peer is the training benchmark's Qwen3-Next (``CONFIG``, docs/performance.md "Peer
@@ -16,6 +17,9 @@ one ``torch.compile``d graph per step; ``--no-compile`` skips it). The compiled 
 generation, in the untimed warm-up, compiles its graphs: its time is printed
 (``compile+first generation``), never folded into the decode times. The last line's X is the
 compiled side's (the eager side's without compile); the eager ratio is printed above it.
+``--kv-cache``: both megamoe sides decode with that cache (default contiguous; ``paged``,
+``int8``, ``fp8``: ``PagedCache`` in blocks of 16, reserved for the generation on the compiled
+side), so the compiled paged cache is timed against transformers the same way.
 
 KV memory: megamoe's int8 paged cache (block 16; one more run) against transformers' cache
 after the same generation, attention keys and values only (both keep the linear layers'
@@ -167,6 +171,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="time megamoe's eager decode steps only (no compiled side)")
+    p.add_argument("--kv-cache", choices=("contiguous", "paged", "int8", "fp8"), default="contiguous",
+                   help="the cache both megamoe sides decode with (paged, int8, fp8: PagedCache in blocks of 16)")
     p.add_argument("--v4-cache", action="store_true", help="measure DeepSeek-V4's compressed cache instead")
     p.add_argument("--kv-peak", action="store_true",
                    help="measure only the int8 paged / bf16 contiguous peak decode memory at 16K tokens")
@@ -196,9 +202,12 @@ def main() -> None:
     print(f"fp32 matmul {matmul_rate():.0f} GFLOP/s on {torch.get_num_threads()} threads; "
           f"prompts {args.lengths}, {args.new} new tokens each")
 
+    kv = {} if args.kv_cache == "contiguous" else {"cache_factory": functools.partial(
+        PagedCache, block_size=16, kv_dtype="fp32" if args.kv_cache == "paged" else args.kv_cache)}
+    print(f"megamoe's cache: {args.kv_cache}")
     with torch.no_grad():
-        sides = {"megamoe": lambda n: generate_batch(mm, prompts, n),
-                 "compiled": lambda n: generate_batch(mm, prompts, n, compile=True),
+        sides = {"megamoe": lambda n: generate_batch(mm, prompts, n, **kv),
+                 "compiled": lambda n: generate_batch(mm, prompts, n, compile=True, **kv),
                  "hf": lambda n: hf_side(hf, prompts, n)[0]}
         if not args.compile:
             del sides["compiled"]
@@ -212,6 +221,7 @@ def main() -> None:
                 same = sum(a == b for ta, tb in zip(tokens[name], tokens["hf"]) for a, b in zip(ta, tb))
                 print(f"greedy tokens equal ({name} vs hf): {same}/{len(prompts) * args.new}")
         if args.compile:
+            print(f"greedy tokens equal (compiled vs megamoe): {tokens['compiled'] == tokens['megamoe']}")
             print(f"compiled: compile+first generation {first['compiled']:.1f} s (eager first generation "
                   f"{first['megamoe']:.1f} s)")
         decode = {name: [] for name in sides}
