@@ -77,8 +77,8 @@ class LayerState(dict):
         chunks of each time-axis tensor [b, s_local, ...]. This cache keeps the whole sequence on
         every rank: the all-gathered ``gathered`` (or ``local`` gathered here) appended along time
         (a ``ContextSplitCache`` keeps only ``local``: ``megamoe.layers.cache.split``)."""
-        for name, x in local.items():
-            self.append_time(name, (cp.gather(x) if gathered is None else gathered[name]).detach())
+        self.extend({name: (cp.gather(x) if gathered is None else gathered[name]).detach()  # nothing read back
+                     for name, x in local.items()})
 
     def extend(self, new: dict[str, torch.Tensor]) -> None:
         """Append each of ``new`` (name -> [b, t, ...]) along time, reading nothing back."""
