@@ -61,7 +61,8 @@ def test_a_reserved_cache_reads_every_reserved_step_with_the_same_logits(monkeyp
     """A cache reserved for the generation (``PagedCache.reserve``: what compiled steps decode with)
     tiles every reserved step, the tiles past the kept ones masked (attention, D's scores) or cut
     off (I's pools, B's scores): int8 logits equal the growing cache's to fp32 rounding (4-step
-    tiles), fp32 blocks bitwise; a forward past the reserved steps is refused in one line."""
+    tiles; and at most 2 tiles a read, so 8-step ones), fp32 blocks bitwise; a forward past the
+    reserved steps is refused in one line."""
     from megamoe.core.errors import ConfigError
     from megamoe.layers.cache import paged
 
@@ -69,12 +70,14 @@ def test_a_reserved_cache_reads_every_reserved_step_with_the_same_logits(monkeyp
     monkeypatch.setattr(paged, "TILE_MIN_TOKENS", 4)
     ps = prompts()
     pad = left_pad(ps)[1]
-    for kv_dtype in ("fp32", "int8"):
+    for kv_dtype, tiles in (("fp32", 32), ("int8", 32), ("int8", 2)):
+        monkeypatch.setattr(paged, "RESERVED_TILES", tiles)
         want = decode_logits(sparse_model, ps, PagedCache(len(ps), pad=pad, block_size=4, kv_dtype=kv_dtype))
         cache = PagedCache(len(ps), pad=pad, block_size=4, kv_dtype=kv_dtype)
         cache.reserve(9 + 6)
         got = decode_logits(sparse_model, ps, cache, feed=want)
         assert torch.equal(got, want) if kv_dtype == "fp32" else rel_err(got, want) < 1e-5
+        assert cache.layer(1).tile_steps(("c", "k_rope")) == (4 if tiles == 32 else 8)
     with pytest.raises(ConfigError, match="16 time steps, past the 15 reserved"):
         sparse_model(torch.tensor([[3]] * len(ps)), cache=cache)
 

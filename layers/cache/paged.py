@@ -43,6 +43,7 @@ KV_DTYPES = ("fp32", "int8", "fp8")  # fp32: the values' own dtype; fp8: e4m3
 TILE_TOKENS = 512  # most time steps a quantised cache dequantises at once when attention reads it
 TILE_BYTES = 256 << 10  # ... fewer where their fp32 values would pass this (every row and name of the tile),
 TILE_MIN_TOKENS = 64  # but not fewer than this (a kernel per handful of steps would be slow on a GPU)
+RESERVED_TILES = 32  # most tiles a read of a reserved cache takes (a compiled step unrolls its tile loop)
 
 
 class PagedLayerState(LayerState):
@@ -102,9 +103,13 @@ class PagedLayerState(LayerState):
 
     def tile_steps(self, names: tuple[str, ...]) -> int:
         """Time steps per tile: as many as keep their dequantised fp32 values (all rows and names
-        together) within ``TILE_BYTES``, between ``TILE_MIN_TOKENS`` and ``TILE_TOKENS``."""
+        together) within ``TILE_BYTES``, between ``TILE_MIN_TOKENS`` and ``TILE_TOKENS``; for a
+        reserved cache at least 1/``RESERVED_TILES`` of its steps (a compiled step's graph holds
+        every tile of its loop: past 32 tiles of context the tiles grow instead of the graph)."""
         per_step = sum(len(s.tables) * int(torch.Size(s.feature).numel()) for s in map(self.stores.get, names)) * 4
-        return max(1, min(TILE_TOKENS, max(TILE_MIN_TOKENS, TILE_BYTES // max(1, per_step))))
+        steps = max(1, min(TILE_TOKENS, max(TILE_MIN_TOKENS, TILE_BYTES // max(1, per_step))))
+        reserved = self.cache.steps
+        return steps if reserved is None else max(steps, -(-reserved // RESERVED_TILES))
 
     def time_tiles(self, cache, names: tuple[str, ...], t_q: int, window: int = 0):
         """``LayerState.time_tiles``: the fp32 cache in one tile (as the contiguous cache reads it), a
