@@ -190,7 +190,7 @@ class BlockStore:
         """Time steps [start, end) of the batch's common time axis -> [b, end - start, *feature];
         row r's step t is its position t - pad[r] (zeros where that is < 0 or freed). Quantised
         blocks are dequantised for these steps only."""
-        times = torch.arange(start, end)[None, :].expand(len(self.tables), -1)
+        times = torch.arange(start, end, device=self.device)[None, :].expand(len(self.tables), -1)
         return self.fetch(*self.locate(times, pad))
 
     def gather(self, times: torch.Tensor, pad: torch.Tensor, heads: torch.Tensor | None = None) -> torch.Tensor:

@@ -49,10 +49,6 @@ class ReservedBlockStore(BlockStore):
         blocks = torch.where(pos >= 0, table.gather(1, at.flatten(1)).view_as(pos), 0)
         return blocks, pos.clamp(min=0) % self.block
 
-    def read(self, start: int, end: int, pad: torch.Tensor) -> torch.Tensor:
-        times = torch.arange(start, end, device=self.device)[None, :].expand(len(self.tables), -1)
-        return self.fetch(*self.locate(times, pad))
-
     def append(self, x: torch.Tensor, valid: torch.Tensor) -> None:
         raise TypeError("a reserved block store places tokens by position: append_at")
 
@@ -62,7 +58,7 @@ class ReservedBlockStore(BlockStore):
             raise ConfigError(f"paged cache: {start + x.size(1)} time steps, past the {self.steps} reserved")
         times = torch.arange(start, start + x.size(1), device=self.device)[None, :].expand(x.size(0), -1)
         blocks, offsets = self.locate(times, pad)                                     # [b, t]
-        blocks = torch.where(times - pad.to(self.device)[:, None] >= 0, blocks, SINK)
+        blocks = torch.where(blocks == 0, SINK, blocks)  # padding slots (every real one has its block)
         x = x.detach().to(self.device)
         if x.size(1) == 1 and self.quantized:  # a decode step: one block per row, rows' blocks distinct
             self.requantize(blocks[:, 0], offsets[:, 0], x[:, 0])
