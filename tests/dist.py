@@ -127,6 +127,27 @@ class DistPool:
         self.kill()
 
 
+def side_by_side(commands: list[list[str]], envs: list[dict] | None = None, cwds: list | None = None,
+                 timeout: float = 300, **popen) -> list:
+    """Each command of ``commands`` (with its environment of ``envs`` and folder of ``cwds``) as a
+    subprocess, all at once (independent runs whose time is mostly one core importing torch each);
+    their ``subprocess.CompletedProcess``es, text output captured, in order. None is left running,
+    also on a timeout."""
+    import subprocess
+
+    envs, cwds = envs or [None] * len(commands), cwds or [popen.pop("cwd", None)] * len(commands)
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e, cwd=c, **popen)
+             for cmd, e, c in zip(commands, envs, cwds)]
+    try:
+        streams = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, streams)]
+
+
 def script_env(tmp_path, **knobs: str) -> dict:
     """The environment for running a pretrain_scripts/ script from a test: the knobs, one thread
     per process, and ``torchrun`` on PATH (a venv chained to another's site-packages has torch

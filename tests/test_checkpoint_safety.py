@@ -16,7 +16,7 @@ import torch
 
 from megamoe.core.errors import CheckpointError
 from megamoe.parallel.groups import ParallelGroups
-from tests.dist import free_port
+from tests.dist import free_port, side_by_side
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["data.kind=synthetic", "data.seq_len=32", "logging.progress=false", "logging.latency_interval=0"]
@@ -33,11 +33,17 @@ def env() -> dict:
 
 
 def tool(name: str, *args, check: bool = True) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, str(REPO / "tools" / name), *map(str, args)], capture_output=True,
-                         text=True, env=env(), timeout=300)
-    if check and out.returncode:
-        raise AssertionError(f"{name} {args} exited {out.returncode}:\n{out.stderr[-3000:]}")
-    return out
+    return tools((name, *args), check=check)[0]
+
+
+def tools(*calls: tuple, check: bool = True) -> list[subprocess.CompletedProcess]:
+    """``tool(name, *args)`` for each ``(name, *args)`` of ``calls``, side by side."""
+    outs = side_by_side([[sys.executable, str(REPO / "tools" / name), *map(str, args)] for name, *args in calls],
+                        [env() for _ in calls])  # each its own MASTER_PORT
+    for out, (name, *args) in zip(outs, calls):
+        if check and out.returncode:
+            raise AssertionError(f"{name} {args} exited {out.returncode}:\n{out.stderr[-3000:]}")
+    return outs
 
 
 def one_line_error(out: subprocess.CompletedProcess, *needles: str) -> str:
@@ -59,12 +65,12 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
     1 step; lora: 2 LoRA steps on it by ``checkpoint.load`` alone, adapter-only; dense: tiny_train
     with checkpoints at steps 2 and 4."""
     root = tmp_path_factory.mktemp("ckpts")
-    tool("pretrain.py", "--config", "tiny_moe_lora", "lora=null", "model.hidden_size=48", "train.steps=1",
-         f"checkpoint.dir={root}/base", *SMALL)
+    tools(("pretrain.py", "--config", "tiny_moe_lora", "lora=null", "model.hidden_size=48", "train.steps=1",
+           f"checkpoint.dir={root}/base", *SMALL),
+          ("pretrain.py", "--config", "tiny_train", "train.steps=4", "checkpoint.save_interval=2",
+           "model.hidden_size=32", f"checkpoint.dir={root}/dense", *SMALL))
     tool("finetune.py", "--config", "tiny_moe_lora", "train.steps=2", f"checkpoint.dir={root}/lora",
          f"checkpoint.load={root}/base/step_00000001", *SMALL)
-    tool("pretrain.py", "--config", "tiny_train", "train.steps=4", "checkpoint.save_interval=2",
-         "model.hidden_size=32", f"checkpoint.dir={root}/dense", *SMALL)
     return {"root": root, "base": root / "base/step_00000001", "lora": root / "lora/step_00000002",
             "lora_dir": root / "lora", "dense_dir": root / "dense", "dense": root / "dense/step_00000004"}
 
@@ -158,23 +164,25 @@ def test_dcp_failures_are_one_line(ckpts, tmp_path):
     bad = copy(ckpts["dense"], tmp_path / "truncated")
     part = next(bad.glob("*.distcp"))
     part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])  # still more bytes than parameters
-    run = f"checkpoint.dir={tmp_path}/run"
-    dense = ["--config", "tiny_train", "model.hidden_size=32", "train.steps=1", run, *SMALL]
-    one_line_error(tool("finetune.py", *dense, f"checkpoint.load={bad}", check=False),
-                   f"{bad}: cannot load checkpoint")
-    lora = ["--config", "tiny_moe_lora", "train.steps=1", run, *SMALL]
-    one_line_error(tool("finetune.py", *lora, f"checkpoint.load={ckpts['lora']}", check=False),
-                   f"{ckpts['lora']}: an adapter-only LoRA checkpoint")
-    one_line_error(tool("pretrain.py", *lora, "lora=null", f"checkpoint.load={ckpts['dense']}", check=False),
-                   f"{ckpts['dense']}: cannot load weights", "model.hidden_size 32 -> 64")
     foreign = copy(ckpts["dense"], tmp_path / "foreign")
     (foreign / "meta.json").write_text('{"step": 4}')
-    one_line_error(tool("finetune.py", *dense, f"checkpoint.load={foreign}", check=False),
-                   f"{foreign}/meta.json: not a megamoe checkpoint's meta.json")
-    (foreign / "meta.json").unlink()
-    one_line_error(tool("finetune.py", *dense, f"checkpoint.load={foreign}", check=False),
-                   f"{foreign}: not a megamoe checkpoint (meta.json missing)")
-    assert not (tmp_path / "run").exists()
+    bare = copy(ckpts["dense"], tmp_path / "bare")
+    (bare / "meta.json").unlink()
+    # each refused run its own checkpoint.dir (they run side by side), none of which may appear
+    runs = [tmp_path / f"run{i}" for i in range(5)]
+    dense = ["--config", "tiny_train", "model.hidden_size=32", "train.steps=1", *SMALL]
+    lora = ["--config", "tiny_moe_lora", "train.steps=1", *SMALL]
+    outs = tools(("finetune.py", *dense, f"checkpoint.load={bad}", f"checkpoint.dir={runs[0]}"),
+                 ("finetune.py", *lora, f"checkpoint.load={ckpts['lora']}", f"checkpoint.dir={runs[1]}"),
+                 ("pretrain.py", *lora, "lora=null", f"checkpoint.load={ckpts['dense']}", f"checkpoint.dir={runs[2]}"),
+                 ("finetune.py", *dense, f"checkpoint.load={foreign}", f"checkpoint.dir={runs[3]}"),
+                 ("finetune.py", *dense, f"checkpoint.load={bare}", f"checkpoint.dir={runs[4]}"), check=False)
+    one_line_error(outs[0], f"{bad}: cannot load checkpoint")
+    one_line_error(outs[1], f"{ckpts['lora']}: an adapter-only LoRA checkpoint")
+    one_line_error(outs[2], f"{ckpts['dense']}: cannot load weights", "model.hidden_size 32 -> 64")
+    one_line_error(outs[3], f"{foreign}/meta.json: not a megamoe checkpoint's meta.json")
+    one_line_error(outs[4], f"{bare}: not a megamoe checkpoint (meta.json missing)")
+    assert not any(run.exists() for run in runs)
 
 
 # ---- 2. resume guards --------------------------------------------------------------------------
@@ -191,16 +199,16 @@ def test_finetune_takes_the_model_from_the_checkpoint(ckpts):
 def test_changed_settings_are_refused_on_resume_and_load(ckpts, tmp_path):
     moe = ["--config", "tiny_moe_lora", "train.steps=3", *SMALL]
     base_run = copy(ckpts["base"].parent, tmp_path / "base")
-    one_line_error(tool("pretrain.py", *moe, "lora=null", "model.hidden_size=48", "model.moe.top_k=1",
-                        "optim.lr=0.01", f"checkpoint.dir={base_run}", check=False),
-                   f"{base_run}/step_00000001: cannot resume", "model.moe.top_k 2 -> 1", "optim.lr 0.002 -> 0.01",
-                   "checkpoint.allow_changes=[model.moe.top_k,optim.lr]")
     lora_run = copy(ckpts["lora_dir"], tmp_path / "lora")
-    one_line_error(tool("finetune.py", *moe, "lora.rank=4", f"checkpoint.dir={lora_run}", check=False),
-                   "cannot resume", "lora.rank 8 -> 4")
-    one_line_error(tool("finetune.py", *moe, "model.moe.top_k=1", f"checkpoint.load={ckpts['base']}",
-                        f"checkpoint.dir={tmp_path}/new", check=False),
-                   f"{ckpts['base']}: cannot load weights", "model.moe.top_k 2 -> 1")
+    outs = tools(("pretrain.py", *moe, "lora=null", "model.hidden_size=48", "model.moe.top_k=1", "optim.lr=0.01",
+                  f"checkpoint.dir={base_run}"),
+                 ("finetune.py", *moe, "lora.rank=4", f"checkpoint.dir={lora_run}"),
+                 ("finetune.py", *moe, "model.moe.top_k=1", f"checkpoint.load={ckpts['base']}",
+                  f"checkpoint.dir={tmp_path}/new"), check=False)
+    one_line_error(outs[0], f"{base_run}/step_00000001: cannot resume", "model.moe.top_k 2 -> 1",
+                   "optim.lr 0.002 -> 0.01", "checkpoint.allow_changes=[model.moe.top_k,optim.lr]")
+    one_line_error(outs[1], "cannot resume", "lora.rank 8 -> 4")
+    one_line_error(outs[2], f"{ckpts['base']}: cannot load weights", "model.moe.top_k 2 -> 1")
     assert read_text_tree(base_run) == read_text_tree(ckpts["base"].parent)  # meta.json not rewritten
     assert not (tmp_path / "new").exists()
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.dist import side_by_side
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -26,6 +28,12 @@ def tool(name: str, *args: str, check: bool = True) -> subprocess.CompletedProce
     return run(sys.executable, str(REPO / "tools" / name), *args, check=check)
 
 
+def tools(*calls: tuple[str, ...], env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """``run(*call)`` for each call, side by side (``check=False``: the caller reads each status)."""
+    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    return side_by_side([list(c) for c in calls], [full_env] * len(calls), cwd=REPO)
+
+
 def test_convert_verify_generate_command_lines(tmp_path):
     """import-hf -> export-hf -> verify (exit 0, and 1 when the tolerance cannot be met) ->
     generate: greedy equals the Python function, sampling is reproducible from its seed."""
@@ -38,31 +46,43 @@ def test_convert_verify_generate_command_lines(tmp_path):
     assert "wrote megamoe checkpoint" in tool("convert.py", "import-hf", str(hf_dir), str(ckpt)).stdout
     tool("convert.py", "export-hf", str(ckpt), str(back))
     assert (back / "config.json").exists() and list(back.glob("*.safetensors"))
-    ok = tool("verify.py", str(back))
+    ids = [3, 17, 42, 5]
+    py = (sys.executable,)
+    sample = (*py, REPO / "tools/generate.py", back, "--ids", "3,17", "--max-new-tokens", "8", "--sample", "--top-k",
+              "20", "--seed", "1")
+    # the runs below only read `back`: side by side
+    ok, strict, greedy, batch, sampled, again = tools(
+        (*py, REPO / "tools/verify.py", back),
+        (*py, REPO / "tools/verify.py", back, "--atol", "0"),  # fp32 rounding is above 0
+        (*py, REPO / "tools/generate.py", back, "--ids", ",".join(map(str, ids)), "--max-new-tokens", "6"),
+        (*py, REPO / "tools/generate.py", back, "--ids", "3,17,42,5", "--ids", "9", "--max-new-tokens", "4",
+         "--stream", "--prefill-chunk", "2", "--kv-cache", "paged", "--block-size", "2"),
+        sample, sample)
+    for out in (ok, greedy, batch, sampled, again):
+        assert out.returncode == 0, (out.args, out.stderr[-2000:])
     assert ok.stdout.strip().endswith("OK")
-    strict = tool("verify.py", str(back), "--atol", "0", check=False)  # fp32 rounding is above 0
     assert strict.returncode == 1 and strict.stdout.strip().endswith("MISMATCH")
 
-    ids = [3, 17, 42, 5]
-    greedy = tool("generate.py", str(back), "--ids", ",".join(map(str, ids)), "--max-new-tokens", "6").stdout
     want = generate(from_hf(back), torch.tensor([ids]), 6)[0, len(ids):].tolist()
-    assert greedy.strip().splitlines()[-1] == str(want)  # without a tokenizer it prints the ids
-    batch = tool("generate.py", str(back), "--ids", "3,17,42,5", "--ids", "9", "--max-new-tokens", "4", "--stream",
-                 "--prefill-chunk", "2", "--kv-cache", "paged", "--block-size", "2").stdout.strip().splitlines()
+    assert greedy.stdout.strip().splitlines()[-1] == str(want)  # without a tokenizer it prints the ids
+    batch = batch.stdout.strip().splitlines()
     want = generate_batch(from_hf(back), [[3, 17, 42, 5], [9]], 4)
     assert batch[-2:] == [str(w) for w in want] and len(batch) == 2 + 8  # 8 streamed "[row] token" lines
     assert batch[:2] == [f"[0] {want[0][0]}", f"[1] {want[1][0]}"]
-    sample = ("generate.py", str(back), "--ids", "3,17", "--max-new-tokens", "8", "--sample", "--top-k", "20")
-    assert tool(*sample, "--seed", "1").stdout == tool(*sample, "--seed", "1").stdout
+    assert sampled.stdout == again.stdout
 
 
 def test_pretrain_script_dry_run_prints_the_plan_and_command():
     env = {"DRY_RUN": "1", "NGPU": "8", "NNODES": "128", "TP": "8", "PP": "4", "EP": "32", "CONFIG": "moe_1t"}
-    out = run("bash", "pretrain_scripts/pretrain_hybrid_moe.sh", env=env).stdout
+    full_env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    runs = side_by_side([["bash", "pretrain_scripts/pretrain_hybrid_moe.sh"]] * 2,
+                        [{**full_env, **env}, {**full_env, "DRY_RUN": "1"}], cwd=REPO)
+    for r in runs:
+        assert r.returncode == 0, f"{r.args} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+    out, default = (r.stdout for r in runs)
     assert "command: torchrun --nnodes 128 --nproc-per-node 8" in out
     assert "parallel.tp=8 parallel.pp=4 parallel.ep=32" in out
     assert "1.03T" in out  # the plan's parameter budget
-    default = run("bash", "pretrain_scripts/pretrain_hybrid_moe.sh", env={"DRY_RUN": "1"}).stdout
     assert "--config tiny_hybrid_moe" in default  # the script's default recipe exists and plans
 
 

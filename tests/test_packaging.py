@@ -9,6 +9,7 @@ import zipfile
 from pathlib import Path
 
 from tests.bare_python import bare_python, clean_env, plain_copy
+from tests.dist import side_by_side
 
 REPO = Path(__file__).resolve().parent.parent
 # The floors (docs/architecture.md draws the same table): a package imports only from its own
@@ -265,43 +266,44 @@ def test_wheel_installs_every_module_and_the_commands(tmp_path):
 
     venv = tmp_path / "venv"
     py = bare_python(venv, wheel)  # the installed wheel is what 'import megamoe' finds; the checkout is on no path
-    code = ("import importlib, sys\n"
-            "for m in sys.argv[1:]:\n"
-            "    f = importlib.import_module(m).__file__\n"
-            "    assert f.startswith(sys.prefix), (m, f)\n"
-            "print(len(sys.argv) - 1)")
-    env = clean_env()
-    out = subprocess.run([str(py), "-c", code, *modules], capture_output=True, text=True, cwd=tmp_path, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-1] == str(len(modules))
     # a `pip --target` install of the same wheel: run from elsewhere its own copy answers; run from
     # the checkout's root (first on sys.path, as on the GPU machine) the checkout's layers/ and
     # vision/ answer with the checkout's megamoe, never a mix of the two copies
     target = tmp_path / "target"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target),
                     str(wheel)], check=True)
-    where = ("import megamoe, megamoe.layers.backends.cuda as c, megamoe.vision as v, megamoe.model as m\n"
-             "print(megamoe.__file__, c.__file__, v.__file__, m.__file__)")
-    for cwd, root in ((tmp_path, target), (REPO, REPO)):
-        out = subprocess.run([str(py), "-c", where], capture_output=True, text=True, cwd=cwd,
-                             env=clean_env(PYTHONPATH=str(target)))
-        files = out.stdout.split()
-        assert out.returncode == 0 and len(files) == 4, (cwd, out.stderr[-2000:])
-        assert all(f.startswith(f"{root}/") for f in files), (cwd, files)
     scripts = [venv / "bin" / f"megamoe-{name.replace('_', '-')}" for name in COMMANDS]
     for script in scripts:
         assert script.is_file(), f"the wheel installs no console script {script.name}"
-    running = [subprocess.Popen([str(s), "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=tmp_path, env=env) for s in scripts]  # side by side: each imports torch
-    for script, proc in zip(scripts, running):
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0 and "usage:" in out and "--debug" in out, (script.name, err[-2000:])
-    # from any folder: a shipped recipe is found, a run the trainer would refuse is one line
-    plan = subprocess.run([str(venv / "bin" / "megamoe-plan"), "--config", "tiny_dense"], capture_output=True,
-                          text=True, cwd=tmp_path, env=env)
+    code = ("import importlib, sys\n"
+            "for m in sys.argv[1:]:\n"
+            "    f = importlib.import_module(m).__file__\n"
+            "    assert f.startswith(sys.prefix), (m, f)\n"
+            "print(len(sys.argv) - 1)")
+    where = ("import megamoe, megamoe.layers.backends.cuda as c, megamoe.vision as v, megamoe.model as m\n"
+             "print(megamoe.__file__, c.__file__, v.__file__, m.__file__)")
+    env, plan = clean_env(), str(venv / "bin" / "megamoe-plan")
+    # every run below is independent and mostly imports torch: side by side, each from its folder
+    # (cwd), with its environment
+    runs = [([str(py), "-c", code, *modules], tmp_path, env),
+            *(([str(py), "-c", where], cwd, clean_env(PYTHONPATH=str(target))) for cwd in (tmp_path, REPO)),
+            # from any folder: a shipped recipe is found, a run the trainer would refuse is one line
+            ([plan, "--config", "tiny_dense"], tmp_path, env),
+            ([plan, "--config", "tiny_dense", "parallel.cp=2", "data.seq_len=30"], tmp_path, env),
+            *(([str(s), "--help"], tmp_path, env) for s in scripts)]
+    outs = side_by_side([cmd for cmd, _, _ in runs], [e for _, _, e in runs], cwds=[cwd for _, cwd, _ in runs])
+    imported, *wheres = outs[:3]
+    plan, refused = outs[3:5]
+    assert imported.returncode == 0, imported.stderr[-3000:]
+    assert imported.stdout.split()[-1] == str(len(modules))
+    for out, (cwd, root) in zip(wheres, ((tmp_path, target), (REPO, REPO))):
+        files = out.stdout.split()
+        assert out.returncode == 0 and len(files) == 4, (cwd, out.stderr[-2000:])
+        assert all(f.startswith(f"{root}/") for f in files), (cwd, files)
+    for script, out in zip(scripts, outs[5:]):
+        assert out.returncode == 0 and "usage:" in out.stdout and "--debug" in out.stdout, (script.name,
+                                                                                           out.stderr[-2000:])
     assert plan.returncode == 0 and "summary:" in plan.stdout, plan.stderr[-2000:]
-    refused = subprocess.run([str(venv / "bin" / "megamoe-plan"), "--config", "tiny_dense", "parallel.cp=2",
-                              "data.seq_len=30"], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         "error: data.seq_len 30 is not divisible by 2*parallel.cp = 4 (context parallelism cuts each sequence "
         "into 2*cp equal chunks)"], refused.stderr
