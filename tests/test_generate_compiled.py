@@ -129,25 +129,28 @@ def test_the_opaque_experts_op_is_the_eager_dispatch_and_only_for_plain_experts(
     handle.remove()
 
 
-def compiled_at(hf_dir: str, layout: dict) -> tuple[list, list, int]:
+def compiled_at(hf_dir: str, layout: dict, kv: str | None = None) -> tuple[list, list, int]:
     """On every rank: this rank's shards decoded eagerly and with compiled steps (each rank its own
-    graphs, the TP collectives inside them, an EP exchange outside)."""
+    graphs, the TP collectives inside them, an EP exchange outside); ``kv``: a paged cache of
+    those blocks (its head shard on each rank), else the contiguous one."""
     from megamoe.core.config import ParallelConfig
     from megamoe.inference.distributed import inference_groups
     from megamoe.inference.load import load_model
+    from megamoe.layers.cache.paged import PagedCache
 
     model = load_model(hf_dir, groups=inference_groups(ParallelConfig(**layout)))
     ps, graphs = prompts(), counters["stats"]["unique_graphs"]
-    eager = generate_batch(model, ps, 5)
-    return eager, generate_batch(model, ps, 5, compile=True), counters["stats"]["unique_graphs"] - graphs
+    cache = {} if kv is None else {"cache_factory": functools.partial(PagedCache, kv_dtype=kv, block_size=4)}
+    eager = generate_batch(model, ps, 5, **cache)
+    return eager, generate_batch(model, ps, 5, compile=True, **cache), counters["stats"]["unique_graphs"] - graphs
 
 
 @needs_compiler
 @pytest.mark.parametrize("layout,world", [(dict(tp=2), 2), (dict(ep=2), 2), (dict(tp=2, ep=2), 4)],
                          ids=["tp2", "ep2", "tp2ep2"])
 def test_compiled_decoding_at_tp2_and_ep2_gives_the_eager_tokens(pool, tmp_path_factory, layout, world):
-    """TP=2: the collectives traced into the rank's graph; EP=2: the expert exchange outside it;
-    TP=2 x EP=2 (four processes): both at once."""
+    """TP=2: the collectives traced into the rank's graph (also over an int8 paged cache); EP=2:
+    the expert exchange outside it; TP=2 x EP=2 (four processes): both at once."""
     from megamoe.convert import from_hf
     from tests.test_convert_qwen import tiny_qwen3_next
 
@@ -157,3 +160,6 @@ def test_compiled_decoding_at_tp2_and_ep2_gives_the_eager_tokens(pool, tmp_path_
     # compiling takes minutes on a loaded 2-core machine: a longer wait than the pool's default
     for eager, compiled, graphs in pool(world).run(compiled_at, str(hf_dir), layout, timeout=900):
         assert eager == want and compiled == want and graphs > 0
+    if layout == dict(tp=2):  # a paged int8 cache on each rank's heads: the eager paged tokens
+        for eager, compiled, graphs in pool(world).run(compiled_at, str(hf_dir), layout, "int8", timeout=900):
+            assert compiled == eager and graphs > 0
