@@ -115,11 +115,9 @@ class PagedLayerState(LayerState):
         """``LayerState.time_tiles``: the fp32 cache in one tile (as the contiguous cache reads it), a
         quantised one ``tile_steps`` at a time, each dequantised as it is read."""
         c = self.cache
-        start, end = self.first_kept(), c.seen + t_q
+        start, end = c.tile_span(self.first_kept(), c.seen + t_q)
         step = end - start if c.kv_dtype == "fp32" else self.tile_steps(names)
         pad, device = c.pad_or_zeros(), self.stores[names[0]].device
-        if c.kv_dtype != "fp32":
-            start, end = c.tile_span(start, end)
         for a in range(start, end, max(1, step)):
             e = min(end, a + step)
             yield (*(self.stores[name].read(a, e, pad) for name in names), c.key_mask(t_q, a, e, window, device))
@@ -128,11 +126,9 @@ class PagedLayerState(LayerState):
         """``LayerState.position_tiles``: the fp32 cache in one tile, a quantised one ``tile_steps``
         (rounded down to ``multiple``) at a time; the blocks hold each row's positions already."""
         c = self.cache
-        end = c.seen + t_q
+        end = c.tile_span(0, c.seen + t_q)[1]
         step = end if c.kv_dtype == "fp32" else max(multiple, self.tile_steps(names) // multiple * multiple)
         zeros = torch.zeros(c.batch_size, dtype=torch.long)
-        if c.kv_dtype != "fp32":
-            end = c.tile_span(0, end)[1]
         for a in range(0, end, step):
             yield tuple(self.stores[name].read(a, min(end, a + step), zeros) for name in names)
 
@@ -253,10 +249,11 @@ class PagedCache(InferenceCache):
         self.steps = steps
 
     def tile_span(self, start: int, end: int) -> tuple[int, int]:
-        """The steps a quantised tiled read covers: [start, end), or with reserved steps all of them
-        [0, steps): a compiled step's tile loop cannot depend on the growing time axis (one graph
-        for every step), so the readers mask (or cut off) the keys past end."""
-        return (start, end) if self.steps is None else (0, self.steps)
+        """The steps a tiled read covers: [start, end) (an fp32 cache's one tile of symbolic size
+        too), or for a quantised cache with reserved steps all of them [0, steps): a compiled step's
+        tile loop cannot depend on the growing time axis (one graph for every step), so the
+        readers mask (or cut off) the keys past end."""
+        return (start, end) if self.steps is None or self.kv_dtype == "fp32" else (0, self.steps)
 
     def snapshot(self):
         """Blocks are written in place, so a paged cache cannot go back (speculative decoding
